@@ -1,0 +1,15 @@
+// Package cpu is the pure-Go backend of the kernels op set: the reference
+// every GPU kernel is tested against, and the default wherever there is no
+// GPU (CI, laptops, the demo).
+//
+// Buffers live in ordinary Go memory, 8-byte aligned; Go's collector does
+// not move heap objects, so a buffer's address is stable for its life. Ops
+// run synchronously on the calling goroutine, fanned out over a fixed number
+// of worker goroutines that the op starts and joins before it returns; no
+// goroutine outlives a call. Each output element is computed by one worker
+// in a fixed order, so results do not depend on the worker count or on the
+// other rows of a batch. The NVFP4 quantizer is internal/nvfp4, bit for bit.
+//
+// Ops on one Backend may be called from several goroutines when their
+// outputs do not overlap; Alloc and Free are safe for concurrent use.
+package cpu

@@ -1,0 +1,183 @@
+package cpu
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
+	"github.com/rollout-worker/rollout-worker/kernels"
+)
+
+// Route computes softmax or sigmoid scores and the top-k per token.
+func (be *Backend) Route(a kernels.RouteArgs) error {
+	t, e, k, err := a.Validate()
+	if err != nil {
+		return err
+	}
+	if err := be.owns("route", map[string]*kernels.Buffer{"logits": a.Logits, "ids": a.IDs, "weights": a.Weights}); err != nil {
+		return err
+	}
+	if !(a.Scale > 0) || math.IsInf(float64(a.Scale), 0) {
+		return fmt.Errorf("cpu: route: scale %v: want a positive finite factor", a.Scale)
+	}
+	logits, ids, weights := f32s(a.Logits), i32s(a.IDs), f32s(a.Weights)
+	be.parallel(t, func(tok int) {
+		s := make([]float32, e)
+		route(s, logits[tok*e:(tok+1)*e], ids[tok*k:(tok+1)*k], weights[tok*k:(tok+1)*k], a)
+	})
+	return nil
+}
+
+// route handles one token; s is scratch of length E.
+func route(s, logits []float32, ids []int32, w []float32, a kernels.RouteArgs) {
+	switch a.Scoring {
+	case kernels.Softmax:
+		m := logits[0]
+		for _, l := range logits[1:] {
+			m = max(m, l)
+		}
+		var sum float32
+		for i, l := range logits {
+			s[i] = float32(math.Exp(float64(l - m)))
+			sum += s[i]
+		}
+		for i := range s {
+			s[i] /= sum
+		}
+	case kernels.Sigmoid:
+		for i, l := range logits {
+			s[i] = 1 / (1 + float32(math.Exp(float64(-l))))
+		}
+	}
+	// Selection by repeated argmax: k is small, and the strict > makes ties
+	// go to the lower expert id.
+	for j := range ids {
+		best := -1
+		for i, v := range s {
+			if v >= 0 && (best < 0 || v > s[best]) {
+				best = i
+			}
+		}
+		ids[j], w[j] = int32(best), s[best]
+		s[best] = -1 // scores are >= 0: -1 marks "taken"
+	}
+	if a.Renormalize {
+		var sum float32
+		for _, v := range w {
+			sum += v
+		}
+		for j := range w {
+			w[j] /= sum
+		}
+	}
+	for j := range w {
+		w[j] *= a.Scale
+	}
+}
+
+// Permute sorts the assignments by expert with a stable counting sort.
+func (be *Backend) Permute(a kernels.PermuteArgs) error {
+	t, k, e, err := a.Validate()
+	if err != nil {
+		return err
+	}
+	if err := be.owns("permute", map[string]*kernels.Buffer{"ids": a.IDs, "offsets": a.Offsets, "rows": a.Rows, "slots": a.Slots}); err != nil {
+		return err
+	}
+	ids, offsets, rows, slots := i32s(a.IDs), i32s(a.Offsets), i32s(a.Rows), i32s(a.Slots)
+	clear(offsets)
+	for i, id := range ids {
+		if id < 0 || int(id) >= e {
+			return fmt.Errorf("cpu: permute: assignment (%d, %d) names expert %d of %d", i/k, i%k, id, e)
+		}
+		offsets[id+1]++
+	}
+	for i := 1; i <= e; i++ {
+		offsets[i] += offsets[i-1]
+	}
+	next := make([]int32, e)
+	copy(next, offsets[:e])
+	for i, id := range ids {
+		r := next[id]
+		next[id]++
+		rows[r] = int32(i / k)
+		slots[i] = r
+	}
+	_ = t
+	return nil
+}
+
+// Quantize runs the NVFP4 codec over rows (and matrices) in parallel.
+func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
+	s, err := a.Validate()
+	if err != nil {
+		return err
+	}
+	if err := be.owns("quantize", map[string]*kernels.Buffer{"src": a.Src, "packed": a.Dst.Packed, "scales": a.Dst.Scales, "scale": a.Dst.Scale}); err != nil {
+		return err
+	}
+	src, packed, scales, scale := u16s(a.Src), a.Dst.Packed.Host(), a.Dst.Scales.Host(), f32s(a.Dst.Scale)
+	rows := s.Mats * s.Rows
+	pb, sb := s.Kp/2, s.Kp/nvfp4.BlockSize
+	quantRow := func(r int, sEnc, sDec float32) {
+		nvfp4.QuantizeRow(packed[r*pb:(r+1)*pb], scales[r*sb:(r+1)*sb], src[r*s.K:(r+1)*s.K], sEnc, sDec)
+	}
+	switch a.Mode {
+	case kernels.PerRow:
+		be.parallel(rows, func(r int) {
+			sEnc, sDec := nvfp4.EncodeScale(nvfp4.AmaxBF16(src[r*s.K : (r+1)*s.K]))
+			quantRow(r, sEnc, sDec)
+			scale[r] = sDec
+		})
+	case kernels.PerMatrix:
+		// The max is exact and order-free, so splitting it is safe.
+		amax := make([]float32, rows)
+		be.parallel(rows, func(r int) { amax[r] = nvfp4.AmaxBF16(src[r*s.K : (r+1)*s.K]) })
+		enc := make([]float32, s.Mats)
+		for m := range s.Mats {
+			var mx float32
+			for _, v := range amax[m*s.Rows : (m+1)*s.Rows] {
+				mx = max(mx, v) // NaN propagates, as in AmaxBF16
+			}
+			enc[m], scale[m] = nvfp4.EncodeScale(mx)
+		}
+		be.parallel(rows, func(r int) { quantRow(r, enc[r/s.Rows], scale[r/s.Rows]) })
+	}
+	return nil
+}
+
+// Finalize sums each token's weighted expert rows in fixed k order.
+func (be *Backend) Finalize(a kernels.FinalizeArgs) error {
+	t, h, k, err := a.Validate()
+	if err != nil {
+		return err
+	}
+	if err := be.owns("finalize", map[string]*kernels.Buffer{"out": a.Out, "rows": a.Rows, "weights": a.Weights, "slots": a.Slots}); err != nil {
+		return err
+	}
+	out, rows, w, slots := u16s(a.Out), u16s(a.Rows), f32s(a.Weights), i32s(a.Slots)
+	nr := a.Rows.Dim(0)
+	for i, s := range slots {
+		if s < 0 || int(s) >= nr {
+			return fmt.Errorf("cpu: finalize: slot %d of assignment (%d, %d) is outside %d rows", s, i/k, i%k, nr)
+		}
+	}
+	be.parallel(t, func(tok int) {
+		acc := make([]float32, h)
+		for j := range k {
+			wj := w[tok*k+j]
+			y := rows[int(slots[tok*k+j])*h:][:h]
+			for c, v := range y {
+				// The conversion forbids FMA contraction: the GPU does the
+				// same two rounded steps (__fmul_rn, __fadd_rn).
+				acc[c] += float32(wj * bf16.ToFloat32(v))
+			}
+		}
+		o := out[tok*h:][:h]
+		for c, v := range acc {
+			o[c] = bf16.FromFloat32(v)
+		}
+	})
+	return nil
+}

@@ -1,0 +1,592 @@
+package kernelstest
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
+	"github.com/rollout-worker/rollout-worker/kernels"
+)
+
+func testBuffers(t *testing.T, be kernels.Backend) {
+	b := alloc(t, be, kernels.F32, 4, 3)
+	if got := download(t, be, b); !bytes.Equal(got, make([]byte, 48)) {
+		t.Fatalf("Alloc is not zeroed: % x", got)
+	}
+	data := make([]byte, 48)
+	for i := range data {
+		data[i] = byte(i + 1)
+	}
+	addr := b.Addr()
+	upload(t, be, b, data)
+	if err := be.Upload(b, 40, []byte{0xaa, 0xbb}); err != nil {
+		t.Fatalf("Upload at offset: %v", err)
+	}
+	data[40], data[41] = 0xaa, 0xbb
+	if got := download(t, be, b); !bytes.Equal(got, data) {
+		t.Fatalf("round trip: got % x, want % x", got, data)
+	}
+	part := make([]byte, 5)
+	if err := be.Download(part, b, 7); err != nil || !bytes.Equal(part, data[7:12]) {
+		t.Fatalf("Download at offset 7: % x, %v; want % x", part, err, data[7:12])
+	}
+	if err := be.Upload(b, 47, []byte{1, 2}); err == nil {
+		t.Fatal("Upload past the end succeeded")
+	}
+	if b.Addr() != addr {
+		t.Fatalf("address moved from %#x to %#x", addr, b.Addr())
+	}
+
+	row2, err := b.Index(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if row2.Addr() != addr+24 || !slices.Equal(row2.Shape(), []int{3}) {
+		t.Fatalf("Index(2) = %v, want f32[3] at %#x", row2, addr+24)
+	}
+	if got := download(t, be, row2); !bytes.Equal(got, data[24:36]) {
+		t.Fatalf("Index(2) reads % x, want % x", got, data[24:36])
+	}
+	first, err := b.Rows(2)
+	if err != nil || first.Addr() != addr || first.Size() != 24 {
+		t.Fatalf("Rows(2) = %v, %v", first, err)
+	}
+	if _, err := b.Rows(5); err == nil {
+		t.Fatal("Rows(5) of 4 rows succeeded")
+	}
+
+	c := alloc(t, be, kernels.F32, 12)
+	flat, err := b.Reshape(12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := be.Copy(c, flat); err != nil {
+		t.Fatalf("Copy: %v", err)
+	}
+	if got := download(t, be, c); !bytes.Equal(got, data) {
+		t.Fatalf("Copy: got % x", got)
+	}
+	if err := be.Zero(row2); err != nil {
+		t.Fatalf("Zero: %v", err)
+	}
+	clear(data[24:36])
+	if got := download(t, be, b); !bytes.Equal(got, data) {
+		t.Fatalf("Zero of a view: got % x, want % x", got, data)
+	}
+}
+
+func testGemm(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for _, tc := range []struct {
+		m, n, k int
+		dt      kernels.DType
+	}{
+		{1, 8, 16, kernels.F32},
+		{5, 33, 200, kernels.F32},
+		{37, 70, 96, kernels.BF16},
+		{3, 129, 7, kernels.BF16},
+	} {
+		t.Run(fmt.Sprintf("%dx%dx%d_%s", tc.m, tc.n, tc.k, tc.dt), func(t *testing.T) {
+			a, w := randBF16(r, tc.m*tc.k, 1), randBF16(r, tc.n*tc.k, 0.1)
+			A, W := bf16Buf(t, be, a, tc.m, tc.k), bf16Buf(t, be, w, tc.n, tc.k)
+			D := alloc(t, be, tc.dt, tc.m, tc.n)
+			if err := be.Gemm(D, A, W); err != nil {
+				t.Fatal(err)
+			}
+			got := readFloats(t, be, D)
+			ref := make([]float64, tc.m*tc.n)
+			var maxRef float64
+			for i := range tc.m {
+				for j := range tc.n {
+					var s float64
+					for k := range tc.k {
+						s += float64(bf16.ToFloat32(a[i*tc.k+k])) * float64(bf16.ToFloat32(w[j*tc.k+k]))
+					}
+					ref[i*tc.n+j] = s
+					maxRef = max(maxRef, math.Abs(s))
+				}
+			}
+			for i, g := range got {
+				if !closeTo(float64(g), ref[i], maxRef) {
+					t.Fatalf("dst[%d,%d] = %g, want %g", i/tc.n, i%tc.n, g, ref[i])
+				}
+			}
+			// Batch invariance: the last row alone gives the same bits.
+			last := tc.m - 1
+			A1 := bf16Buf(t, be, a[last*tc.k:], 1, tc.k)
+			D1 := alloc(t, be, tc.dt, 1, tc.n)
+			if err := be.Gemm(D1, A1, W); err != nil {
+				t.Fatal(err)
+			}
+			all := download(t, be, D)
+			if one := download(t, be, D1); !bytes.Equal(one, all[last*tc.n*tc.dt.Size():]) {
+				t.Fatal("a row's result changes with the batch")
+			}
+		})
+	}
+}
+
+// readFloats downloads an F32 or BF16 buffer as float32 values.
+func readFloats(t *testing.T, be kernels.Backend, b *kernels.Buffer) []float32 {
+	t.Helper()
+	raw := download(t, be, b)
+	if b.DType() == kernels.F32 {
+		return toF32(raw)
+	}
+	out := make([]float32, b.Len())
+	for i, h := range toU16(raw) {
+		out[i] = bf16.ToFloat32(h)
+	}
+	return out
+}
+
+func testRoute(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(3, 4))
+	const T, E = 37, 12
+	logits := make([]float32, T*E)
+	for i := range logits {
+		logits[i] = float32(r.NormFloat64() * 2)
+	}
+	L := f32Buf(t, be, logits, T, E)
+	for _, tc := range []struct {
+		scoring kernels.Scoring
+		k       int
+		renorm  bool
+		scale   float32
+	}{
+		{kernels.Softmax, 1, false, 1},
+		{kernels.Softmax, 2, true, 1},
+		{kernels.Softmax, 4, false, 2.5},
+		{kernels.Sigmoid, 2, false, 1},
+		{kernels.Sigmoid, 4, true, 2.5},
+		{kernels.Softmax, E, true, 1},
+	} {
+		t.Run(fmt.Sprintf("%s_k%d_renorm%v_scale%g", tc.scoring, tc.k, tc.renorm, tc.scale), func(t *testing.T) {
+			ids, w := alloc(t, be, kernels.I32, T, tc.k), alloc(t, be, kernels.F32, T, tc.k)
+			err := be.Route(kernels.RouteArgs{Logits: L, IDs: ids, Weights: w, Scoring: tc.scoring, Renormalize: tc.renorm, Scale: tc.scale})
+			if err != nil {
+				t.Fatal(err)
+			}
+			gotIDs, gotW := toI32(download(t, be, ids)), toF32(download(t, be, w))
+			for tok := range T {
+				s := make([]float64, E)
+				var sum float64
+				for e := range E {
+					l := float64(logits[tok*E+e])
+					if tc.scoring == kernels.Softmax {
+						s[e] = math.Exp(l)
+						sum += s[e]
+					} else {
+						s[e] = 1 / (1 + math.Exp(-l))
+					}
+				}
+				if tc.scoring == kernels.Softmax {
+					for e := range s {
+						s[e] /= sum
+					}
+				}
+				order := make([]int, E)
+				for i := range order {
+					order[i] = i
+				}
+				slices.SortStableFunc(order, func(a, b int) int {
+					if s[a] != s[b] {
+						if s[a] > s[b] {
+							return -1
+						}
+						return 1
+					}
+					return a - b
+				})
+				var ksum float64
+				for _, e := range order[:tc.k] {
+					ksum += s[e]
+				}
+				for j, e := range order[:tc.k] {
+					want := s[e]
+					if tc.renorm {
+						want /= ksum
+					}
+					want *= float64(tc.scale)
+					if int(gotIDs[tok*tc.k+j]) != e {
+						t.Fatalf("token %d: ids %v, want %v", tok, gotIDs[tok*tc.k:(tok+1)*tc.k], order[:tc.k])
+					}
+					if g := float64(gotW[tok*tc.k+j]); math.Abs(g-want) > 1e-6+4*math.Ldexp(want, -23) {
+						t.Fatalf("token %d slot %d: weight %g, want %g", tok, j, g, want)
+					}
+				}
+			}
+		})
+	}
+}
+
+// distinctIDs draws, for each of t tokens, k distinct experts out of e,
+// never using expert skip (so one expert group is empty).
+func distinctIDs(r *rand.Rand, t, k, e, skip int) []int32 {
+	ids := make([]int32, 0, t*k)
+	for range t {
+		perm := r.Perm(e)
+		n := 0
+		for _, x := range perm {
+			if x != skip && n < k {
+				ids = append(ids, int32(x))
+				n++
+			}
+		}
+	}
+	return ids
+}
+
+// refPermute is the reference expert sort: stable by (expert, token, k).
+func refPermute(ids []int32, k, e int) (offsets, rows, slots []int32) {
+	offsets = make([]int32, e+1)
+	rows = make([]int32, 0, len(ids))
+	slots = make([]int32, len(ids))
+	for x := range e {
+		offsets[x] = int32(len(rows))
+		for i, id := range ids {
+			if int(id) == x {
+				slots[i] = int32(len(rows))
+				rows = append(rows, int32(i/k))
+			}
+		}
+	}
+	offsets[e] = int32(len(rows))
+	return offsets, rows, slots
+}
+
+func testPermute(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for _, tc := range []struct{ t, k, e int }{{1, 1, 2}, {7, 2, 9}, {193, 8, 16}} {
+		t.Run(fmt.Sprintf("t%d_k%d_e%d", tc.t, tc.k, tc.e), func(t *testing.T) {
+			ids := distinctIDs(r, tc.t, tc.k, tc.e, tc.e-1)
+			I := i32Buf(t, be, ids, tc.t, tc.k)
+			O, R, S := alloc(t, be, kernels.I32, tc.e+1), alloc(t, be, kernels.I32, tc.t*tc.k), alloc(t, be, kernels.I32, tc.t*tc.k)
+			if err := be.Permute(kernels.PermuteArgs{IDs: I, Offsets: O, Rows: R, Slots: S}); err != nil {
+				t.Fatal(err)
+			}
+			wo, wr, ws := refPermute(ids, tc.k, tc.e)
+			for _, c := range []struct {
+				name      string
+				got, want []int32
+			}{{"offsets", toI32(download(t, be, O)), wo}, {"rows", toI32(download(t, be, R)), wr}, {"slots", toI32(download(t, be, S)), ws}} {
+				if !slices.Equal(c.got, c.want) {
+					t.Fatalf("%s = %v, want %v", c.name, c.got, c.want)
+				}
+			}
+		})
+	}
+}
+
+// edgeRows returns a BF16 matrix rows x k whose rows exercise the
+// quantizer's edge cases: random data, a zero row, a row with zero blocks,
+// -0, subnormals, tiny values beside large ones, and huge values.
+func edgeRows(r *rand.Rand, rows, k int) []uint16 {
+	m := randBF16(r, rows*k, 1)
+	for i := range rows {
+		row := m[i*k : (i+1)*k]
+		switch i % 7 {
+		case 1:
+			clear(row)
+		case 2:
+			clear(row[:min(16, k)])
+			row[k-1] = 0x8000 // -0
+		case 3:
+			for j := range row {
+				row[j] = uint16(r.IntN(0x80)) | uint16(r.IntN(2))<<15 // subnormals
+			}
+		case 4:
+			for j := range row[:min(16, k)] {
+				row[j] = bf16.FromFloat32(float32(r.NormFloat64() * 1e-30))
+			}
+			row[k-1] = bf16.FromFloat32(3e4)
+		case 5:
+			for j := range row {
+				row[j] = bf16.FromFloat32(float32(r.NormFloat64() * 1e30))
+			}
+		}
+	}
+	return m
+}
+
+func testQuantize(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(7, 8))
+	t.Run("per-row", func(t *testing.T) {
+		for _, tc := range []struct{ rows, k, kp int }{{1, 16, 16}, {29, 200, 208}, {14, 200, 256}, {9, 2688, 2688}} {
+			src := edgeRows(r, tc.rows, tc.k)
+			S := bf16Buf(t, be, src, tc.rows, tc.k)
+			q := kernels.NVFP4{
+				Packed: alloc(t, be, kernels.U8, tc.rows, tc.kp/2),
+				Scales: alloc(t, be, kernels.U8, tc.rows, tc.kp/16),
+				Scale:  alloc(t, be, kernels.F32, tc.rows),
+			}
+			if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: q, Mode: kernels.PerRow}); err != nil {
+				t.Fatal(err)
+			}
+			packed, scales, scale := make([]byte, tc.rows*tc.kp/2), make([]byte, tc.rows*tc.kp/16), make([]float32, tc.rows)
+			if err := nvfp4.QuantizePerRow(packed, scales, scale, src, tc.rows, tc.k); err != nil {
+				t.Fatal(err)
+			}
+			expectBytes(t, "packed", download(t, be, q.Packed), packed, tc.kp/2)
+			expectBytes(t, "scales", download(t, be, q.Scales), scales, tc.kp/16)
+			expectBytes(t, "scale", download(t, be, q.Scale), f32Bytes(scale), 4)
+		}
+	})
+	t.Run("per-matrix", func(t *testing.T) {
+		for _, tc := range []struct{ e, n, k, kp int }{{1, 3, 16, 16}, {6, 24, 200, 208}, {3, 17, 72, 128}} {
+			src := edgeRows(r, tc.e*tc.n, tc.k)
+			if tc.e > 1 {
+				clear(src[tc.n*tc.k : 2*tc.n*tc.k]) // an all-zero expert
+			}
+			S := bf16Buf(t, be, src, tc.e, tc.n, tc.k)
+			q := kernels.NVFP4{
+				Packed: alloc(t, be, kernels.U8, tc.e, tc.n, tc.kp/2),
+				Scales: alloc(t, be, kernels.U8, tc.e, tc.n, tc.kp/16),
+				Scale:  alloc(t, be, kernels.F32, tc.e),
+			}
+			if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: q, Mode: kernels.PerMatrix}); err != nil {
+				t.Fatal(err)
+			}
+			mp, ms := tc.n*tc.kp/2, tc.n*tc.kp/16
+			packed, scales, scale := make([]byte, tc.e*mp), make([]byte, tc.e*ms), make([]float32, tc.e)
+			for e := range tc.e {
+				var err error
+				scale[e], err = nvfp4.QuantizeMatrix(packed[e*mp:(e+1)*mp], scales[e*ms:(e+1)*ms], src[e*tc.n*tc.k:(e+1)*tc.n*tc.k], tc.n, tc.k)
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			expectBytes(t, "packed", download(t, be, q.Packed), packed, tc.kp/2)
+			expectBytes(t, "scales", download(t, be, q.Scales), scales, tc.kp/16)
+			expectBytes(t, "alpha", download(t, be, q.Scale), f32Bytes(scale), 4)
+		}
+	})
+}
+
+// expectBytes compares bit for bit and names the first differing row.
+func expectBytes(t *testing.T, what string, got, want []byte, rowLen int) {
+	t.Helper()
+	if i := firstDiff(got, want); i >= 0 {
+		t.Fatalf("%s differ first at byte %d (row %d): got %#02x, want %#02x", what, i, i/rowLen, byteAt(got, i), byteAt(want, i))
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range max(len(a), len(b)) {
+		if i >= len(a) || i >= len(b) || a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
+}
+
+func byteAt(b []byte, i int) int {
+	if i < len(b) {
+		return int(b[i])
+	}
+	return -1
+}
+
+// quantHost quantizes on the host with the codec and uploads the result.
+func quantHost(t *testing.T, be kernels.Backend, src []uint16, mats, rows, k int, mode kernels.QuantMode) (kernels.NVFP4, []float32) {
+	t.Helper()
+	kp := nvfp4.PaddedK(k)
+	packed, scales := make([]byte, mats*rows*kp/2), make([]byte, mats*rows*kp/16)
+	var scale []float32
+	if mode == kernels.PerRow {
+		scale = make([]float32, rows)
+		if err := nvfp4.QuantizePerRow(packed, scales, scale, src, rows, k); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		scale = make([]float32, mats)
+		mp, ms := rows*kp/2, rows*kp/16
+		for e := range mats {
+			var err error
+			if scale[e], err = nvfp4.QuantizeMatrix(packed[e*mp:(e+1)*mp], scales[e*ms:(e+1)*ms], src[e*rows*k:(e+1)*rows*k], rows, k); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	lead := []int{rows}
+	if mode == kernels.PerMatrix {
+		lead = []int{mats, rows}
+	}
+	q := kernels.NVFP4{
+		Packed: alloc(t, be, kernels.U8, append(slices.Clone(lead), kp/2)...),
+		Scales: alloc(t, be, kernels.U8, append(slices.Clone(lead), kp/16)...),
+		Scale:  f32Buf(t, be, scale, len(scale)),
+	}
+	upload(t, be, q.Packed, packed)
+	upload(t, be, q.Scales, scales)
+	// The reference reads the dequantized values back from these bytes.
+	deq := make([]float32, mats*rows*kp)
+	for i := range mats * rows {
+		s := scale[i%len(scale)]
+		if mode == kernels.PerMatrix {
+			s = scale[i/rows]
+		}
+		nvfp4.DequantizeRow(deq[i*kp:(i+1)*kp], packed[i*kp/2:(i+1)*kp/2], scales[i*kp/16:(i+1)*kp/16], s)
+	}
+	return q, deq
+}
+
+func testGroupedGemm(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(9, 10))
+	const E, K, Ta, topK = 5, 200, 23, 2
+	kp := nvfp4.PaddedK(K)
+	ids := distinctIDs(r, Ta, topK, E, 3)
+	offsets, rows, _ := refPermute(ids, topK, E)
+	R := Ta * topK
+	O, G := i32Buf(t, be, offsets, E+1), i32Buf(t, be, rows, R)
+	x := randBF16(r, Ta*K, 1)
+	for _, act := range []kernels.Activation{kernels.Identity, kernels.ReLU2, kernels.SwiGLU} {
+		const N = 48
+		outN := N
+		if act == kernels.SwiGLU {
+			outN = N / 2
+		}
+		w := randBF16(r, E*N*K, 0.05)
+		for _, aq := range []bool{false, true} {
+			for _, wq := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s_Anvfp4=%v_Wnvfp4=%v", act, aq, wq), func(t *testing.T) {
+					var A, W kernels.Operand
+					aref, wref := make([]float32, Ta*kp), make([]float32, E*N*kp)
+					if aq {
+						A.Q, aref = quantHost(t, be, x, 1, Ta, K, kernels.PerRow)
+					} else {
+						A.BF16 = bf16Buf(t, be, x, Ta, K)
+						for i := range Ta {
+							for k := range K {
+								aref[i*kp+k] = bf16.ToFloat32(x[i*K+k])
+							}
+						}
+					}
+					if wq {
+						W.Q, wref = quantHost(t, be, w, E, N, K, kernels.PerMatrix)
+					} else {
+						W.BF16 = bf16Buf(t, be, w, E, N, K)
+						for i := range E * N {
+							for k := range K {
+								wref[i*kp+k] = bf16.ToFloat32(w[i*K+k])
+							}
+						}
+					}
+					out := alloc(t, be, kernels.BF16, R, outN)
+					err := be.GroupedGemm(kernels.GroupedGemmArgs{A: A, Gather: G, W: W, Offsets: O, Act: act, Out: out})
+					if err != nil {
+						t.Fatal(err)
+					}
+					got := readFloats(t, be, out)
+					ref := make([]float64, R*outN)
+					var maxRef float64
+					dotRef := func(row, wrow int) float64 {
+						var s float64
+						for k := range kp {
+							s += float64(aref[row*kp+k]) * float64(wref[wrow*kp+k])
+						}
+						return s
+					}
+					for e := range E {
+						for rr := offsets[e]; rr < offsets[e+1]; rr++ {
+							for n := range outN {
+								h := dotRef(int(rows[rr]), e*N+n)
+								switch act {
+								case kernels.ReLU2:
+									h = math.Max(h, 0) * math.Max(h, 0)
+								case kernels.SwiGLU:
+									h = h / (1 + math.Exp(-h)) * dotRef(int(rows[rr]), e*N+outN+n)
+								}
+								ref[int(rr)*outN+n] = h
+								maxRef = max(maxRef, math.Abs(h))
+							}
+						}
+					}
+					for i, g := range got {
+						if !closeTo(float64(g), ref[i], maxRef) {
+							t.Fatalf("out[%d,%d] = %g, want %g (max %g)", i/outN, i%outN, g, ref[i], maxRef)
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+func testFinalize(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(11, 12))
+	const T, H, k = 19, 72, 3
+	R := T * k
+	y := randBF16(r, R*H, 1)
+	w := make([]float32, T*k)
+	for i := range w {
+		w[i] = r.Float32()
+	}
+	slots := make([]int32, R)
+	for i, p := range r.Perm(R) {
+		slots[i] = int32(p)
+	}
+	out := alloc(t, be, kernels.BF16, T, H)
+	err := be.Finalize(kernels.FinalizeArgs{Out: out, Rows: bf16Buf(t, be, y, R, H), Weights: f32Buf(t, be, w, T, k), Slots: i32Buf(t, be, slots, R)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := make([]uint16, T*H)
+	for tok := range T {
+		for c := range H {
+			var acc float32
+			for j := range k {
+				p := w[tok*k+j] * bf16.ToFloat32(y[int(slots[tok*k+j])*H+c])
+				acc += p
+			}
+			want[tok*H+c] = bf16.FromFloat32(acc)
+		}
+	}
+	expectBytes(t, "out", download(t, be, out), u16Bytes(want), 2*H)
+}
+
+func testErrors(t *testing.T, be kernels.Backend) {
+	a := alloc(t, be, kernels.BF16, 4, 32)
+	w := alloc(t, be, kernels.BF16, 8, 16)
+	d := alloc(t, be, kernels.F32, 4, 8)
+	other := alloc(t, be, kernels.BF16, 8, 32)
+	i32 := alloc(t, be, kernels.I32, 4, 2)
+	f32 := alloc(t, be, kernels.F32, 4, 2)
+	logits := alloc(t, be, kernels.F32, 4, 3)
+	src := alloc(t, be, kernels.BF16, 4, 24)
+	badQ := kernels.NVFP4{Packed: alloc(t, be, kernels.U8, 4, 9), Scales: alloc(t, be, kernels.U8, 4, 1), Scale: alloc(t, be, kernels.F32, 4)}
+	cases := []struct {
+		name string
+		err  error
+	}{
+		{"gemm K mismatch", be.Gemm(d, a, w)},
+		{"gemm dst dtype", be.Gemm(i32, a, other)},
+		{"route k > E", be.Route(kernels.RouteArgs{Logits: logits, IDs: alloc(t, be, kernels.I32, 4, 4), Weights: alloc(t, be, kernels.F32, 4, 4), Scoring: kernels.Softmax, Scale: 1})},
+		{"route no scoring", be.Route(kernels.RouteArgs{Logits: logits, IDs: i32, Weights: f32, Scale: 1})},
+		{"quantize odd padding", be.Quantize(kernels.QuantizeArgs{Src: src, Dst: badQ, Mode: kernels.PerRow})},
+		{"quantize no mode", be.Quantize(kernels.QuantizeArgs{Src: src, Dst: badQ})},
+		{"grouped gemm no A", be.GroupedGemm(kernels.GroupedGemmArgs{W: kernels.Operand{BF16: alloc(t, be, kernels.BF16, 2, 8, 32)}, Offsets: alloc(t, be, kernels.I32, 3), Act: kernels.Identity, Out: alloc(t, be, kernels.BF16, 4, 8)})},
+		{"finalize slots", be.Finalize(kernels.FinalizeArgs{Out: alloc(t, be, kernels.BF16, 4, 16), Rows: alloc(t, be, kernels.BF16, 8, 16), Weights: f32, Slots: alloc(t, be, kernels.I32, 7)})},
+	}
+	for _, c := range cases {
+		if c.err == nil {
+			t.Errorf("%s: no error", c.name)
+		}
+	}
+}
+
+// Foreign checks that a backend refuses buffers of another backend.
+func Foreign(t *testing.T, be, other kernels.Backend) {
+	t.Helper()
+	mine := alloc(t, be, kernels.F32, 2, 2)
+	theirs := alloc(t, other, kernels.F32, 2, 2)
+	if err := be.Copy(mine, theirs); !errors.Is(err, kernels.ErrForeignBuffer) {
+		t.Fatalf("Copy from a foreign buffer: %v, want ErrForeignBuffer", err)
+	}
+}

@@ -1,0 +1,444 @@
+package kernels
+
+import (
+	"fmt"
+
+	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
+)
+
+// Scoring is the router's score function.
+type Scoring uint8
+
+// Router score functions.
+const (
+	Softmax Scoring = iota + 1 // softmax over all experts, then top-k
+	Sigmoid                    // independent sigmoid per expert, then top-k
+)
+
+func (s Scoring) String() string {
+	switch s {
+	case Softmax:
+		return "softmax"
+	case Sigmoid:
+		return "sigmoid"
+	}
+	return fmt.Sprintf("scoring(%d)", uint8(s))
+}
+
+// RouteArgs are the operands of Backend.Route.
+//
+// For each token t: scores s = softmax(Logits[t]) or sigmoid(Logits[t]) in
+// FP32; the k largest, in descending order (ties to the lower expert id),
+// give IDs[t] and their scores Weights[t]; with Renormalize the weights are
+// divided by their sum (added in k order); finally each is multiplied by
+// Scale (the routed scaling factor; 1 leaves them unchanged).
+type RouteArgs struct {
+	Logits      *Buffer // F32 [T, E]
+	IDs         *Buffer // I32 [T, k]
+	Weights     *Buffer // F32 [T, k]
+	Scoring     Scoring
+	Renormalize bool
+	Scale       float32
+}
+
+// Validate checks the operands and returns T, E and k.
+func (a RouteArgs) Validate() (t, e, k int, err error) {
+	if err := check("route", "logits", a.Logits, F32, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	t, e = a.Logits.Dim(0), a.Logits.Dim(1)
+	if err := check("route", "ids", a.IDs, I32, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	k = a.IDs.Dim(1)
+	if err := shapeIs("route", "ids", a.IDs, t, k); err != nil {
+		return 0, 0, 0, err
+	}
+	if err := check("route", "weights", a.Weights, F32, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	if err := shapeIs("route", "weights", a.Weights, t, k); err != nil {
+		return 0, 0, 0, err
+	}
+	if k < 1 || k > e {
+		return 0, 0, 0, fmt.Errorf("kernels: route: top-%d of %d experts", k, e)
+	}
+	if a.Scoring != Softmax && a.Scoring != Sigmoid {
+		return 0, 0, 0, fmt.Errorf("kernels: route: unknown %s", a.Scoring)
+	}
+	return t, e, k, nil
+}
+
+// PermuteArgs are the operands of Backend.Permute.
+//
+// The T*k assignments (t, j) -> expert IDs[t, j] are sorted by expert, and
+// within an expert by t then j, so the order depends only on the ids.
+// Offsets[e] .. Offsets[e+1] are expert e's sorted rows; Rows[r] is the token
+// of sorted row r (the row of the activations to gather); Slots[t*k+j] is the
+// sorted row of assignment (t, j).
+type PermuteArgs struct {
+	IDs     *Buffer // I32 [T, k]
+	Offsets *Buffer // I32 [E+1]
+	Rows    *Buffer // I32 [T*k]
+	Slots   *Buffer // I32 [T*k]
+}
+
+// Validate checks the operands and returns T, k and E.
+func (a PermuteArgs) Validate() (t, k, e int, err error) {
+	if err := check("permute", "ids", a.IDs, I32, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	t, k = a.IDs.Dim(0), a.IDs.Dim(1)
+	if err := check("permute", "offsets", a.Offsets, I32, 1); err != nil {
+		return 0, 0, 0, err
+	}
+	e = a.Offsets.Dim(0) - 1
+	if e < 1 {
+		return 0, 0, 0, fmt.Errorf("kernels: permute: offsets %s has no experts", a.Offsets)
+	}
+	for _, o := range []struct {
+		name string
+		b    *Buffer
+	}{{"rows", a.Rows}, {"slots", a.Slots}} {
+		if err := check("permute", o.name, o.b, I32, 1); err != nil {
+			return 0, 0, 0, err
+		}
+		if err := shapeIs("permute", o.name, o.b, t*k); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	return t, k, e, nil
+}
+
+// NVFP4 is a quantized matrix, or stack of matrices, in backend memory:
+// E2M1 codes packed two per byte, linear row-major E4M3 block scales, and FP32
+// decode scales (one per matrix, or one per row).
+type NVFP4 struct {
+	Packed *Buffer // U8 [..., rows, Kp/2]
+	Scales *Buffer // U8 [..., rows, Kp/16]
+	Scale  *Buffer // F32 [matrices] or [rows]
+}
+
+// QuantMode says which global scale a quantization uses.
+type QuantMode uint8
+
+// Quantization modes.
+const (
+	// PerMatrix uses one global scale per matrix: per expert for a 3-D
+	// weight stack [E, N, K]. Scale receives each matrix's S_dec (alpha).
+	PerMatrix QuantMode = iota + 1
+	// PerRow uses one global scale per row: the per-token activation
+	// recipe. Scale receives each row's per_token_scale.
+	PerRow
+)
+
+func (m QuantMode) String() string {
+	switch m {
+	case PerMatrix:
+		return "per-matrix"
+	case PerRow:
+		return "per-row"
+	}
+	return fmt.Sprintf("quantmode(%d)", uint8(m))
+}
+
+// QuantizeArgs are the operands of Backend.Quantize. Src is BF16 [R, K] or,
+// in PerMatrix mode, [E, N, K]; Dst has the same leading dimensions with the
+// row padded to Kp (a multiple of 16, Kp >= K) by zeros.
+type QuantizeArgs struct {
+	Src  *Buffer
+	Dst  NVFP4
+	Mode QuantMode
+}
+
+// QuantizeShape is the geometry Validate derives.
+type QuantizeShape struct {
+	Mats, Rows, K, Kp int // Mats matrices of Rows x K (padded to Kp)
+}
+
+// Validate checks the operands and returns the geometry.
+func (a QuantizeArgs) Validate() (QuantizeShape, error) {
+	var s QuantizeShape
+	if a.Src == nil || a.Src.DType() != BF16 || (a.Src.Rank() != 2 && a.Src.Rank() != 3) {
+		return s, fmt.Errorf("kernels: quantize: src %v: want bf16 of rank 2 or 3", a.Src)
+	}
+	s.Mats, s.Rows, s.K = 1, a.Src.Dim(-2), a.Src.Dim(-1)
+	if a.Src.Rank() == 3 {
+		s.Mats = a.Src.Dim(0)
+		if a.Mode == PerRow {
+			return s, fmt.Errorf("kernels: quantize: per-row mode takes rank-2 src, got %v", a.Src)
+		}
+	}
+	if err := check("quantize", "packed", a.Dst.Packed, U8, a.Src.Rank()); err != nil {
+		return s, err
+	}
+	s.Kp = 2 * a.Dst.Packed.Dim(-1)
+	if s.Kp%nvfp4.BlockSize != 0 || s.Kp < s.K {
+		return s, fmt.Errorf("kernels: quantize: packed %v holds %d elements a row, want a multiple of %d >= %d", a.Dst.Packed, s.Kp, nvfp4.BlockSize, s.K)
+	}
+	lead := a.Src.Shape()[:a.Src.Rank()-1]
+	if err := shapeIs("quantize", "packed", a.Dst.Packed, append(lead, s.Kp/2)...); err != nil {
+		return s, err
+	}
+	if err := check("quantize", "scales", a.Dst.Scales, U8, a.Src.Rank()); err != nil {
+		return s, err
+	}
+	if err := shapeIs("quantize", "scales", a.Dst.Scales, append(lead, s.Kp/nvfp4.BlockSize)...); err != nil {
+		return s, err
+	}
+	if err := check("quantize", "scale", a.Dst.Scale, F32, 1); err != nil {
+		return s, err
+	}
+	switch a.Mode {
+	case PerMatrix:
+		return s, shapeIs("quantize", "scale", a.Dst.Scale, s.Mats)
+	case PerRow:
+		return s, shapeIs("quantize", "scale", a.Dst.Scale, s.Rows)
+	}
+	return s, fmt.Errorf("kernels: quantize: unknown %s", a.Mode)
+}
+
+// Activation is the expert activation fused into a grouped GEMM's epilogue.
+type Activation uint8
+
+// Expert activations.
+const (
+	Identity Activation = iota + 1 // out = h
+	ReLU2                          // out = relu(h)^2 (squared ReLU)
+	SwiGLU                         // W rows are [gate; up]: out = silu(gate) * up
+)
+
+func (a Activation) String() string {
+	switch a {
+	case Identity:
+		return "identity"
+	case ReLU2:
+		return "relu2"
+	case SwiGLU:
+		return "swiglu"
+	}
+	return fmt.Sprintf("activation(%d)", uint8(a))
+}
+
+// Operand is one side of a grouped GEMM: BF16 values, or NVFP4. Exactly one
+// of BF16 and Q.Packed is set.
+type Operand struct {
+	BF16 *Buffer
+	Q    NVFP4
+}
+
+// Quantized reports whether the operand is NVFP4.
+func (o Operand) Quantized() bool { return o.Q.Packed != nil }
+
+// GroupedGemmArgs are the operands of Backend.GroupedGemm.
+//
+// For each expert e and each sorted row r in Offsets[e] .. Offsets[e+1]:
+//
+//	h[r, n] = sum_k A[Gather[r], k] * W[e, n, k]     (FP32 accumulation)
+//	h      *= A.Scale[Gather[r]]  if A is NVFP4 (its per-row scale)
+//	h      *= W.Scale[e]          if W is NVFP4 (the expert's alpha)
+//	Out[r] = bf16(act(h))
+//
+// NVFP4 operands are dequantized exactly (e2m1 * E4M3), so the products are
+// exact and only the accumulation order is backend-specific. A's row count
+// is its own (tokens); Out has one row per sorted row. With SwiGLU, W has 2N
+// rows ([gate; up]) and Out has N columns.
+type GroupedGemmArgs struct {
+	A       Operand // [Ta, K] BF16, or NVFP4 with per-row Scale [Ta]
+	Gather  *Buffer // I32 [R]: the A row of each sorted row; nil: row r itself
+	W       Operand // [E, N, K] BF16, or NVFP4 with per-expert Scale [E]
+	Offsets *Buffer // I32 [E+1]
+	Act     Activation
+	Out     *Buffer // BF16 [R, N] (N/2 for SwiGLU)
+}
+
+// GroupedGemmShape is the geometry Validate derives.
+type GroupedGemmShape struct {
+	R, Ta, E, N, K, Kp int // Kp: the padded K both operands are read with
+	OutN               int
+}
+
+// Validate checks the operands and returns the geometry.
+func (a GroupedGemmArgs) Validate() (GroupedGemmShape, error) {
+	var s GroupedGemmShape
+	var aK, wK int // logical K of each operand (padded for NVFP4)
+	var aPadded, wPadded bool
+	switch {
+	case a.A.Quantized() && a.A.BF16 == nil:
+		if err := checkNVFP4("grouped gemm", "A", a.A.Q, 2); err != nil {
+			return s, err
+		}
+		s.Ta, aK, aPadded = a.A.Q.Packed.Dim(0), 2*a.A.Q.Packed.Dim(1), true
+		if err := shapeIs("grouped gemm", "A.scale", a.A.Q.Scale, s.Ta); err != nil {
+			return s, err
+		}
+	case !a.A.Quantized() && a.A.BF16 != nil:
+		if err := check("grouped gemm", "A", a.A.BF16, BF16, 2); err != nil {
+			return s, err
+		}
+		s.Ta, aK = a.A.BF16.Dim(0), a.A.BF16.Dim(1)
+	default:
+		return s, fmt.Errorf("kernels: grouped gemm: A must be exactly one of bf16 and nvfp4")
+	}
+	switch {
+	case a.W.Quantized() && a.W.BF16 == nil:
+		if err := checkNVFP4("grouped gemm", "W", a.W.Q, 3); err != nil {
+			return s, err
+		}
+		s.E, s.N, wK, wPadded = a.W.Q.Packed.Dim(0), a.W.Q.Packed.Dim(1), 2*a.W.Q.Packed.Dim(2), true
+		if err := shapeIs("grouped gemm", "W.scale", a.W.Q.Scale, s.E); err != nil {
+			return s, err
+		}
+	case !a.W.Quantized() && a.W.BF16 != nil:
+		if err := check("grouped gemm", "W", a.W.BF16, BF16, 3); err != nil {
+			return s, err
+		}
+		s.E, s.N, wK = a.W.BF16.Dim(0), a.W.BF16.Dim(1), a.W.BF16.Dim(2)
+	default:
+		return s, fmt.Errorf("kernels: grouped gemm: W must be exactly one of bf16 and nvfp4")
+	}
+	// An NVFP4 operand's rows are zero-padded to whole blocks, so it may be
+	// wider than a BF16 partner; two operands of one format must agree.
+	s.K, s.Kp = min(aK, wK), max(aK, wK)
+	if aPadded == wPadded && aK != wK || aPadded && aK < wK || wPadded && wK < aK {
+		return s, fmt.Errorf("kernels: grouped gemm: A has %d columns, W has %d", aK, wK)
+	}
+	if err := check("grouped gemm", "offsets", a.Offsets, I32, 1); err != nil {
+		return s, err
+	}
+	if err := shapeIs("grouped gemm", "offsets", a.Offsets, s.E+1); err != nil {
+		return s, err
+	}
+	if err := check("grouped gemm", "out", a.Out, BF16, 2); err != nil {
+		return s, err
+	}
+	s.R, s.OutN = a.Out.Dim(0), s.N
+	switch a.Act {
+	case Identity, ReLU2:
+	case SwiGLU:
+		if s.N%2 != 0 {
+			return s, fmt.Errorf("kernels: grouped gemm: swiglu needs an even number of W rows, got %d", s.N)
+		}
+		s.OutN = s.N / 2
+	default:
+		return s, fmt.Errorf("kernels: grouped gemm: unknown %s", a.Act)
+	}
+	if err := shapeIs("grouped gemm", "out", a.Out, s.R, s.OutN); err != nil {
+		return s, err
+	}
+	if a.Gather != nil {
+		if err := check("grouped gemm", "gather", a.Gather, I32, 1); err != nil {
+			return s, err
+		}
+		if err := shapeIs("grouped gemm", "gather", a.Gather, s.R); err != nil {
+			return s, err
+		}
+	} else if s.Ta != s.R {
+		return s, fmt.Errorf("kernels: grouped gemm: no gather, but A has %d rows and out %d", s.Ta, s.R)
+	}
+	return s, nil
+}
+
+// FinalizeArgs are the operands of Backend.Finalize:
+//
+//	Out[t] = bf16( sum_{j<k} Weights[t, j] * Rows[Slots[t*k+j]] )
+//
+// with each product rounded to FP32 and the sum taken in j order, so a
+// token's output never depends on the batch (the deterministic finalize).
+type FinalizeArgs struct {
+	Out     *Buffer // BF16 [T, H]
+	Rows    *Buffer // BF16 [R, H], expert outputs in sorted order
+	Weights *Buffer // F32 [T, k]
+	Slots   *Buffer // I32 [T*k]
+}
+
+// Validate checks the operands and returns T, H and k.
+func (a FinalizeArgs) Validate() (t, h, k int, err error) {
+	if err := check("finalize", "out", a.Out, BF16, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	t, h = a.Out.Dim(0), a.Out.Dim(1)
+	if err := check("finalize", "weights", a.Weights, F32, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	k = a.Weights.Dim(1)
+	if err := shapeIs("finalize", "weights", a.Weights, t, k); err != nil {
+		return 0, 0, 0, err
+	}
+	if err := check("finalize", "rows", a.Rows, BF16, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	if a.Rows.Dim(1) != h {
+		return 0, 0, 0, fmt.Errorf("kernels: finalize: rows %v have %d columns, out has %d", a.Rows, a.Rows.Dim(1), h)
+	}
+	if err := check("finalize", "slots", a.Slots, I32, 1); err != nil {
+		return 0, 0, 0, err
+	}
+	if err := shapeIs("finalize", "slots", a.Slots, t*k); err != nil {
+		return 0, 0, 0, err
+	}
+	return t, h, k, nil
+}
+
+// ValidateGemm checks Gemm's operands and returns M, N and K.
+func ValidateGemm(dst, a, w *Buffer) (m, n, k int, err error) {
+	if err := check("gemm", "a", a, BF16, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	if err := check("gemm", "w", w, BF16, 2); err != nil {
+		return 0, 0, 0, err
+	}
+	m, k, n = a.Dim(0), a.Dim(1), w.Dim(0)
+	if w.Dim(1) != k {
+		return 0, 0, 0, fmt.Errorf("kernels: gemm: a %v and w %v disagree on K", a, w)
+	}
+	if dst == nil || (dst.DType() != F32 && dst.DType() != BF16) {
+		return 0, 0, 0, fmt.Errorf("kernels: gemm: dst %v: want f32 or bf16", dst)
+	}
+	if err := shapeIs("gemm", "dst", dst, m, n); err != nil {
+		return 0, 0, 0, err
+	}
+	return m, n, k, nil
+}
+
+func checkNVFP4(op, name string, q NVFP4, rank int) error {
+	if err := check(op, name+".packed", q.Packed, U8, rank); err != nil {
+		return err
+	}
+	if err := check(op, name+".scales", q.Scales, U8, rank); err != nil {
+		return err
+	}
+	want := q.Packed.Shape()
+	want[rank-1] = 2 * want[rank-1] / nvfp4.BlockSize
+	if q.Packed.Dim(-1)*2%nvfp4.BlockSize != 0 {
+		return fmt.Errorf("kernels: %s: %s.packed %v: row of %d elements is not whole blocks", op, name, q.Packed, 2*q.Packed.Dim(-1))
+	}
+	if err := shapeIs(op, name+".scales", q.Scales, want...); err != nil {
+		return err
+	}
+	return check(op, name+".scale", q.Scale, F32, 1)
+}
+
+func check(op, name string, b *Buffer, dt DType, rank int) error {
+	switch {
+	case b == nil:
+		return fmt.Errorf("kernels: %s: %s is missing", op, name)
+	case b.DType() != dt:
+		return fmt.Errorf("kernels: %s: %s %v: dtype %s, want %s", op, name, b, b.DType(), dt)
+	case b.Rank() != rank:
+		return fmt.Errorf("kernels: %s: %s %v: rank %d, want %d", op, name, b, b.Rank(), rank)
+	}
+	return nil
+}
+
+func shapeIs(op, name string, b *Buffer, shape ...int) error {
+	if len(shape) != b.Rank() {
+		return fmt.Errorf("kernels: %s: %s shape %v, want %v", op, name, b.shape, shape)
+	}
+	for i, d := range shape {
+		if b.shape[i] != d {
+			return fmt.Errorf("kernels: %s: %s shape %v, want %v", op, name, b.shape, shape)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,302 @@
+package moe
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
+	"github.com/rollout-worker/rollout-worker/kernels"
+)
+
+// ErrClosed is returned by a Layer used after Close.
+var ErrClosed = errors.New("moe: layer is closed")
+
+// Layer is one MoE layer resident in backend memory.
+type Layer struct {
+	cfg   Config
+	spec  recipeSpec
+	act   kernels.Activation
+	score kernels.Scoring
+	be    kernels.Backend
+
+	router *kernels.Buffer // BF16 [E, H]
+	fc1    *kernels.Buffer // BF16 [E, I1, H]
+	fc2    *kernels.Buffer // BF16 [E, H, I]
+	fc1q   kernels.NVFP4   // [E, I1, Hp/2], [E, I1, Hp/16], alpha [E]
+	fc2q   kernels.NVFP4   // [E, H, Ip/2], [E, H, Ip/16], alpha [E]
+
+	// Workspaces for MaxTokens tokens (R = MaxTokens * TopK sorted rows).
+	logits  *kernels.Buffer // F32 [T, E]
+	ids     *kernels.Buffer // I32 [T, k]
+	weights *kernels.Buffer // F32 [T, k]
+	offsets *kernels.Buffer // I32 [E+1]
+	gather  *kernels.Buffer // I32 [R]
+	slots   *kernels.Buffer // I32 [R]
+	xq      kernels.NVFP4   // per-token FC1 input [T, Hp/2] ...
+	h       *kernels.Buffer // BF16 [R, I]: FC1 output after the activation
+	hq      kernels.NVFP4   // per-row FC2 input [R, Ip/2] ...
+	y       *kernels.Buffer // BF16 [R, H]: FC2 output, expert order
+
+	owned  []*kernels.Buffer // everything New allocated, for Close
+	closed bool
+}
+
+// New allocates a layer with zero weights: the router [E, H], the BF16
+// expert stacks FC1 [E, I1, H] and FC2 [E, H, I], the recipe's NVFP4 copies,
+// and all workspaces. Load weights into Router, FC1 and FC2, then call
+// Requantize.
+func New(be kernels.Backend, cfg Config) (*Layer, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	l := &Layer{cfg: cfg, be: be}
+	l.spec, _ = cfg.Recipe.spec()
+	l.act, _ = cfg.Activation.kernel()
+	l.score, _ = cfg.Scoring.kernel()
+	if err := l.alloc(); err != nil {
+		return nil, errors.Join(err, l.Close())
+	}
+	return l, nil
+}
+
+func (l *Layer) alloc() error {
+	c := l.cfg
+	E, H, I, I1 := c.Experts, c.Hidden, c.Intermediate, c.fc1Rows()
+	Hp, Ip := nvfp4.PaddedK(H), nvfp4.PaddedK(I)
+	T, R := c.MaxTokens, c.MaxTokens*c.TopK
+	var err error
+	buf := func(dt kernels.DType, shape ...int) *kernels.Buffer {
+		if err != nil {
+			return nil
+		}
+		var b *kernels.Buffer
+		if b, err = l.be.Alloc(dt, shape...); err != nil {
+			err = fmt.Errorf("moe: alloc %s%v: %w", dt, shape, err)
+			return nil
+		}
+		l.owned = append(l.owned, b)
+		return b
+	}
+	quant := func(lead []int, kp, scales int) kernels.NVFP4 {
+		return kernels.NVFP4{
+			Packed: buf(kernels.U8, append(lead, kp/2)...),
+			Scales: buf(kernels.U8, append(lead, kp/nvfp4.BlockSize)...),
+			Scale:  buf(kernels.F32, scales),
+		}
+	}
+	l.router = buf(kernels.BF16, E, H)
+	l.fc1 = buf(kernels.BF16, E, I1, H)
+	l.fc2 = buf(kernels.BF16, E, H, I)
+	if l.spec.quantWeights {
+		l.fc1q = quant([]int{E, I1}, Hp, E)
+		l.fc2q = quant([]int{E, H}, Ip, E)
+	}
+	l.logits = buf(kernels.F32, T, E)
+	l.ids = buf(kernels.I32, T, c.TopK)
+	l.weights = buf(kernels.F32, T, c.TopK)
+	l.offsets = buf(kernels.I32, E+1)
+	l.gather = buf(kernels.I32, R)
+	l.slots = buf(kernels.I32, R)
+	if l.spec.quantActs {
+		l.xq = quant([]int{T}, Hp, T)
+		l.hq = quant([]int{R}, Ip, R)
+	}
+	l.h = buf(kernels.BF16, R, I)
+	l.y = buf(kernels.BF16, R, H)
+	return err
+}
+
+// Config returns the layer's configuration, defaults filled in.
+func (l *Layer) Config() Config { return l.cfg }
+
+// Router returns the BF16 router weight [E, H].
+func (l *Layer) Router() *kernels.Buffer { return l.router }
+
+// FC1 returns the BF16 FC1 stack [E, I1, H] ([gate; up] for SwiGLU).
+func (l *Layer) FC1() *kernels.Buffer { return l.fc1 }
+
+// FC2 returns the BF16 FC2 stack [E, H, I].
+func (l *Layer) FC2() *kernels.Buffer { return l.fc2 }
+
+// Quantized returns the NVFP4 copies of FC1 and FC2 (zero values when the
+// recipe runs on BF16 weights). Their buffers never change.
+func (l *Layer) Quantized() (fc1, fc2 kernels.NVFP4) { return l.fc1q, l.fc2q }
+
+// Requantize rebuilds the NVFP4 copies of the given experts (all of them
+// when none are given) from the BF16 stacks, into the same buffers. It is a
+// no-op for recipes without weight copies.
+func (l *Layer) Requantize(experts ...int) error {
+	if l.closed {
+		return ErrClosed
+	}
+	if !l.spec.quantWeights {
+		return nil
+	}
+	if len(experts) == 0 {
+		return l.requantize(0, l.cfg.Experts)
+	}
+	// Runs of consecutive experts become one op each.
+	for i := 0; i < len(experts); {
+		j := i + 1
+		for j < len(experts) && experts[j] == experts[j-1]+1 {
+			j++
+		}
+		lo, hi := experts[i], experts[j-1]+1
+		if lo < 0 || hi > l.cfg.Experts {
+			return fmt.Errorf("moe: requantize expert %d..%d of %d", lo, hi-1, l.cfg.Experts)
+		}
+		if err := l.requantize(lo, hi); err != nil {
+			return err
+		}
+		i = j
+	}
+	return nil
+}
+
+func (l *Layer) requantize(lo, hi int) error {
+	for _, m := range []struct {
+		src *kernels.Buffer
+		dst kernels.NVFP4
+	}{{l.fc1, l.fc1q}, {l.fc2, l.fc2q}} {
+		var args kernels.QuantizeArgs
+		var err error
+		args.Mode = kernels.PerMatrix
+		args.Src, err = m.src.Slice(lo, hi)
+		if err == nil {
+			args.Dst, err = sliceNVFP4(m.dst, lo, hi)
+		}
+		if err == nil {
+			err = l.be.Quantize(args)
+		}
+		if err != nil {
+			return fmt.Errorf("moe: requantize experts %d..%d: %w", lo, hi-1, err)
+		}
+	}
+	return nil
+}
+
+func sliceNVFP4(q kernels.NVFP4, lo, hi int) (kernels.NVFP4, error) {
+	var out kernels.NVFP4
+	var err error
+	if out.Packed, err = q.Packed.Slice(lo, hi); err != nil {
+		return out, err
+	}
+	if out.Scales, err = q.Scales.Slice(lo, hi); err != nil {
+		return out, err
+	}
+	out.Scale, err = q.Scale.Slice(lo, hi)
+	return out, err
+}
+
+// rowsNVFP4 is the view of the first n rows of a per-row quantized buffer.
+func rowsNVFP4(q kernels.NVFP4, n int) (kernels.NVFP4, error) { return sliceNVFP4(q, 0, n) }
+
+// Forward computes out = MoE(x) for the T tokens of x (BF16 [T, H], T <=
+// MaxTokens) into out (BF16 [T, H]).
+func (l *Layer) Forward(out, x *kernels.Buffer) error {
+	if l.closed {
+		return ErrClosed
+	}
+	c := l.cfg
+	if x == nil || x.DType() != kernels.BF16 || x.Rank() != 2 || x.Dim(1) != c.Hidden || x.Dim(0) > c.MaxTokens {
+		return fmt.Errorf("moe: forward: input %v, want bf16[T %d] with T <= %d", x, c.Hidden, c.MaxTokens)
+	}
+	T := x.Dim(0)
+	if out == nil || out.DType() != kernels.BF16 || out.Rank() != 2 || out.Dim(0) != T || out.Dim(1) != c.Hidden {
+		return fmt.Errorf("moe: forward: output %v, want bf16[%d %d]", out, T, c.Hidden)
+	}
+	if T == 0 {
+		return nil
+	}
+	if err := l.forward(out, x, T); err != nil {
+		return fmt.Errorf("moe: forward %d tokens: %w", T, err)
+	}
+	return nil
+}
+
+func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
+	c := l.cfg
+	R := T * c.TopK
+	v := views{}
+	logits, ids, weights := v.rows(l.logits, T), v.rows(l.ids, T), v.rows(l.weights, T)
+	gather, slots, h, y := v.rows(l.gather, R), v.rows(l.slots, R), v.rows(l.h, R), v.rows(l.y, R)
+	var xq, hq kernels.NVFP4
+	if l.spec.quantActs {
+		xq, hq = v.nvfp4(l.xq, T), v.nvfp4(l.hq, R)
+	}
+	if v.err != nil {
+		return v.err
+	}
+
+	if err := l.be.Gemm(logits, x, l.router); err != nil {
+		return err
+	}
+	err := l.be.Route(kernels.RouteArgs{Logits: logits, IDs: ids, Weights: weights,
+		Scoring: l.score, Renormalize: c.Renormalize, Scale: c.RoutedScaling})
+	if err != nil {
+		return err
+	}
+	if err := l.be.Permute(kernels.PermuteArgs{IDs: ids, Offsets: l.offsets, Rows: gather, Slots: slots}); err != nil {
+		return err
+	}
+	fc1In, fc2In := kernels.Operand{BF16: x}, kernels.Operand{BF16: h}
+	if l.spec.quantActs {
+		if err := l.be.Quantize(kernels.QuantizeArgs{Src: x, Dst: xq, Mode: kernels.PerRow}); err != nil {
+			return err
+		}
+		fc1In = kernels.Operand{Q: xq}
+	}
+	fc1W, fc2W := kernels.Operand{BF16: l.fc1}, kernels.Operand{BF16: l.fc2}
+	if l.spec.quantWeights {
+		fc1W, fc2W = kernels.Operand{Q: l.fc1q}, kernels.Operand{Q: l.fc2q}
+	}
+	// FC1 + activation, rounded to BF16 (the grouped GEMM's output type).
+	err = l.be.GroupedGemm(kernels.GroupedGemmArgs{A: fc1In, Gather: gather, W: fc1W, Offsets: l.offsets, Act: l.act, Out: h})
+	if err != nil {
+		return err
+	}
+	if l.spec.quantActs {
+		if err := l.be.Quantize(kernels.QuantizeArgs{Src: h, Dst: hq, Mode: kernels.PerRow}); err != nil {
+			return err
+		}
+		fc2In = kernels.Operand{Q: hq}
+	}
+	err = l.be.GroupedGemm(kernels.GroupedGemmArgs{A: fc2In, W: fc2W, Offsets: l.offsets, Act: kernels.Identity, Out: y})
+	if err != nil {
+		return err
+	}
+	return l.be.Finalize(kernels.FinalizeArgs{Out: out, Rows: y, Weights: weights, Slots: slots})
+}
+
+// views makes row views of workspaces, keeping the first error.
+type views struct{ err error }
+
+func (v *views) rows(b *kernels.Buffer, n int) *kernels.Buffer {
+	if v.err != nil {
+		return nil
+	}
+	r, err := b.Rows(n)
+	v.err = err
+	return r
+}
+
+func (v *views) nvfp4(q kernels.NVFP4, n int) kernels.NVFP4 {
+	if v.err != nil {
+		return kernels.NVFP4{}
+	}
+	r, err := rowsNVFP4(q, n)
+	v.err = err
+	return r
+}
+
+// Close frees every buffer of the layer. It is idempotent.
+func (l *Layer) Close() error {
+	var errs []error
+	for _, b := range l.owned {
+		if b != nil {
+			errs = append(errs, l.be.Free(b))
+		}
+	}
+	l.owned, l.closed = nil, true
+	return errors.Join(errs...)
+}
