@@ -2,6 +2,7 @@ package kernels
 
 import (
 	"fmt"
+	"math"
 	"slices"
 )
 
@@ -84,11 +85,22 @@ func elems(dt DType, shape []int) (int, error) {
 	n := 1
 	for _, d := range shape {
 		if d < 0 {
-			return 0, fmt.Errorf("kernels: negative dimension in %v", shape)
+			return 0, fmt.Errorf("kernels: negative dimension in %s%v", dt, shape)
+		}
+		if d > 0 && n > math.MaxInt/8/d {
+			return 0, fmt.Errorf("kernels: %s%v is too large", dt, shape)
 		}
 		n *= d
 	}
 	return n, nil
+}
+
+// SizeOf returns the size in bytes of a buffer of dtype dt and the given
+// shape, or an error for an unknown dtype, a negative dimension or a size
+// that does not fit an int.
+func SizeOf(dt DType, shape []int) (int, error) {
+	n, err := elems(dt, shape)
+	return n * dt.Size(), err
 }
 
 // DType returns the element type.

@@ -319,7 +319,8 @@ func (a AttentionArgs) Validate() (AttentionShape, error) {
 	if !(a.Scale > 0) {
 		return s, fmt.Errorf("kernels: attention: scale %v must be positive", a.Scale)
 	}
-	return s, nil
+	return s, disjoint("attention", []operand{{"out", a.Out}}, []operand{{"q", a.Q}, {"cache.k", a.Cache.K}, {"cache.v", a.Cache.V},
+		{"page table", a.PageTable}, {"seq lens", a.SeqLens}, {"query start", a.QueryStart}})
 }
 
 // Validate checks the operands and returns S and V.
@@ -347,7 +348,11 @@ func (a SampleArgs) Validate() (s, v int, err error) {
 	if err := check("sample", "seeds", a.Seeds, I32, 2); err != nil {
 		return 0, 0, err
 	}
-	return s, v, shapeIs("sample", "seeds", a.Seeds, s, 2)
+	if err := shapeIs("sample", "seeds", a.Seeds, s, 2); err != nil {
+		return 0, 0, err
+	}
+	return s, v, disjoint("sample", []operand{{"tokens", a.Tokens}, {"logprobs", a.LogProbs}}, []operand{{"logits", a.Logits},
+		{"temperature", a.Temperature}, {"top k", a.TopK}, {"top p", a.TopP}, {"seeds", a.Seeds}, {"sample ids", a.SampleIDs}, {"positions", a.Positions}})
 }
 
 // Validate checks the operands and returns S and V.

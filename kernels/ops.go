@@ -2,6 +2,7 @@ package kernels
 
 import (
 	"fmt"
+	"math"
 
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
 )
@@ -28,10 +29,11 @@ func (s Scoring) String() string {
 // RouteArgs are the operands of Backend.Route.
 //
 // For each token t: scores s = softmax(Logits[t]) or sigmoid(Logits[t]) in
-// FP32; the k largest, in descending order (ties to the lower expert id),
-// give IDs[t] and their scores Weights[t]; with Renormalize the weights are
-// divided by their sum (added in k order); finally each is multiplied by
-// Scale (the routed scaling factor; 1 leaves them unchanged).
+// FP32; the k largest, in descending order (ties to the lower expert id; a
+// NaN score ranks below every number), give IDs[t] and their scores
+// Weights[t]; with Renormalize the weights are divided by their sum (added
+// in k order) unless that sum is 0; finally each is multiplied by Scale (the
+// routed scaling factor, positive and finite; 1 leaves them unchanged).
 type RouteArgs struct {
 	Logits      *Buffer // F32 [T, E]
 	IDs         *Buffer // I32 [T, k]
@@ -66,7 +68,10 @@ func (a RouteArgs) Validate() (t, e, k int, err error) {
 	if a.Scoring != Softmax && a.Scoring != Sigmoid {
 		return 0, 0, 0, fmt.Errorf("kernels: route: unknown %s", a.Scoring)
 	}
-	return t, e, k, nil
+	if !(a.Scale > 0) || math.IsInf(float64(a.Scale), 0) {
+		return 0, 0, 0, fmt.Errorf("kernels: route: scale %v: want a positive finite factor", a.Scale)
+	}
+	return t, e, k, disjoint("route", []operand{{"ids", a.IDs}, {"weights", a.Weights}}, []operand{{"logits", a.Logits}})
 }
 
 // PermuteArgs are the operands of Backend.Permute.
@@ -107,7 +112,7 @@ func (a PermuteArgs) Validate() (t, k, e int, err error) {
 			return 0, 0, 0, err
 		}
 	}
-	return t, k, e, nil
+	return t, k, e, disjoint("permute", []operand{{"offsets", a.Offsets}, {"rows", a.Rows}, {"slots", a.Slots}}, []operand{{"ids", a.IDs}})
 }
 
 // NVFP4 is a quantized matrix, or stack of matrices, in backend memory:
@@ -189,13 +194,18 @@ func (a QuantizeArgs) Validate() (QuantizeShape, error) {
 	if err := check("quantize", "scale", a.Dst.Scale, F32, 1); err != nil {
 		return s, err
 	}
+	want := s.Mats
 	switch a.Mode {
 	case PerMatrix:
-		return s, shapeIs("quantize", "scale", a.Dst.Scale, s.Mats)
 	case PerRow:
-		return s, shapeIs("quantize", "scale", a.Dst.Scale, s.Rows)
+		want = s.Rows
+	default:
+		return s, fmt.Errorf("kernels: quantize: unknown %s", a.Mode)
 	}
-	return s, fmt.Errorf("kernels: quantize: unknown %s", a.Mode)
+	if err := shapeIs("quantize", "scale", a.Dst.Scale, want); err != nil {
+		return s, err
+	}
+	return s, disjoint("quantize", []operand{{"packed", a.Dst.Packed}, {"scales", a.Dst.Scales}, {"scale", a.Dst.Scale}}, []operand{{"src", a.Src}})
 }
 
 // Activation is the expert activation fused into a grouped GEMM's epilogue.
@@ -297,10 +307,11 @@ func (a GroupedGemmArgs) Validate() (GroupedGemmShape, error) {
 	default:
 		return s, fmt.Errorf("kernels: grouped gemm: W must be exactly one of bf16 and nvfp4")
 	}
-	// An NVFP4 operand's rows are zero-padded to whole blocks, so it may be
-	// wider than a BF16 partner; two operands of one format must agree.
+	// An NVFP4 operand's rows are zero-padded to whole blocks, so beside a
+	// BF16 partner of K columns it holds exactly PaddedK(K); two operands of
+	// one format must agree.
 	s.K, s.Kp = min(aK, wK), max(aK, wK)
-	if aPadded == wPadded && aK != wK || aPadded && aK < wK || wPadded && wK < aK {
+	if aPadded == wPadded && aK != wK || aPadded != wPadded && s.Kp != nvfp4.PaddedK(s.K) {
 		return s, fmt.Errorf("kernels: grouped gemm: A has %d columns, W has %d", aK, wK)
 	}
 	if err := check("grouped gemm", "offsets", a.Offsets, I32, 1); err != nil {
@@ -336,7 +347,9 @@ func (a GroupedGemmArgs) Validate() (GroupedGemmShape, error) {
 	} else if s.Ta != s.R {
 		return s, fmt.Errorf("kernels: grouped gemm: no gather, but A has %d rows and out %d", s.Ta, s.R)
 	}
-	return s, nil
+	return s, disjoint("grouped gemm", []operand{{"out", a.Out}}, []operand{{"A", a.A.BF16}, {"A.packed", a.A.Q.Packed},
+		{"A.scales", a.A.Q.Scales}, {"A.scale", a.A.Q.Scale}, {"gather", a.Gather}, {"W", a.W.BF16}, {"W.packed", a.W.Q.Packed},
+		{"W.scales", a.W.Q.Scales}, {"W.scale", a.W.Q.Scale}, {"offsets", a.Offsets}})
 }
 
 // FinalizeArgs are the operands of Backend.Finalize:
@@ -377,7 +390,7 @@ func (a FinalizeArgs) Validate() (t, h, k int, err error) {
 	if err := shapeIs("finalize", "slots", a.Slots, t*k); err != nil {
 		return 0, 0, 0, err
 	}
-	return t, h, k, nil
+	return t, h, k, disjoint("finalize", []operand{{"out", a.Out}}, []operand{{"rows", a.Rows}, {"weights", a.Weights}, {"slots", a.Slots}})
 }
 
 // ValidateGemm checks Gemm's operands and returns M, N and K.
@@ -398,7 +411,7 @@ func ValidateGemm(dst, a, w *Buffer) (m, n, k int, err error) {
 	if err := shapeIs("gemm", "dst", dst, m, n); err != nil {
 		return 0, 0, 0, err
 	}
-	return m, n, k, nil
+	return m, n, k, disjoint("gemm", []operand{{"dst", dst}}, []operand{{"a", a}, {"w", w}})
 }
 
 func checkNVFP4(op, name string, q NVFP4, rank int) error {
@@ -438,6 +451,39 @@ func shapeIs(op, name string, b *Buffer, shape ...int) error {
 	for i, d := range shape {
 		if b.shape[i] != d {
 			return fmt.Errorf("kernels: %s: %s shape %v, want %v", op, name, b.shape, shape)
+		}
+	}
+	return nil
+}
+
+// operand names a buffer for error messages.
+type operand struct {
+	name string
+	b    *Buffer
+}
+
+// overlaps reports whether two buffers of one backend share a byte.
+func overlaps(a, b *Buffer) bool {
+	if a == nil || b == nil || a.owner != b.owner || a.Size() == 0 || b.Size() == 0 {
+		return false
+	}
+	return a.addr < b.addr+uintptr(b.Size()) && b.addr < a.addr+uintptr(a.Size())
+}
+
+// disjoint checks that no output overlaps an input or another output. Ops
+// read inputs while other threads write outputs, so an overlap is a race
+// (unless an op documents in-place use, as RMSNorm, Add and RoPE do).
+func disjoint(op string, outs, ins []operand) error {
+	for i, o := range outs {
+		for _, p := range outs[i+1:] {
+			if overlaps(o.b, p.b) {
+				return fmt.Errorf("kernels: %s: outputs %s %v and %s %v overlap", op, o.name, o.b, p.name, p.b)
+			}
+		}
+		for _, in := range ins {
+			if overlaps(o.b, in.b) {
+				return fmt.Errorf("kernels: %s: output %s %v overlaps input %s %v", op, o.name, o.b, in.name, in.b)
+			}
 		}
 	}
 	return nil

@@ -8,8 +8,14 @@ import (
 	"github.com/rollout-worker/rollout-worker/kernels"
 )
 
-// ErrClosed is returned by a Layer used after Close.
-var ErrClosed = errors.New("moe: layer is closed")
+// Sentinel errors.
+var (
+	// ErrClosed is returned by a Layer used after Close.
+	ErrClosed = errors.New("moe: layer is closed")
+	// ErrNotQuantized is returned by Forward when the recipe reads NVFP4
+	// copies that no full Requantize has built (or the last one failed).
+	ErrNotQuantized = errors.New("moe: NVFP4 copies not built: call Requantize after loading the weights")
+)
 
 // Layer is one MoE layer resident in backend memory.
 type Layer struct {
@@ -37,8 +43,9 @@ type Layer struct {
 	hq      kernels.NVFP4   // per-row FC2 input [R, Ip/2] ...
 	y       *kernels.Buffer // BF16 [R, H]: FC2 output, expert order
 
-	owned  []*kernels.Buffer // everything New allocated, for Close
-	closed bool
+	owned     []*kernels.Buffer // everything New allocated, for Close
+	closed    bool
+	quantized bool // the NVFP4 copies match the BF16 stacks as last requantized
 }
 
 // New allocates a layer with zero weights: the router [E, H], the BF16
@@ -133,8 +140,18 @@ func (l *Layer) Requantize(experts ...int) error {
 		return nil
 	}
 	if len(experts) == 0 {
-		return l.requantize(0, l.cfg.Experts)
+		err := l.requantize(0, l.cfg.Experts)
+		l.quantized = err == nil
+		return err
 	}
+	if err := l.requantizeExperts(experts); err != nil {
+		l.quantized = false // some copies may be half rebuilt
+		return err
+	}
+	return nil
+}
+
+func (l *Layer) requantizeExperts(experts []int) error {
 	// Runs of consecutive experts become one op each.
 	for i := 0; i < len(experts); {
 		j := i + 1
@@ -199,11 +216,14 @@ func (l *Layer) Forward(out, x *kernels.Buffer) error {
 	}
 	c := l.cfg
 	if x == nil || x.DType() != kernels.BF16 || x.Rank() != 2 || x.Dim(1) != c.Hidden || x.Dim(0) > c.MaxTokens {
-		return fmt.Errorf("moe: forward: input %v, want bf16[T %d] with T <= %d", x, c.Hidden, c.MaxTokens)
+		return fmt.Errorf("moe: forward: input %v, want bf16 [tokens, %d] with at most %d tokens", x, c.Hidden, c.MaxTokens)
+	}
+	if l.spec.quantWeights && !l.quantized {
+		return ErrNotQuantized
 	}
 	T := x.Dim(0)
 	if out == nil || out.DType() != kernels.BF16 || out.Rank() != 2 || out.Dim(0) != T || out.Dim(1) != c.Hidden {
-		return fmt.Errorf("moe: forward: output %v, want bf16[%d %d]", out, T, c.Hidden)
+		return fmt.Errorf("moe: forward: output %v, want bf16 [%d, %d]", out, T, c.Hidden)
 	}
 	if T == 0 {
 		return nil

@@ -9,7 +9,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/rollout-worker/rollout-worker/internal/moebench"
+	"github.com/rollout-worker/rollout-worker/moe/moebench"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
 )

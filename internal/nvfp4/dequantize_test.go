@@ -225,7 +225,9 @@ func TestRoundTrip(t *testing.T) {
 					xhat := make([]float32, spec.k)
 					DequantizeRow(xhat, packed, scales, sDec)
 					p2, s2 := make([]byte, kp/2), make([]byte, kp/16)
-					QuantizeRow(p2, s2, toBF16Rounded(xhat), sEnc, sDec)
+					if err := QuantizeRow(p2, s2, toBF16Rounded(xhat), sEnc, sDec); err != nil {
+						t.Fatal(err)
+					}
 					for b, sf := range scales {
 						lo, hi := b*16, min(b*16+16, spec.k)
 						if lo >= spec.k {

@@ -92,7 +92,9 @@ func TestWorkedExampleA(t *testing.T) {
 
 	// QuantizeRow with EncodeScale(10).
 	packed, scales := make([]byte, 8), make([]byte, 1)
-	QuantizeRow(packed, scales, toBF16(t, exampleBlock), sEnc, sDec)
+	if err := QuantizeRow(packed, scales, toBF16(t, exampleBlock), sEnc, sDec); err != nil {
+		t.Fatal(err)
+	}
 	checkBytes(t, "QuantizeRow SF", scales, []byte{0x7A})
 	checkBytes(t, "QuantizeRow packed", packed, examplePacked)
 	checkBytes(t, "QuantizeRow codes", unpack(packed), exampleCodes)
@@ -161,7 +163,9 @@ func TestWorkedExampleC(t *testing.T) {
 
 	src := toBF16(t, tiesBlock)
 	packed, scales := make([]byte, 8), make([]byte, 1)
-	QuantizeRow(packed, scales, src, sEnc, sDec)
+	if err := QuantizeRow(packed, scales, src, sEnc, sDec); err != nil {
+		t.Fatal(err)
+	}
 	checkBytes(t, "QuantizeRow SF", scales, []byte{0x38})
 	checkBytes(t, "QuantizeRow packed", packed, tiesPacked)
 

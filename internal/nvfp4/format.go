@@ -12,13 +12,13 @@ const (
 	G         = 2688 // FP8Max * FP4Max, exact in binary32
 )
 
-var (
-	// Inv6 is RN32(1/6).
-	Inv6 = math.Float32frombits(0x3E2AAAAB)
-	// PerTokenGlobal is RN32(1/2688), the per-token recipe's fixed "global
-	// scale" constant as FlashInfer spells it.
-	PerTokenGlobal = math.Float32frombits(0x39C30C31)
-)
+// Inv6 is RN32(1/6) = 0x3E2AAAAB (the exact constant rounds once, to
+// nearest, when it becomes a float32).
+const Inv6 float32 = 1.0 / 6
+
+// PerTokenGlobal is RN32(1/2688) = 0x39C30C31, the per-token recipe's fixed
+// "global scale" constant as FlashInfer spells it.
+const PerTokenGlobal float32 = 1.0 / G
 
 // e2m1Values are the magnitudes of E2M1 codes 0..7.
 var e2m1Values = [8]float32{0, 0.5, 1, 1.5, 2, 3, 4, 6}

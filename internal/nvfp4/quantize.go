@@ -24,7 +24,16 @@ func AmaxBF16(src []uint16) float32 {
 // and decode scale sDec (from EncodeScale). packed holds Kp/2 bytes and
 // scales Kp/16 bytes, where Kp >= len(row) is a multiple of 16; elements
 // past len(row) are zero padding.
-func QuantizeRow(packed, scales []byte, row []uint16, sEnc, sDec float32) {
+func QuantizeRow(packed, scales []byte, row []uint16, sEnc, sDec float32) error {
+	if kp := len(scales) * BlockSize; len(packed)*2 != kp || len(row) > kp {
+		return fmt.Errorf("nvfp4: row of %d values into %d packed bytes and %d block scales", len(row), len(packed), len(scales))
+	}
+	quantizeRow(packed, scales, row, sEnc, sDec)
+	return nil
+}
+
+// quantizeRow is QuantizeRow for callers that checked the geometry.
+func quantizeRow(packed, scales []byte, row []uint16, sEnc, sDec float32) {
 	sEncInv6 := sEnc * Inv6 // RN(S_enc * INV6), associated as the recipe says
 	var blk [BlockSize]uint16
 	for b := range scales {
@@ -84,9 +93,27 @@ func QuantizeMatrix(packed, scales []byte, src []uint16, rows, k int) (sDec floa
 	}
 	sEnc, sDec := EncodeScale(AmaxBF16(src))
 	for r := range rows {
-		QuantizeRow(packed[r*kp/2:(r+1)*kp/2], scales[r*kp/BlockSize:(r+1)*kp/BlockSize], src[r*k:(r+1)*k], sEnc, sDec)
+		quantizeRow(packed[r*kp/2:(r+1)*kp/2], scales[r*kp/BlockSize:(r+1)*kp/BlockSize], src[r*k:(r+1)*k], sEnc, sDec)
 	}
 	return sDec, nil
+}
+
+// QuantizeStack quantizes mats row-major matrices of rows x k BF16 values
+// (a weight stack [E, N, K]) with one global scale per matrix, writing each
+// matrix's decode scale into alphas.
+func QuantizeStack(packed, scales []byte, alphas []float32, src []uint16, mats, rows, k int) error {
+	if mats <= 0 || len(alphas) != mats || len(packed)%mats != 0 || len(scales)%mats != 0 || len(src) != mats*rows*k {
+		return fmt.Errorf("nvfp4: stack of %d matrices %dx%d: got %d values, %d packed bytes, %d block scales, %d alphas",
+			mats, rows, k, len(src), len(packed), len(scales), len(alphas))
+	}
+	mp, ms, mv := len(packed)/mats, len(scales)/mats, rows*k
+	for m := range mats {
+		var err error
+		if alphas[m], err = QuantizeMatrix(packed[m*mp:(m+1)*mp], scales[m*ms:(m+1)*ms], src[m*mv:(m+1)*mv], rows, k); err != nil {
+			return fmt.Errorf("nvfp4: matrix %d: %w", m, err)
+		}
+	}
+	return nil
 }
 
 // QuantizePerRow quantizes a row-major rows x k BF16 matrix with one global
@@ -103,7 +130,7 @@ func QuantizePerRow(packed, scales []byte, rowScales []float32, src []uint16, ro
 	for r := range rows {
 		row := src[r*k : (r+1)*k]
 		sEnc, sDec := EncodeScale(AmaxBF16(row))
-		QuantizeRow(packed[r*kp/2:(r+1)*kp/2], scales[r*kp/BlockSize:(r+1)*kp/BlockSize], row, sEnc, sDec)
+		quantizeRow(packed[r*kp/2:(r+1)*kp/2], scales[r*kp/BlockSize:(r+1)*kp/BlockSize], row, sEnc, sDec)
 		rowScales[r] = sDec
 	}
 	return nil

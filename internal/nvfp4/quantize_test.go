@@ -258,7 +258,9 @@ func TestQuantizeRowSaturation(t *testing.T) {
 		src := toBF16Rounded(c.row)
 		kp := PaddedK(len(src))
 		packed, scales := make([]byte, kp/2), make([]byte, kp/16)
-		QuantizeRow(packed, scales, src, sEnc, sDec)
+		if err := QuantizeRow(packed, scales, src, sEnc, sDec); err != nil {
+			t.Fatal(err)
+		}
 		wantP, wantS, _ := refQuantizeRow(src, kp, sEnc, sDec)
 		checkBytes(t, c.name+": packed", packed, wantP)
 		checkBytes(t, c.name+": SF", scales, wantS)
@@ -297,7 +299,9 @@ func TestUnderflowBlockCodes(t *testing.T) {
 	}
 	sEnc, sDec := EncodeScale(AmaxBF16(row))
 	packed, scales := make([]byte, 16), make([]byte, 2)
-	QuantizeRow(packed, scales, row, sEnc, sDec)
+	if err := QuantizeRow(packed, scales, row, sEnc, sDec); err != nil {
+		t.Fatal(err)
+	}
 	if scales[1] != 0 {
 		t.Fatalf("block 1 SF = 0x%02X, want 0x00 (underflow)", scales[1])
 	}
@@ -390,5 +394,23 @@ func TestPaddedKAndAmax(t *testing.T) {
 	}
 	if a := AmaxBF16([]uint16{0xff80, 0x3f80}); !math.IsInf(float64(a), 1) {
 		t.Errorf("AmaxBF16 with -Inf = %v, want +Inf", a)
+	}
+}
+
+func TestQuantizeRowGeometry(t *testing.T) {
+	row := make([]uint16, 33)
+	for _, tc := range []struct {
+		name           string
+		packed, scales int
+	}{
+		{"row longer than the blocks", 16, 2},
+		{"packed and scales disagree", 8, 3},
+	} {
+		if err := QuantizeRow(make([]byte, tc.packed), make([]byte, tc.scales), row, 1, 1); err == nil {
+			t.Errorf("%s: no error", tc.name)
+		}
+	}
+	if err := QuantizeRow(make([]byte, 24), make([]byte, 3), row, 1, 1); err != nil {
+		t.Errorf("33 values into 3 blocks: %v", err)
 	}
 }

@@ -71,14 +71,10 @@ func (be *Backend) Name() string { return "cpu" }
 
 // Alloc returns a zeroed, 8-byte aligned buffer.
 func (be *Backend) Alloc(dt kernels.DType, shape ...int) (*kernels.Buffer, error) {
-	n := 1
-	for _, d := range shape {
-		if d < 0 {
-			return nil, fmt.Errorf("cpu: alloc %s%v: negative dimension", dt, shape)
-		}
-		n *= d
+	size, err := kernels.SizeOf(dt, shape)
+	if err != nil {
+		return nil, fmt.Errorf("cpu: alloc: %w", err)
 	}
-	size := n * dt.Size()
 	words := make([]uint64, max(1, (size+7)/8)) // never empty: every buffer has an address
 	mem := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(words))), len(words)*8)[:size:size]
 	b, err := kernels.NewHostBuffer(be, dt, shape, mem, uintptr(unsafe.Pointer(unsafe.SliceData(words))))

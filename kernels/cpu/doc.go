@@ -10,6 +10,6 @@
 // in a fixed order, so results do not depend on the worker count or on the
 // other rows of a batch. The NVFP4 quantizer is internal/nvfp4, bit for bit.
 //
-// Ops on one Backend may be called from several goroutines when their
-// outputs do not overlap; Alloc and Free are safe for concurrent use.
+// Like every backend, it expects one goroutine to issue ops (see package
+// kernels); Alloc and Free are nevertheless safe for concurrent use.
 package cpu

@@ -267,13 +267,15 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 		// it. Both sum in the same order (see dot).
 		inPlace := nr <= 2 && W.fused()
 		acc := make([]float32, 2*nr)
+		halves := 1
+		if a.Act == kernels.SwiGLU {
+			halves = 2
+		}
 		for c := it.c0; c < it.c1; c++ {
 			gate, up := acc[:nr], acc[nr:]
-			wr := []int{it.e*s.N + c, it.e*s.N + s.OutN + c}
-			if a.Act != kernels.SwiGLU {
-				wr = wr[:1]
-			}
-			for half, r := range wr {
+			for half := range halves {
+				r := it.e*s.N + half*s.OutN + c // W row: gate, or up for SwiGLU
+
 				dst := gate
 				if half == 1 {
 					dst = up

@@ -357,11 +357,7 @@ func (be *Backend) LogProbs(a kernels.LogProbsArgs) error {
 			errs[r] = fmt.Errorf("cpu: logprobs: row %d: %w", r, err)
 			return
 		}
-		var z float64
-		for _, l := range row {
-			z += math.Exp(float64(l) - m)
-		}
-		lps[r] = float32(float64(row[tokens[r]]) - m - math.Log(z))
+		lps[r] = float32(float64(row[tokens[r]]) - logSumExp(row, m))
 	})
 	for _, err := range errs {
 		if err != nil {
@@ -389,6 +385,15 @@ func rowMax(row []float32) (float64, error) {
 	return m, nil
 }
 
+// logSumExp returns log(sum(exp(row))) in float64, given the row's maximum m.
+func logSumExp(row []float32, m float64) float64 {
+	var z float64
+	for _, l := range row {
+		z += math.Exp(float64(l) - m)
+	}
+	return m + math.Log(z)
+}
+
 type sampleParams struct {
 	temp, topP         float32
 	topK               int
@@ -410,11 +415,7 @@ func sampleRow(logits []float32, p sampleParams) (int, float32, error) {
 				best = i
 			}
 		}
-		var z float64
-		for _, l := range logits {
-			z += math.Exp(float64(l) - m)
-		}
-		return best, float32(float64(logits[best]) - m - math.Log(z)), nil
+		return best, float32(float64(logits[best]) - logSumExp(logits, m)), nil
 	}
 
 	v := len(logits)

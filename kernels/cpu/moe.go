@@ -3,6 +3,7 @@ package cpu
 import (
 	"fmt"
 	"math"
+	"sync/atomic"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
@@ -18,19 +19,17 @@ func (be *Backend) Route(a kernels.RouteArgs) error {
 	if err := be.owns("route", map[string]*kernels.Buffer{"logits": a.Logits, "ids": a.IDs, "weights": a.Weights}); err != nil {
 		return err
 	}
-	if !(a.Scale > 0) || math.IsInf(float64(a.Scale), 0) {
-		return fmt.Errorf("cpu: route: scale %v: want a positive finite factor", a.Scale)
-	}
 	logits, ids, weights := f32s(a.Logits), i32s(a.IDs), f32s(a.Weights)
 	be.parallel(t, func(tok int) {
 		s := make([]float32, e)
-		route(s, logits[tok*e:(tok+1)*e], ids[tok*k:(tok+1)*k], weights[tok*k:(tok+1)*k], a)
+		taken := make([]bool, e)
+		route(s, taken, logits[tok*e:(tok+1)*e], ids[tok*k:(tok+1)*k], weights[tok*k:(tok+1)*k], a)
 	})
 	return nil
 }
 
-// route handles one token; s is scratch of length E.
-func route(s, logits []float32, ids []int32, w []float32, a kernels.RouteArgs) {
+// route handles one token; s and taken are scratch of length E.
+func route(s []float32, taken []bool, logits []float32, ids []int32, w []float32, a kernels.RouteArgs) {
 	switch a.Scoring {
 	case kernels.Softmax:
 		m := logits[0]
@@ -50,25 +49,27 @@ func route(s, logits []float32, ids []int32, w []float32, a kernels.RouteArgs) {
 			s[i] = 1 / (1 + float32(math.Exp(float64(-l))))
 		}
 	}
-	// Selection by repeated argmax: k is small, and the strict > makes ties
-	// go to the lower expert id.
+	// Selection by repeated argmax: k is small, and the strict comparison
+	// makes ties go to the lower expert id. NaN ranks below every number.
 	for j := range ids {
 		best := -1
 		for i, v := range s {
-			if v >= 0 && (best < 0 || v > s[best]) {
+			if !taken[i] && (best < 0 || ranksAbove(v, s[best])) {
 				best = i
 			}
 		}
+		taken[best] = true
 		ids[j], w[j] = int32(best), s[best]
-		s[best] = -1 // scores are >= 0: -1 marks "taken"
 	}
 	if a.Renormalize {
 		var sum float32
 		for _, v := range w {
 			sum += v
 		}
-		for j := range w {
-			w[j] /= sum
+		if sum != 0 { // sigmoid scores can all underflow to 0
+			for j := range w {
+				w[j] /= sum
+			}
 		}
 	}
 	for j := range w {
@@ -76,9 +77,13 @@ func route(s, logits []float32, ids []int32, w []float32, a kernels.RouteArgs) {
 	}
 }
 
+// ranksAbove reports whether score a is preferred to b: the larger number,
+// and any number over NaN.
+func ranksAbove(a, b float32) bool { return a > b || (b != b && a == a) }
+
 // Permute sorts the assignments by expert with a stable counting sort.
 func (be *Backend) Permute(a kernels.PermuteArgs) error {
-	t, k, e, err := a.Validate()
+	_, k, e, err := a.Validate()
 	if err != nil {
 		return err
 	}
@@ -104,7 +109,6 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 		rows[r] = int32(i / k)
 		slots[i] = r
 	}
-	_ = t
 	return nil
 }
 
@@ -120,8 +124,11 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 	src, packed, scales, scale := u16s(a.Src), a.Dst.Packed.Host(), a.Dst.Scales.Host(), f32s(a.Dst.Scale)
 	rows := s.Mats * s.Rows
 	pb, sb := s.Kp/2, s.Kp/nvfp4.BlockSize
+	var rowErr atomic.Pointer[error] // geometry was validated: only a bug sets it
 	quantRow := func(r int, sEnc, sDec float32) {
-		nvfp4.QuantizeRow(packed[r*pb:(r+1)*pb], scales[r*sb:(r+1)*sb], src[r*s.K:(r+1)*s.K], sEnc, sDec)
+		if err := nvfp4.QuantizeRow(packed[r*pb:(r+1)*pb], scales[r*sb:(r+1)*sb], src[r*s.K:(r+1)*s.K], sEnc, sDec); err != nil {
+			rowErr.CompareAndSwap(nil, &err)
+		}
 	}
 	switch a.Mode {
 	case kernels.PerRow:
@@ -143,6 +150,9 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 			enc[m], scale[m] = nvfp4.EncodeScale(mx)
 		}
 		be.parallel(rows, func(r int) { quantRow(r, enc[r/s.Rows], scale[r/s.Rows]) })
+	}
+	if err := rowErr.Load(); err != nil {
+		return fmt.Errorf("cpu: quantize: %w", *err)
 	}
 	return nil
 }

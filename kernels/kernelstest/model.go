@@ -632,27 +632,25 @@ func testModelErrors(t *testing.T, be kernels.Backend) {
 			Seeds: seeds, SampleIDs: i32(3), Positions: i32(3), Tokens: i32(3), LogProbs: f32(3)}
 	}
 	for _, c := range []struct {
-		name string
-		err  error
+		name, op string
+		err      error
 	}{
-		{"embed out width", be.Embed(kernels.EmbedArgs{Out: bf(3, 9), Table: bf(10, 8), IDs: i32(3)})},
-		{"embed ids dtype", be.Embed(kernels.EmbedArgs{Out: bf(3, 8), Table: bf(10, 8), IDs: f32(3)})},
-		{"rmsnorm weight length", be.RMSNorm(kernels.RMSNormArgs{Out: bf(2, 8), Src: bf(2, 8), Weight: bf(7), Eps: 1e-6})},
-		{"rmsnorm eps", be.RMSNorm(kernels.RMSNormArgs{Out: bf(2, 8), Src: bf(2, 8), Weight: bf(8)})},
-		{"add shapes", be.Add(kernels.AddArgs{Out: bf(2, 8), A: bf(2, 8), B: bf(8, 2)})},
-		{"rope odd head dim", be.RoPE(kernels.RoPEArgs{X: bf(2, 1, 7), Positions: i32(2), Cos: bf(4, 3), Sin: bf(4, 3)})},
-		{"rope positions", be.RoPE(kernels.RoPEArgs{X: bf(2, 1, 8), Positions: i32(3), Cos: bf(4, 4), Sin: bf(4, 4)})},
-		{"kv write heads", be.KVWrite(kernels.KVWriteArgs{Cache: cache, K: bf(3, 1, 8), V: bf(3, 1, 8), Slots: i32(3)})},
-		{"kv write cache", be.KVWrite(kernels.KVWriteArgs{Cache: kernels.KVCache{K: cache.K, V: bf(4, 2, 2, 4)}, K: bf(3, 2, 8), V: bf(3, 2, 8), Slots: i32(3)})},
-		{"attention groups", be.Attention(kernels.AttentionArgs{Out: bf(2, 3, 8), Q: bf(2, 3, 8), Cache: cache,
+		{"embed out width", "embed", be.Embed(kernels.EmbedArgs{Out: bf(3, 9), Table: bf(10, 8), IDs: i32(3)})},
+		{"embed ids dtype", "embed", be.Embed(kernels.EmbedArgs{Out: bf(3, 8), Table: bf(10, 8), IDs: f32(3)})},
+		{"rmsnorm weight length", "rmsnorm", be.RMSNorm(kernels.RMSNormArgs{Out: bf(2, 8), Src: bf(2, 8), Weight: bf(7), Eps: 1e-6})},
+		{"rmsnorm eps", "rmsnorm", be.RMSNorm(kernels.RMSNormArgs{Out: bf(2, 8), Src: bf(2, 8), Weight: bf(8)})},
+		{"add shapes", "add", be.Add(kernels.AddArgs{Out: bf(2, 8), A: bf(2, 8), B: bf(8, 2)})},
+		{"rope odd head dim", "rope", be.RoPE(kernels.RoPEArgs{X: bf(2, 1, 7), Positions: i32(2), Cos: bf(4, 3), Sin: bf(4, 3)})},
+		{"rope positions", "rope", be.RoPE(kernels.RoPEArgs{X: bf(2, 1, 8), Positions: i32(3), Cos: bf(4, 4), Sin: bf(4, 4)})},
+		{"kv write heads", "kv write", be.KVWrite(kernels.KVWriteArgs{Cache: cache, K: bf(3, 1, 8), V: bf(3, 1, 8), Slots: i32(3)})},
+		{"kv write cache", "kv write", be.KVWrite(kernels.KVWriteArgs{Cache: kernels.KVCache{K: cache.K, V: bf(4, 2, 2, 4)}, K: bf(3, 2, 8), V: bf(3, 2, 8), Slots: i32(3)})},
+		{"attention groups", "attention", be.Attention(kernels.AttentionArgs{Out: bf(2, 3, 8), Q: bf(2, 3, 8), Cache: cache,
 			PageTable: i32(1, 2), SeqLens: i32(1), QueryStart: i32(2), Scale: 1})},
-		{"attention query start", be.Attention(kernels.AttentionArgs{Out: bf(2, 4, 8), Q: bf(2, 4, 8), Cache: cache,
+		{"attention query start", "attention", be.Attention(kernels.AttentionArgs{Out: bf(2, 4, 8), Q: bf(2, 4, 8), Cache: cache,
 			PageTable: i32(1, 2), SeqLens: i32(1), QueryStart: i32(1), Scale: 1})},
-		{"sample seeds", be.Sample(sample(i32(3)))},
-		{"logprobs tokens", be.LogProbs(kernels.LogProbsArgs{Logits: f32(3, 5), Tokens: i32(2), LogProbs: f32(3)})},
+		{"sample seeds", "sample", be.Sample(sample(i32(3)))},
+		{"logprobs tokens", "logprobs", be.LogProbs(kernels.LogProbsArgs{Logits: f32(3, 5), Tokens: i32(2), LogProbs: f32(3)})},
 	} {
-		if c.err == nil {
-			t.Errorf("%s: no error", c.name)
-		}
+		wantError(t, c.name, c.op, c.err)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
@@ -542,8 +543,9 @@ func testFinalize(t *testing.T, be kernels.Backend) {
 		for c := range H {
 			var acc float32
 			for j := range k {
-				p := w[tok*k+j] * bf16.ToFloat32(y[int(slots[tok*k+j])*H+c])
-				acc += p
+				// The conversion keeps the product rounded on its own
+				// (no FMA on arm64), as the contract says.
+				acc += float32(w[tok*k+j] * bf16.ToFloat32(y[int(slots[tok*k+j])*H+c]))
 			}
 			want[tok*H+c] = bf16.FromFloat32(acc)
 		}
@@ -556,28 +558,46 @@ func testErrors(t *testing.T, be kernels.Backend) {
 	w := alloc(t, be, kernels.BF16, 8, 16)
 	d := alloc(t, be, kernels.F32, 4, 8)
 	other := alloc(t, be, kernels.BF16, 8, 32)
+	square := alloc(t, be, kernels.BF16, 4, 4)
 	i32 := alloc(t, be, kernels.I32, 4, 2)
 	f32 := alloc(t, be, kernels.F32, 4, 2)
 	logits := alloc(t, be, kernels.F32, 4, 3)
 	src := alloc(t, be, kernels.BF16, 4, 24)
 	badQ := kernels.NVFP4{Packed: alloc(t, be, kernels.U8, 4, 9), Scales: alloc(t, be, kernels.U8, 4, 1), Scale: alloc(t, be, kernels.F32, 4)}
-	cases := []struct {
-		name string
-		err  error
+	goodQ := kernels.NVFP4{Packed: alloc(t, be, kernels.U8, 4, 16), Scales: alloc(t, be, kernels.U8, 4, 2), Scale: alloc(t, be, kernels.F32, 4)}
+	stack := kernels.NVFP4{Packed: alloc(t, be, kernels.U8, 2, 8, 128), Scales: alloc(t, be, kernels.U8, 2, 8, 16), Scale: alloc(t, be, kernels.F32, 2)}
+	out := alloc(t, be, kernels.BF16, 4, 8)
+	offsets := alloc(t, be, kernels.I32, 3)
+	for _, c := range []struct {
+		name, op string
+		err      error
 	}{
-		{"gemm K mismatch", be.Gemm(d, a, w)},
-		{"gemm dst dtype", be.Gemm(i32, a, other)},
-		{"route k > E", be.Route(kernels.RouteArgs{Logits: logits, IDs: alloc(t, be, kernels.I32, 4, 4), Weights: alloc(t, be, kernels.F32, 4, 4), Scoring: kernels.Softmax, Scale: 1})},
-		{"route no scoring", be.Route(kernels.RouteArgs{Logits: logits, IDs: i32, Weights: f32, Scale: 1})},
-		{"quantize odd padding", be.Quantize(kernels.QuantizeArgs{Src: src, Dst: badQ, Mode: kernels.PerRow})},
-		{"quantize no mode", be.Quantize(kernels.QuantizeArgs{Src: src, Dst: badQ})},
-		{"grouped gemm no A", be.GroupedGemm(kernels.GroupedGemmArgs{W: kernels.Operand{BF16: alloc(t, be, kernels.BF16, 2, 8, 32)}, Offsets: alloc(t, be, kernels.I32, 3), Act: kernels.Identity, Out: alloc(t, be, kernels.BF16, 4, 8)})},
-		{"finalize slots", be.Finalize(kernels.FinalizeArgs{Out: alloc(t, be, kernels.BF16, 4, 16), Rows: alloc(t, be, kernels.BF16, 8, 16), Weights: f32, Slots: alloc(t, be, kernels.I32, 7)})},
+		{"gemm K mismatch", "gemm", be.Gemm(d, a, w)},
+		{"gemm dst dtype", "gemm", be.Gemm(i32, a, other)},
+		{"gemm dst aliases a", "gemm", be.Gemm(square, square, alloc(t, be, kernels.BF16, 4, 4))},
+		{"route k > E", "route", be.Route(kernels.RouteArgs{Logits: logits, IDs: alloc(t, be, kernels.I32, 4, 4), Weights: alloc(t, be, kernels.F32, 4, 4), Scoring: kernels.Softmax, Scale: 1})},
+		{"route no scoring", "route", be.Route(kernels.RouteArgs{Logits: logits, IDs: i32, Weights: f32, Scale: 1})},
+		{"route zero scale", "route", be.Route(kernels.RouteArgs{Logits: alloc(t, be, kernels.F32, 4, 2), IDs: i32, Weights: f32, Scoring: kernels.Softmax})},
+		{"quantize odd padding", "quantize", be.Quantize(kernels.QuantizeArgs{Src: src, Dst: badQ, Mode: kernels.PerRow})},
+		{"quantize no mode", "quantize", be.Quantize(kernels.QuantizeArgs{Src: src, Dst: goodQ})},
+		{"grouped gemm no A", "grouped gemm", be.GroupedGemm(kernels.GroupedGemmArgs{W: kernels.Operand{BF16: alloc(t, be, kernels.BF16, 2, 8, 32)}, Offsets: offsets, Act: kernels.Identity, Out: out})},
+		// A BF16 operand of 200 columns beside NVFP4 rows of 256: the
+		// padding does not belong to 200 columns.
+		{"grouped gemm mixed K", "grouped gemm", be.GroupedGemm(kernels.GroupedGemmArgs{A: kernels.Operand{BF16: alloc(t, be, kernels.BF16, 4, 200)},
+			W: kernels.Operand{Q: stack}, Offsets: offsets, Act: kernels.Identity, Out: out})},
+		{"finalize slots", "finalize", be.Finalize(kernels.FinalizeArgs{Out: alloc(t, be, kernels.BF16, 4, 16), Rows: alloc(t, be, kernels.BF16, 8, 16), Weights: f32, Slots: alloc(t, be, kernels.I32, 7)})},
+	} {
+		wantError(t, c.name, c.op, c.err)
 	}
-	for _, c := range cases {
-		if c.err == nil {
-			t.Errorf("%s: no error", c.name)
-		}
+}
+
+// wantError checks that err is a call-time error that names its op.
+func wantError(t *testing.T, name, op string, err error) {
+	t.Helper()
+	if err == nil {
+		t.Errorf("%s: no error", name)
+	} else if !strings.Contains(err.Error(), op+":") {
+		t.Errorf("%s: error %q does not name the op %q", name, err, op)
 	}
 }
 

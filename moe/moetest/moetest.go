@@ -1,86 +1,275 @@
-// Package moetest provides what tests and benchmarks of the MoE layer share:
-// seeded random weights and inputs, loading them into a layer, and the
-// per-token cosine similarity the accuracy targets are stated in.
+// Package moetest is the MoE layer's acceptance suite, parameterised by the
+// backend, so the CPU backend and the CUDA backend run the very same tests:
+// NVFP4 accuracy against the BF16 recipe, batch invariance, and in-place
+// requantization.
 package moetest
 
 import (
+	"bytes"
 	"encoding/binary"
+	"fmt"
 	"math"
 	"math/rand/v2"
+	"testing"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/moe/moebench"
 )
 
-// Weights are a layer's BF16 weights as little-endian bytes.
-type Weights struct{ Router, FC1, FC2 []byte }
+// NewBackend returns a backend for one test.
+type NewBackend func(t testing.TB) kernels.Backend
 
-// RandomWeights draws weights for cfg, scaled so that router logits and
-// expert activations are O(1) for N(0, 1) inputs.
-func RandomWeights(cfg moe.Config, seed uint64) Weights {
-	r := rand.New(rand.NewPCG(seed, 99))
-	i1 := cfg.Intermediate
-	if cfg.Activation == moe.SwiGLU {
-		i1 *= 2
-	}
-	return Weights{
-		Router: RandomBF16(r, cfg.Experts*cfg.Hidden, 1/math.Sqrt(float64(cfg.Hidden))),
-		FC1:    RandomBF16(r, cfg.Experts*i1*cfg.Hidden, 1/math.Sqrt(float64(cfg.Hidden))),
-		FC2:    RandomBF16(r, cfg.Experts*cfg.Hidden*cfg.Intermediate, 1/math.Sqrt(float64(cfg.Intermediate))),
-	}
+// Run runs the whole suite.
+func Run(t *testing.T, newBackend NewBackend) {
+	t.Run("NVFP4MatchesBF16", func(t *testing.T) { testNVFP4MatchesBF16(t, newBackend(t)) })
+	t.Run("BatchInvariance", func(t *testing.T) { testBatchInvariance(t, newBackend(t)) })
+	t.Run("RequantizeInPlace", func(t *testing.T) { testRequantizeInPlace(t, newBackend(t)) })
 }
 
-// RandomBF16 returns n BF16 values from N(0, std^2) as little-endian bytes.
-func RandomBF16(r *rand.Rand, n int, std float64) []byte {
-	out := make([]byte, 2*n)
-	for i := range n {
-		binary.LittleEndian.PutUint16(out[2*i:], bf16.FromFloat32(float32(r.NormFloat64()*std)))
+// NewLayer makes a layer with the weights w, closed when the test ends.
+func NewLayer(t testing.TB, be kernels.Backend, cfg moe.Config, w moebench.Weights) *moe.Layer {
+	t.Helper()
+	l, err := moe.New(be, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := l.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	if err := moebench.Load(be, l, w); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// Forward runs the layer on x (BF16 bytes, T x H) and returns the output.
+func Forward(t testing.TB, be kernels.Backend, l *moe.Layer, x []byte) []byte {
+	t.Helper()
+	H := l.Config().Hidden
+	T := len(x) / 2 / H
+	in, out := alloc(t, be, kernels.BF16, T, H), alloc(t, be, kernels.BF16, T, H)
+	if err := be.Upload(in, 0, x); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Forward(out, in); err != nil {
+		t.Fatal(err)
+	}
+	return download(t, be, out)
+}
+
+func alloc(t testing.TB, be kernels.Backend, dt kernels.DType, shape ...int) *kernels.Buffer {
+	t.Helper()
+	b, err := be.Alloc(dt, shape...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := be.Free(b); err != nil {
+			t.Error(err)
+		}
+	})
+	return b
+}
+
+func download(t testing.TB, be kernels.Backend, b *kernels.Buffer) []byte {
+	t.Helper()
+	if err := be.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	out := make([]byte, b.Size())
+	if err := be.Download(out, b, 0); err != nil {
+		t.Fatal(err)
 	}
 	return out
 }
 
-// Load writes w into the layer's BF16 weights and requantizes its copies.
-func Load(be kernels.Backend, l *moe.Layer, w Weights) error {
-	for _, p := range []struct {
-		dst *kernels.Buffer
-		src []byte
-	}{{l.Router(), w.Router}, {l.FC1(), w.FC1}, {l.FC2(), w.FC2}} {
-		if err := be.Upload(p.dst, 0, p.src); err != nil {
-			return err
+// testNVFP4MatchesBF16 is the seed's accuracy check: the NVFP4 recipes stay
+// within NVFP4's expected error of the BF16 recipe on the same weights
+// (per-token cosine mean > 0.97, minimum > 0.95), for both activations and
+// both scoring functions, on non-aligned shapes (padding inside the layer).
+//
+// With N(0, 1) tokens the mean sits near 0.981 (squared ReLU) and 0.973
+// (SwiGLU) whatever the shape; the per-token minimum over 64 tokens depends
+// on the width, since a cosine over fewer elements scatters more (see
+// docs/MOE.md): from hidden 200 with intermediate >= 72 every seed tried
+// stayed above 0.95.
+func testNVFP4MatchesBF16(t *testing.T, be kernels.Backend) {
+	const T = 64
+	for _, shape := range []struct{ h, i, e, k int }{{200, 72, 6, 2}, {1000, 328, 12, 3}} {
+		for _, act := range []moe.Activation{moe.ReLU2, moe.SwiGLU} {
+			for _, sc := range []moe.Scoring{moe.Softmax, moe.Sigmoid} {
+				for seed := uint64(1); seed <= 3; seed++ {
+					base := moe.Config{Hidden: shape.h, Intermediate: shape.i, Experts: shape.e, TopK: shape.k,
+						Activation: act, Scoring: sc, Renormalize: sc == moe.Sigmoid, MaxTokens: T, Recipe: moe.RecipeBF16}
+					name := fmt.Sprintf("h%d_i%d_e%d_k%d_%s_%s_seed%d", shape.h, shape.i, shape.e, shape.k, act, sc, seed)
+					t.Run(name, func(t *testing.T) {
+						w := moebench.RandomWeights(base, seed)
+						x := moebench.RandomBF16(rand.New(rand.NewPCG(seed, 3)), T*shape.h, 1)
+						ref := moebench.Floats(Forward(t, be, NewLayer(t, be, base, w), x))
+						for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeWeightOnly} {
+							cfg := base
+							cfg.Recipe = recipe
+							got := moebench.Floats(Forward(t, be, NewLayer(t, be, cfg, w), x))
+							mean, minCos := moebench.Cosines(got, ref, shape.h)
+							t.Logf("%s: cosine to bf16 mean %.4f min %.4f", recipe, mean, minCos)
+							if !(mean > 0.97 && minCos > 0.95) {
+								t.Errorf("%s: cosine to bf16 mean %.4f (want > 0.97), min %.4f (want > 0.95)", recipe, mean, minCos)
+							}
+						}
+					})
+				}
+			}
 		}
 	}
-	return l.Requantize()
 }
 
-// Floats decodes little-endian BF16 bytes.
-func Floats(b []byte) []float64 {
-	out := make([]float64, len(b)/2)
-	for i := range out {
-		out[i] = float64(bf16.ToFloat32(binary.LittleEndian.Uint16(b[2*i:])))
+// testBatchInvariance is the seed's test: a token's output is bitwise the
+// same alone and inside batches of 193 and 1024 tokens whose other tokens
+// are 100x larger and routed to the same experts.
+func testBatchInvariance(t *testing.T, be kernels.Backend) {
+	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16, moe.RecipeWeightOnly} {
+		for _, act := range []moe.Activation{moe.ReLU2, moe.SwiGLU} {
+			t.Run(fmt.Sprintf("%s_%s", recipe, act), func(t *testing.T) {
+				cfg := moe.Config{Hidden: 96, Intermediate: 40, Experts: 8, TopK: 2, Activation: act,
+					Scoring: moe.Softmax, MaxTokens: 1024, Recipe: recipe}
+				l := NewLayer(t, be, cfg, moebench.RandomWeights(cfg, 4))
+				r := rand.New(rand.NewPCG(5, 6))
+				target := moebench.RandomBF16(r, cfg.Hidden, 1)
+				big := make([]byte, len(target))
+				for i := 0; i < len(target); i += 2 {
+					v := bf16.ToFloat32(binary.LittleEndian.Uint16(target[i:]))
+					binary.LittleEndian.PutUint16(big[i:], bf16.FromFloat32(100*v))
+				}
+				if a, b := routeOf(t, be, l, target), routeOf(t, be, l, big); !bytes.Equal(a, b) {
+					t.Fatalf("the 100x token routes to experts % x, the target to % x", b, a)
+				}
+				alone := Forward(t, be, l, target)
+				for _, n := range []int{193, 1024} {
+					for _, pos := range []int{0, n / 2, n - 1} {
+						batch := bytes.Repeat(big, n)
+						copy(batch[pos*len(target):], target)
+						out := Forward(t, be, l, batch)
+						if got := out[pos*len(target) : (pos+1)*len(target)]; !bytes.Equal(got, alone) {
+							t.Fatalf("batch %d, position %d: output differs from the token alone", n, pos)
+						}
+					}
+				}
+			})
+		}
 	}
-	return out
 }
 
-// Cosines returns the mean and the minimum over tokens of the cosine
-// similarity between got and ref, both T x H row-major. Two zero rows count
-// as identical.
-func Cosines(got, ref []float64, h int) (mean, minimum float64) {
-	t := len(ref) / h
-	minimum = 1
-	for tok := range t {
-		var ab, aa, bb float64
-		for i := tok * h; i < (tok+1)*h; i++ {
-			ab += got[i] * ref[i]
-			aa += got[i] * got[i]
-			bb += ref[i] * ref[i]
-		}
-		c := 1.0
-		if aa > 0 || bb > 0 {
-			c = ab / math.Sqrt(aa*bb)
-		}
-		mean += c
-		minimum = min(minimum, c)
+// routeOf returns the expert ids the layer's router picks for one token.
+func routeOf(t testing.TB, be kernels.Backend, l *moe.Layer, x []byte) []byte {
+	t.Helper()
+	c := l.Config()
+	in := alloc(t, be, kernels.BF16, 1, c.Hidden)
+	if err := be.Upload(in, 0, x); err != nil {
+		t.Fatal(err)
 	}
-	return mean / float64(t), minimum
+	logits := alloc(t, be, kernels.F32, 1, c.Experts)
+	ids, w := alloc(t, be, kernels.I32, 1, c.TopK), alloc(t, be, kernels.F32, 1, c.TopK)
+	if err := be.Gemm(logits, in, l.Router()); err != nil {
+		t.Fatal(err)
+	}
+	if err := be.Route(kernels.RouteArgs{Logits: logits, IDs: ids, Weights: w, Scoring: kernels.Softmax, Scale: 1}); err != nil {
+		t.Fatal(err)
+	}
+	return download(t, be, ids)
+}
+
+// testRequantizeInPlace: after the BF16 stacks change, Requantize leaves
+// every NVFP4 buffer at its address and equal, bit for bit, to a fresh
+// quantization of the new weights; Requantize(e) touches expert e only.
+func testRequantizeInPlace(t *testing.T, be kernels.Backend) {
+	for _, act := range []moe.Activation{moe.ReLU2, moe.SwiGLU} {
+		t.Run(string(act), func(t *testing.T) {
+			cfg := moe.Config{Hidden: 200, Intermediate: 72, Experts: 6, TopK: 2, Activation: act,
+				Scoring: moe.Softmax, MaxTokens: 8, Recipe: moe.RecipePerToken}
+			l := NewLayer(t, be, cfg, moebench.RandomWeights(cfg, 7))
+			fc1, fc2 := l.Quantized()
+			before := addrs(fc1, fc2)
+
+			next := moebench.RandomWeights(cfg, 8)
+			// Expert 2 of the new FC1 is all zero: its alpha must become 1.
+			i1 := len(next.FC1) / cfg.Experts
+			clear(next.FC1[2*i1 : 3*i1])
+			for _, p := range []struct {
+				dst *kernels.Buffer
+				src []byte
+			}{{l.FC1(), next.FC1}, {l.FC2(), next.FC2}} {
+				if err := be.Upload(p.dst, 0, p.src); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Only expert 4 first: the others must still hold the old copy.
+			old1 := download(t, be, fc1.Packed)
+			if err := l.Requantize(4); err != nil {
+				t.Fatal(err)
+			}
+			now1 := download(t, be, fc1.Packed)
+			per := len(old1) / cfg.Experts
+			for e := range cfg.Experts {
+				changed := !bytes.Equal(now1[e*per:(e+1)*per], old1[e*per:(e+1)*per])
+				if changed != (e == 4) {
+					t.Fatalf("Requantize(4): expert %d changed = %v", e, changed)
+				}
+			}
+			if err := l.Requantize(); err != nil {
+				t.Fatal(err)
+			}
+			f1, f2 := l.Quantized()
+			if after := addrs(f1, f2); after != before {
+				t.Fatalf("NVFP4 buffers moved: %v -> %v", before, after)
+			}
+			rows1 := cfg.Intermediate
+			if act == moe.SwiGLU {
+				rows1 *= 2
+			}
+			checkFresh(t, be, fc1, next.FC1, cfg.Experts, rows1, cfg.Hidden)
+			checkFresh(t, be, fc2, next.FC2, cfg.Experts, cfg.Hidden, cfg.Intermediate)
+			if alpha := download(t, be, fc1.Scale); math.Float32frombits(binary.LittleEndian.Uint32(alpha[8:])) != 1 {
+				t.Fatalf("alpha of the all-zero expert is not 1: % x", alpha[8:12])
+			}
+		})
+	}
+}
+
+func addrs(qs ...kernels.NVFP4) [6]uintptr {
+	var a [6]uintptr
+	for i, q := range qs {
+		a[3*i], a[3*i+1], a[3*i+2] = q.Packed.Addr(), q.Scales.Addr(), q.Scale.Addr()
+	}
+	return a
+}
+
+// checkFresh compares q with the codec's quantization of src, per expert.
+func checkFresh(t *testing.T, be kernels.Backend, q kernels.NVFP4, src []byte, e, n, k int) {
+	t.Helper()
+	vals := make([]uint16, len(src)/2)
+	for i := range vals {
+		vals[i] = binary.LittleEndian.Uint16(src[2*i:])
+	}
+	kp := nvfp4.PaddedK(k)
+	packed, scales, alpha := make([]byte, e*n*kp/2), make([]byte, e*n*kp/nvfp4.BlockSize), make([]float32, e)
+	if err := nvfp4.QuantizeStack(packed, scales, alpha, vals, e, n, k); err != nil {
+		t.Fatal(err)
+	}
+	alphaBytes := make([]byte, 4*e)
+	for i, a := range alpha {
+		binary.LittleEndian.PutUint32(alphaBytes[4*i:], math.Float32bits(a))
+	}
+	for _, c := range []struct {
+		name      string
+		got, want []byte
+	}{{"packed", download(t, be, q.Packed), packed}, {"scales", download(t, be, q.Scales), scales}, {"alpha", download(t, be, q.Scale), alphaBytes}} {
+		if !bytes.Equal(c.got, c.want) {
+			t.Fatalf("%s differs from a fresh quantization", c.name)
+		}
+	}
 }

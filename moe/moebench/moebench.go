@@ -1,13 +1,16 @@
 // Package moebench measures the MoE layer: every recipe on the same random
 // weights and the same rotating inputs, side by side in one run, with each
-// NVFP4 recipe's accuracy against the BF16 recipe.
+// NVFP4 recipe's accuracy against the BF16 recipe. It also holds the seeded
+// weights, inputs and cosine similarity that the layer's tests use.
 //
 // Run builds its layers on the backend it is given and frees them before it
-// returns; it must be called from the goroutine that owns the backend.
+// returns; it must be called from the goroutine that owns the backend. The
+// other functions are pure.
 package moebench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -17,14 +20,13 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
-	"github.com/rollout-worker/rollout-worker/moe/moetest"
 )
 
 // Config is one benchmark run.
 type Config struct {
 	Layer   moe.Config   // shape, activation, scoring; Recipe and MaxTokens are set per case
 	Tokens  []int        // batch sizes
-	Recipes []moe.Recipe // the first is the reference for accuracy; must include bf16
+	Recipes []moe.Recipe // distinct; must include bf16, the accuracy reference
 	Iters   int          // timed forwards per case (mean reported)
 	Warmup  int          // untimed forwards per case
 	Inputs  int          // distinct input batches rotated through
@@ -41,102 +43,113 @@ type Result struct {
 }
 
 // Run measures every recipe at every batch size.
-func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer) ([]Result, error) {
+func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer) (results []Result, err error) {
 	if len(cfg.Tokens) == 0 || len(cfg.Recipes) == 0 || cfg.Iters < 1 || cfg.Inputs < 1 {
 		return nil, fmt.Errorf("moebench: need tokens, recipes, iters >= 1 and inputs >= 1")
 	}
 	if !slices.Contains(cfg.Recipes, moe.RecipeBF16) {
 		return nil, fmt.Errorf("moebench: recipes %v must include %q, the accuracy reference", cfg.Recipes, moe.RecipeBF16)
 	}
-	maxT := slices.Max(cfg.Tokens)
-	r := rand.New(rand.NewPCG(cfg.Seed, 2)) // inputs; weights use cfg.Seed
-	w := moetest.RandomWeights(cfg.Layer, cfg.Seed)
-
-	layers := make(map[moe.Recipe]*moe.Layer)
-	defer func() {
-		for _, l := range layers {
-			l.Close()
-		}
-	}()
-	for _, rc := range cfg.Recipes {
-		lc := cfg.Layer
-		lc.Recipe, lc.MaxTokens = rc, maxT
-		l, err := moe.New(be, lc)
-		if err != nil {
-			return nil, err
-		}
-		layers[rc] = l
-		if err := moetest.Load(be, l, w); err != nil {
-			return nil, err
+	for i, rc := range cfg.Recipes {
+		if slices.Contains(cfg.Recipes[:i], rc) {
+			return nil, fmt.Errorf("moebench: recipe %q listed twice", rc)
 		}
 	}
-
-	H := cfg.Layer.Hidden
-	var results []Result
 	for _, T := range cfg.Tokens {
 		if T < 1 {
 			return nil, fmt.Errorf("moebench: batch of %d tokens", T)
 		}
-		ins, outs := make([]*kernels.Buffer, cfg.Inputs), make([]*kernels.Buffer, cfg.Inputs)
-		for i := range ins {
-			var err error
-			if ins[i], err = be.Alloc(kernels.BF16, T, H); err != nil {
+	}
+	w := RandomWeights(cfg.Layer, cfg.Seed)
+	layers := make(map[moe.Recipe]*moe.Layer)
+	defer func() {
+		for _, l := range layers {
+			err = errors.Join(err, l.Close())
+		}
+	}()
+	for _, rc := range cfg.Recipes {
+		lc := cfg.Layer
+		lc.Recipe, lc.MaxTokens = rc, slices.Max(cfg.Tokens)
+		l, err := moe.New(be, lc)
+		if err != nil {
+			return nil, fmt.Errorf("moebench: %s layer: %w", rc, err)
+		}
+		layers[rc] = l
+		if err := Load(be, l, w); err != nil {
+			return nil, fmt.Errorf("moebench: load %s layer: %w", rc, err)
+		}
+	}
+	inputs := rand.New(rand.NewPCG(cfg.Seed, 2)) // weights use cfg.Seed alone
+	for _, T := range cfg.Tokens {
+		res, err := runTokens(ctx, be, cfg, layers, inputs, T, progress)
+		if err != nil {
+			return nil, fmt.Errorf("moebench: %d tokens: %w", T, err)
+		}
+		results = append(results, res...)
+	}
+	return results, nil
+}
+
+// runTokens measures every recipe at one batch size.
+func runTokens(ctx context.Context, be kernels.Backend, cfg Config, layers map[moe.Recipe]*moe.Layer, r *rand.Rand, T int, progress io.Writer) (results []Result, err error) {
+	H := cfg.Layer.Hidden
+	var bufs []*kernels.Buffer
+	defer func() {
+		for _, b := range bufs {
+			err = errors.Join(err, be.Free(b))
+		}
+	}()
+	ins, outs := make([]*kernels.Buffer, cfg.Inputs), make([]*kernels.Buffer, cfg.Inputs)
+	for i := range ins {
+		for _, p := range []**kernels.Buffer{&ins[i], &outs[i]} {
+			if *p, err = be.Alloc(kernels.BF16, T, H); err != nil {
 				return nil, err
 			}
-			defer be.Free(ins[i])
-			if outs[i], err = be.Alloc(kernels.BF16, T, H); err != nil {
-				return nil, err
-			}
-			defer be.Free(outs[i])
-			if err := be.Upload(ins[i], 0, moetest.RandomBF16(r, T*H, 1)); err != nil {
+			bufs = append(bufs, *p)
+		}
+		if err := be.Upload(ins[i], 0, RandomBF16(r, T*H, 1)); err != nil {
+			return nil, err
+		}
+	}
+	outputs := map[moe.Recipe][]float64{}
+	for _, rc := range cfg.Recipes {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		l := layers[rc]
+		// Accuracy on input 0, then timing over the rotation.
+		if err := l.Forward(outs[0], ins[0]); err != nil {
+			return nil, err
+		}
+		if outputs[rc], err = readBF16(be, outs[0]); err != nil {
+			return nil, err
+		}
+		for i := range cfg.Warmup {
+			if err := l.Forward(outs[i%cfg.Inputs], ins[i%cfg.Inputs]); err != nil {
 				return nil, err
 			}
 		}
-		ref := map[moe.Recipe][]float64{}
-		for _, rc := range cfg.Recipes {
-			if err := ctx.Err(); err != nil {
+		if err := be.Sync(); err != nil {
+			return nil, err
+		}
+		start := time.Now()
+		for i := range cfg.Iters {
+			if err := l.Forward(outs[i%cfg.Inputs], ins[i%cfg.Inputs]); err != nil {
 				return nil, err
-			}
-			l := layers[rc]
-			// Accuracy on input 0, then timing over the rotation.
-			if err := l.Forward(outs[0], ins[0]); err != nil {
-				return nil, err
-			}
-			got, err := readBF16(be, outs[0])
-			if err != nil {
-				return nil, err
-			}
-			ref[rc] = got
-			for i := range cfg.Warmup {
-				if err := l.Forward(outs[i%cfg.Inputs], ins[i%cfg.Inputs]); err != nil {
-					return nil, err
-				}
-			}
-			if err := be.Sync(); err != nil {
-				return nil, err
-			}
-			start := time.Now()
-			for i := range cfg.Iters {
-				if err := l.Forward(outs[i%cfg.Inputs], ins[i%cfg.Inputs]); err != nil {
-					return nil, err
-				}
-			}
-			if err := be.Sync(); err != nil {
-				return nil, err
-			}
-			res := Result{Tokens: T, Recipe: rc, Mean: time.Since(start) / time.Duration(cfg.Iters)}
-			results = append(results, res)
-			if progress != nil {
-				fmt.Fprintf(progress, "  tokens %5d  %-11s %v\n", T, rc, res.Mean)
 			}
 		}
-		for i := range results {
-			res := &results[i]
-			if res.Tokens != T {
-				continue
-			}
-			res.CosMean, res.CosMin = moetest.Cosines(ref[res.Recipe], ref[moe.RecipeBF16], H)
+		if err := be.Sync(); err != nil {
+			return nil, err
 		}
+		res := Result{Tokens: T, Recipe: rc, Mean: time.Since(start) / time.Duration(cfg.Iters)}
+		res.CosMean, res.CosMin = 1, 1
+		results = append(results, res)
+		if progress != nil {
+			fmt.Fprintf(progress, "  tokens %5d  %-11s %v\n", T, rc, res.Mean)
+		}
+	}
+	for i := range results {
+		results[i].CosMean, results[i].CosMin = Cosines(outputs[results[i].Recipe], outputs[moe.RecipeBF16], H)
 	}
 	return results, nil
 }
@@ -208,5 +221,5 @@ func readBF16(be kernels.Backend, b *kernels.Buffer) ([]float64, error) {
 	if err := be.Download(raw, b, 0); err != nil {
 		return nil, err
 	}
-	return moetest.Floats(raw), nil
+	return Floats(raw), nil
 }

@@ -1,0 +1,231 @@
+package kernelstest
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
+	"github.com/rollout-worker/rollout-worker/kernels"
+)
+
+// testGroupedGemmRows covers what the MoE layer relies on beyond the
+// arithmetic: the FC2 form (no gather), rows outside the offsets left
+// untouched, and a row's bits not depending on the other rows.
+func testGroupedGemmRows(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(13, 14))
+	const E, N, K, Ta, topK = 4, 24, 72, 9, 2
+	ids := distinctIDs(r, Ta, topK, E, -1)
+	offsets, _, _ := refPermute(ids, topK, E)
+	R := Ta * topK
+	x := randBF16(r, R*K, 1)
+	w := randBF16(r, E*N*K, 0.1)
+	for _, quant := range []bool{false, true} {
+		t.Run(fmt.Sprintf("nvfp4=%v", quant), func(t *testing.T) {
+			var A, W kernels.Operand
+			if quant {
+				A.Q, _ = quantHost(t, be, x, 1, R, K, kernels.PerRow)
+				W.Q, _ = quantHost(t, be, w, E, N, K, kernels.PerMatrix)
+			} else {
+				A.BF16, W.BF16 = bf16Buf(t, be, x, R, K), bf16Buf(t, be, w, E, N, K)
+			}
+			// Rows [2, R-1) only: the first two and the last keep their
+			// bytes.
+			sub := append([]int32(nil), offsets...)
+			for e := range sub {
+				sub[e] = min(max(sub[e], 2), int32(R-1))
+			}
+			fill := make([]byte, R*N*2)
+			for i := range fill {
+				fill[i] = 0x5a
+			}
+			out := alloc(t, be, kernels.BF16, R, N)
+			upload(t, be, out, fill)
+			err := be.GroupedGemm(kernels.GroupedGemmArgs{A: A, W: W, Offsets: i32Buf(t, be, sub, E+1), Act: kernels.Identity, Out: out})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := download(t, be, out)
+			row := 2 * N
+			for _, i := range []int{0, 1, R - 1} {
+				if !bytes.Equal(got[i*row:(i+1)*row], fill[i*row:(i+1)*row]) {
+					t.Fatalf("row %d outside the offsets was written", i)
+				}
+			}
+			// Each written row again as a one-row problem, with gather.
+			for _, i := range []int{2, R / 2, R - 2} {
+				e := 0
+				for int(sub[e+1]) <= i {
+					e++
+				}
+				one := make([]int32, E+1)
+				for j := e + 1; j <= E; j++ {
+					one[j] = 1
+				}
+				out1 := alloc(t, be, kernels.BF16, 1, N)
+				err := be.GroupedGemm(kernels.GroupedGemmArgs{A: A, Gather: i32Buf(t, be, []int32{int32(i)}, 1), W: W,
+					Offsets: i32Buf(t, be, one, E+1), Act: kernels.Identity, Out: out1})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(download(t, be, out1), got[i*row:(i+1)*row]) {
+					t.Fatalf("row %d alone differs from the batch", i)
+				}
+			}
+		})
+	}
+}
+
+// testQuantizeSlice quantizes experts 1..2 of a stack through Slice views,
+// as an in-place requantization of touched experts does: the other experts
+// keep their bytes, and the touched ones equal the codec.
+func testQuantizeSlice(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(15, 16))
+	const E, N, K = 4, 8, 40
+	kp := nvfp4.PaddedK(K)
+	src := randBF16(r, E*N*K, 1)
+	S := bf16Buf(t, be, src, E, N, K)
+	q := kernels.NVFP4{
+		Packed: alloc(t, be, kernels.U8, E, N, kp/2),
+		Scales: alloc(t, be, kernels.U8, E, N, kp/16),
+		Scale:  alloc(t, be, kernels.F32, E),
+	}
+	for _, b := range []*kernels.Buffer{q.Packed, q.Scales, q.Scale} {
+		upload(t, be, b, bytes.Repeat([]byte{0xa5}, b.Size()))
+	}
+	view := func(b *kernels.Buffer) *kernels.Buffer {
+		v, err := b.Slice(1, 3)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	err := be.Quantize(kernels.QuantizeArgs{Src: view(S), Dst: kernels.NVFP4{Packed: view(q.Packed), Scales: view(q.Scales), Scale: view(q.Scale)}, Mode: kernels.PerMatrix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	packed, scales, alpha := make([]byte, 2*N*kp/2), make([]byte, 2*N*kp/16), make([]float32, 2)
+	if err := nvfp4.QuantizeStack(packed, scales, alpha, src[N*K:3*N*K], 2, N, K); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name      string
+		b         *kernels.Buffer
+		want      []byte
+		perExpert int
+	}{{"packed", q.Packed, packed, N * kp / 2}, {"scales", q.Scales, scales, N * kp / 16}, {"alpha", q.Scale, f32Bytes(alpha), 4}} {
+		got := download(t, be, c.b)
+		pe := c.perExpert
+		for _, e := range []int{0, 3} {
+			if !bytes.Equal(got[e*pe:(e+1)*pe], bytes.Repeat([]byte{0xa5}, pe)) {
+				t.Fatalf("%s of untouched expert %d changed", c.name, e)
+			}
+		}
+		expectBytes(t, c.name, got[pe:3*pe], c.want, pe)
+	}
+}
+
+// testRowInvariance checks that Route, per-row Quantize and Finalize give a
+// token the same bits alone as inside a batch.
+func testRowInvariance(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(17, 18))
+	const T, E, k, H = 33, 10, 3, 48
+	const tok = 20
+	logits := make([]float32, T*E)
+	for i := range logits {
+		logits[i] = float32(r.NormFloat64())
+	}
+	route := func(l []float32, n int) ([]byte, []byte) {
+		ids, w := alloc(t, be, kernels.I32, n, k), alloc(t, be, kernels.F32, n, k)
+		err := be.Route(kernels.RouteArgs{Logits: f32Buf(t, be, l, n, E), IDs: ids, Weights: w, Scoring: kernels.Softmax, Renormalize: true, Scale: 2.5})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return download(t, be, ids), download(t, be, w)
+	}
+	allIDs, allW := route(logits, T)
+	oneIDs, oneW := route(logits[tok*E:(tok+1)*E], 1)
+	if !bytes.Equal(oneIDs, allIDs[tok*k*4:(tok+1)*k*4]) || !bytes.Equal(oneW, allW[tok*k*4:(tok+1)*k*4]) {
+		t.Fatal("route: a token alone differs from the batch")
+	}
+
+	x := edgeRows(r, T, H)
+	quant := func(src []uint16, n int) []byte {
+		q := kernels.NVFP4{Packed: alloc(t, be, kernels.U8, n, H/2), Scales: alloc(t, be, kernels.U8, n, H/16), Scale: alloc(t, be, kernels.F32, n)}
+		if err := be.Quantize(kernels.QuantizeArgs{Src: bf16Buf(t, be, src, n, H), Dst: q, Mode: kernels.PerRow}); err != nil {
+			t.Fatal(err)
+		}
+		return append(append(download(t, be, q.Packed), download(t, be, q.Scales)...), download(t, be, q.Scale)...)
+	}
+	all := quant(x, T)
+	one := quant(x[tok*H:(tok+1)*H], 1)
+	p, s := T*H/2, T*H/16
+	want := append(append(append([]byte(nil), all[tok*H/2:(tok+1)*H/2]...), all[p+tok*H/16:p+(tok+1)*H/16]...), all[p+s+4*tok:p+s+4*tok+4]...)
+	if !bytes.Equal(one, want) {
+		t.Fatal("quantize: a row alone differs from the batch")
+	}
+
+	R := T * k
+	y := bf16Buf(t, be, randBF16(r, R*H, 1), R, H)
+	w := make([]float32, T*k)
+	for i := range w {
+		w[i] = r.Float32()
+	}
+	slots := make([]int32, R)
+	for i, v := range r.Perm(R) {
+		slots[i] = int32(v)
+	}
+	fin := func(w []float32, slots []int32, n int) []byte {
+		out := alloc(t, be, kernels.BF16, n, H)
+		if err := be.Finalize(kernels.FinalizeArgs{Out: out, Rows: y, Weights: f32Buf(t, be, w, n, k), Slots: i32Buf(t, be, slots, n*k)}); err != nil {
+			t.Fatal(err)
+		}
+		return download(t, be, out)
+	}
+	if !bytes.Equal(fin(w[tok*k:(tok+1)*k], slots[tok*k:(tok+1)*k], 1), fin(w, slots, T)[tok*H*2:(tok+1)*H*2]) {
+		t.Fatal("finalize: a token alone differs from the batch")
+	}
+}
+
+// testBadIndices: an index that would address memory out of bounds is
+// reported, at the call (CPU) or at the next Sync (a device backend skips
+// the row and raises its error flag). See the kernels package comment.
+func testBadIndices(t *testing.T, be kernels.Backend) {
+	const E, H = 3, 16
+	w := alloc(t, be, kernels.BF16, E, 8, H)
+	x := alloc(t, be, kernels.BF16, 2, H)
+	out := alloc(t, be, kernels.BF16, 4, 8)
+	ids22 := func(v ...int32) *kernels.Buffer { return i32Buf(t, be, v, 2, 2) }
+	for _, c := range []struct {
+		name string
+		call func() error
+	}{
+		{"permute expert id", func() error {
+			return be.Permute(kernels.PermuteArgs{IDs: ids22(0, 1, 2, 3), Offsets: alloc(t, be, kernels.I32, E+1),
+				Rows: alloc(t, be, kernels.I32, 4), Slots: alloc(t, be, kernels.I32, 4)})
+		}},
+		{"grouped gemm gather", func() error {
+			return be.GroupedGemm(kernels.GroupedGemmArgs{A: kernels.Operand{BF16: x}, Gather: i32Buf(t, be, []int32{0, 1, 2, 0}, 4),
+				W: kernels.Operand{BF16: w}, Offsets: i32Buf(t, be, []int32{0, 2, 4, 4}, E+1), Act: kernels.Identity, Out: out})
+		}},
+		{"finalize slot", func() error {
+			return be.Finalize(kernels.FinalizeArgs{Out: alloc(t, be, kernels.BF16, 2, 8), Rows: out,
+				Weights: alloc(t, be, kernels.F32, 2, 2), Slots: i32Buf(t, be, []int32{0, 1, 9, 3}, 4)})
+		}},
+		{"embed id", func() error {
+			return be.Embed(kernels.EmbedArgs{Out: alloc(t, be, kernels.BF16, 1, 8), Table: alloc(t, be, kernels.BF16, 10, 8), IDs: i32Buf(t, be, []int32{10}, 1)})
+		}},
+	} {
+		err := c.call()
+		if err == nil {
+			err = be.Sync()
+		}
+		if err == nil {
+			t.Errorf("%s: out-of-range index not reported", c.name)
+		}
+		if err := be.Sync(); err != nil {
+			t.Errorf("%s: the error is still pending after it was reported: %v", c.name, err)
+		}
+	}
+}
