@@ -9,9 +9,9 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/rollout-worker/rollout-worker/moe/moebench"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/moe/moebench"
 )
 
 const benchUsage = `Usage: rollout-worker bench moe [flags]
