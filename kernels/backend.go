@@ -2,9 +2,15 @@ package kernels
 
 import "errors"
 
-// ErrForeignBuffer is returned when an op is given a buffer that another
-// backend allocated.
-var ErrForeignBuffer = errors.New("kernels: buffer belongs to another backend")
+// Sentinel errors.
+var (
+	// ErrForeignBuffer is returned when an op is given a buffer that
+	// another backend allocated.
+	ErrForeignBuffer = errors.New("kernels: buffer belongs to another backend")
+	// ErrCapturing is returned by memory operations and Sync issued while
+	// a Capturer is recording.
+	ErrCapturing = errors.New("kernels: not allowed during graph capture")
+)
 
 // Backend is the op set. Every op validates its arguments (shapes, dtypes,
 // ownership) and returns an error naming the op and the offending operand;
