@@ -125,6 +125,10 @@ func (l *Layer) FC1() *kernels.Buffer { return l.fc1 }
 // FC2 returns the BF16 FC2 stack [E, H, I].
 func (l *Layer) FC2() *kernels.Buffer { return l.fc2 }
 
+// Routing returns the buffer of expert ids the last Forward routed its
+// tokens to: I32 [MaxTokens, TopK], valid for the first T rows.
+func (l *Layer) Routing() *kernels.Buffer { return l.ids }
+
 // Quantized returns the NVFP4 copies of FC1 and FC2 (zero values when the
 // recipe runs on BF16 weights). Their buffers never change.
 func (l *Layer) Quantized() (fc1, fc2 kernels.NVFP4) { return l.fc1q, l.fc2q }

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
 
@@ -144,4 +145,211 @@ func (v *views) reshape(b *kernels.Buffer, shape ...int) *kernels.Buffer {
 	r, err := b.Reshape(shape...)
 	v.err = err
 	return r
+}
+
+// SampleRow is the sampling setup of one logit row.
+type SampleRow struct {
+	Temperature float32
+	TopK        int32
+	TopP        float32
+	Seed        uint64
+	SampleID    int32 // the sample's index within its request
+	Position    int32 // the position of the token being drawn
+}
+
+// StepInput is one forward pass, as host data: T tokens of S sequences
+// (packed: sequence s owns tokens QueryStart[s] .. QueryStart[s+1]), and the
+// token rows whose logits are wanted.
+type StepInput struct {
+	Tokens, Positions, Slots []int32   // [T]; slot < 0: padding, not stored
+	SeqLens, QueryStart      []int32   // [S], [S+1]
+	PageTable                [][]int32 // S rows of page ids (missing entries are 0)
+	LogitRows                []int32   // [L]: rows of the T tokens
+	Sampling                 []SampleRow
+}
+
+// Stage writes in into the model's input buffers and returns its Shape.
+// Sampling may be empty (scoring); otherwise it has one row per logit row.
+func (m *Model) Stage(in StepInput) (Shape, error) {
+	sh := Shape{T: len(in.Tokens), S: len(in.SeqLens), L: len(in.LogitRows)}
+	o := m.opts
+	switch {
+	case sh.T == 0 || sh.T > o.MaxTokens:
+		return sh, fmt.Errorf("policy: stage: %d tokens, want 1..%d", sh.T, o.MaxTokens)
+	case sh.S == 0 || sh.S > o.MaxSeqs:
+		return sh, fmt.Errorf("policy: stage: %d sequences, want 1..%d", sh.S, o.MaxSeqs)
+	case sh.L == 0 || sh.L > o.MaxLogitRows:
+		return sh, fmt.Errorf("policy: stage: %d logit rows, want 1..%d", sh.L, o.MaxLogitRows)
+	case len(in.Positions) != sh.T || len(in.Slots) != sh.T || len(in.QueryStart) != sh.S+1 || len(in.PageTable) != sh.S:
+		return sh, fmt.Errorf("policy: stage: inconsistent lengths (%d tokens, %d positions, %d slots, %d sequences, %d query starts, %d page rows)",
+			sh.T, len(in.Positions), len(in.Slots), sh.S, len(in.QueryStart), len(in.PageTable))
+	case len(in.Sampling) != 0 && len(in.Sampling) != sh.L:
+		return sh, fmt.Errorf("policy: stage: %d sampling rows for %d logit rows", len(in.Sampling), sh.L)
+	}
+	width := m.ws.pageTable.Dim(1)
+	table := make([]int32, sh.S*width)
+	for s, row := range in.PageTable {
+		if len(row) > width {
+			return sh, fmt.Errorf("policy: stage: sequence %d has %d pages, at most %d fit", s, len(row), width)
+		}
+		copy(table[s*width:], row)
+	}
+	uploads := []struct {
+		b    *kernels.Buffer
+		data []byte
+	}{
+		{m.ws.ids, i32Bytes(in.Tokens)}, {m.ws.pos, i32Bytes(in.Positions)}, {m.ws.slots, i32Bytes(in.Slots)},
+		{m.ws.seqLens, i32Bytes(in.SeqLens)}, {m.ws.queryStart, i32Bytes(in.QueryStart)}, {m.ws.pageTable, i32Bytes(table)},
+		{m.ws.logitRows, i32Bytes(in.LogitRows)},
+	}
+	if len(in.Sampling) > 0 {
+		temp, topP := make([]float32, sh.L), make([]float32, sh.L)
+		topK, ids, pos, seeds := make([]int32, sh.L), make([]int32, sh.L), make([]int32, sh.L), make([]int32, 2*sh.L)
+		for i, r := range in.Sampling {
+			temp[i], topP[i], topK[i], ids[i], pos[i] = r.Temperature, r.TopP, r.TopK, r.SampleID, r.Position
+			seeds[2*i], seeds[2*i+1] = int32(uint32(r.Seed)), int32(uint32(r.Seed>>32))
+		}
+		uploads = append(uploads, []struct {
+			b    *kernels.Buffer
+			data []byte
+		}{{m.ws.temperature, f32Bytes(temp)}, {m.ws.topP, f32Bytes(topP)}, {m.ws.topK, i32Bytes(topK)},
+			{m.ws.sampleIDs, i32Bytes(ids)}, {m.ws.samplePos, i32Bytes(pos)}, {m.ws.seeds, i32Bytes(seeds)}}...)
+	}
+	for _, u := range uploads {
+		if err := m.be.Upload(u.b, 0, u.data); err != nil {
+			return sh, fmt.Errorf("policy: stage: %w", err)
+		}
+	}
+	return sh, nil
+}
+
+// Forward runs the staged forward pass and, when sample is set, draws one
+// token per logit row. It only issues ops over fixed buffers, so it can be
+// captured as a graph for a given Shape.
+func (m *Model) Forward(sh Shape, sample bool) error {
+	if m.closed {
+		return fmt.Errorf("policy: forward: model is closed")
+	}
+	if err := m.step(sh); err != nil {
+		return fmt.Errorf("policy: forward: %w", err)
+	}
+	if !sample {
+		return nil
+	}
+	v := views{}
+	args := kernels.SampleArgs{
+		Logits: v.rows(m.ws.logits, sh.L), Temperature: v.rows(m.ws.temperature, sh.L), TopK: v.rows(m.ws.topK, sh.L),
+		TopP: v.rows(m.ws.topP, sh.L), Seeds: v.rows(m.ws.seeds, sh.L), SampleIDs: v.rows(m.ws.sampleIDs, sh.L),
+		Positions: v.rows(m.ws.samplePos, sh.L), Tokens: v.rows(m.ws.tokensOut, sh.L), LogProbs: v.rows(m.ws.logprobs, sh.L),
+	}
+	if v.err != nil {
+		return v.err
+	}
+	if err := m.be.Sample(args); err != nil {
+		return fmt.Errorf("policy: sample: %w", err)
+	}
+	return nil
+}
+
+// Samples downloads the tokens and logprobs the last sampling Forward drew
+// for the first n logit rows.
+func (m *Model) Samples(n int) ([]int32, []float32, error) {
+	tok, lp := make([]byte, 4*n), make([]byte, 4*n)
+	if err := m.be.Download(tok, m.ws.tokensOut, 0); err != nil {
+		return nil, nil, err
+	}
+	if err := m.be.Download(lp, m.ws.logprobs, 0); err != nil {
+		return nil, nil, err
+	}
+	return toI32(tok), toF32(lp), nil
+}
+
+// ScoreRows computes log softmax(logits)[tokens[i]] for the first
+// len(tokens) logit rows of the last Forward.
+func (m *Model) ScoreRows(tokens []int32) ([]float32, error) {
+	n := len(tokens)
+	v := views{}
+	logits, tok, lp := v.rows(m.ws.logits, n), v.rows(m.ws.tokensOut, n), v.rows(m.ws.logprobs, n)
+	if v.err != nil {
+		return nil, v.err
+	}
+	if err := m.be.Upload(tok, 0, i32Bytes(tokens)); err != nil {
+		return nil, err
+	}
+	if err := m.be.LogProbs(kernels.LogProbsArgs{Logits: logits, Tokens: tok, LogProbs: lp}); err != nil {
+		return nil, fmt.Errorf("policy: score: %w", err)
+	}
+	out := make([]byte, 4*n)
+	if err := m.be.Download(out, lp, 0); err != nil {
+		return nil, err
+	}
+	return toF32(out), nil
+}
+
+// Routing downloads the expert ids every layer routed the first n tokens of
+// the last Forward to: [layer][token*k + j].
+func (m *Model) Routing(n int) ([][]int32, error) {
+	out := make([][]int32, len(m.layers))
+	k := m.cfg.TopK
+	for i, l := range m.layers {
+		raw := make([]byte, 4*n*k)
+		if err := m.be.Download(raw, l.moe.Routing(), 0); err != nil {
+			return nil, err
+		}
+		out[i] = toI32(raw)
+	}
+	return out, nil
+}
+
+// CopyPage copies KV page src to page dst in every layer (copy-on-write of
+// a shared prompt's partial last page).
+func (m *Model) CopyPage(dst, src int) error {
+	for i, l := range m.layers {
+		for _, c := range []*kernels.Buffer{l.kv.K, l.kv.V} {
+			d, err := c.Slice(dst, dst+1)
+			if err != nil {
+				return err
+			}
+			s, err := c.Slice(src, src+1)
+			if err != nil {
+				return err
+			}
+			if err := m.be.Copy(d, s); err != nil {
+				return fmt.Errorf("policy: layer %d: copy page %d to %d: %w", i, src, dst, err)
+			}
+		}
+	}
+	return nil
+}
+
+func i32Bytes(v []int32) []byte {
+	out := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(out[4*i:], uint32(x))
+	}
+	return out
+}
+
+func f32Bytes(v []float32) []byte {
+	out := make([]byte, 4*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(x))
+	}
+	return out
+}
+
+func toI32(b []byte) []int32 {
+	out := make([]int32, len(b)/4)
+	for i := range out {
+		out[i] = int32(binary.LittleEndian.Uint32(b[4*i:]))
+	}
+	return out
+}
+
+func toF32(b []byte) []float32 {
+	out := make([]float32, len(b)/4)
+	for i := range out {
+		out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
+	}
+	return out
 }

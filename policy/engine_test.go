@@ -1,0 +1,392 @@
+package policy
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	"github.com/rollout-worker/rollout-worker/kernels/cpu"
+	"github.com/rollout-worker/rollout-worker/moe"
+)
+
+func testConfig() Config {
+	return Config{Architecture: "Qwen3MoeForCausalLM", VocabSize: 128, Hidden: 64, Layers: 2, Heads: 4, KVHeads: 2, HeadDim: 16,
+		MaxPositions: 256, Experts: 8, TopK: 2, MoEIntermediate: 32, NormTopK: true, Activation: moe.SwiGLU,
+		RMSNormEps: 1e-6, RopeTheta: 10000, QKNorm: true}
+}
+
+func testOptions() ModelOptions {
+	return ModelOptions{Recipe: moe.RecipeBF16, MaxTokens: 128, MaxSeqs: 48, MaxLogitRows: 128, KVPages: 256, PageSize: 8}
+}
+
+// newRandomModel fills every weight with seeded random values: norms 1,
+// matrices N(0, 1/fan_in), embeddings N(0, 1).
+func newRandomModel(t testing.TB, cfg Config, opts ModelOptions, seed uint64) *Model {
+	t.Helper()
+	be, err := cpu.New(cpu.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := NewModel(be, cfg, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := m.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	targets, err := m.Tensors()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rand.New(rand.NewPCG(seed, 7))
+	for _, tg := range targets {
+		n := tg.Size() / 2
+		data := make([]byte, 2*n)
+		std := 1 / math.Sqrt(float64(tg.Shape[len(tg.Shape)-1]))
+		norm := len(tg.Shape) == 1
+		if strings.Contains(tg.Name, "embed_tokens") {
+			std = 1
+		}
+		for i := range n {
+			v := float32(r.NormFloat64() * std)
+			if norm {
+				v = 1
+			}
+			binary.LittleEndian.PutUint16(data[2*i:], bf16.FromFloat32(v))
+		}
+		if err := be.Upload(tg.Buffer, tg.Offset, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.Requantize(); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// startEngine runs an engine over m until the test ends.
+func startEngine(t testing.TB, m *Model, cfg EngineConfig) *Engine {
+	t.Helper()
+	e := NewEngine(m, cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("engine: %v", err)
+		}
+	})
+	return e
+}
+
+// collect waits for all of a request's samples, ordered by index.
+func collect(t testing.TB, h *Handle) []Sample {
+	t.Helper()
+	var out []Sample
+	timeout := time.After(60 * time.Second)
+	for {
+		select {
+		case s, ok := <-h.Samples():
+			if !ok {
+				slices.SortFunc(out, func(a, b Sample) int { return a.Index - b.Index })
+				return out
+			}
+			out = append(out, s)
+		case <-timeout:
+			t.Fatalf("request %s: timed out with %d samples", h.id, len(out))
+		}
+	}
+}
+
+func generate(t testing.TB, e *Engine, req Request) []Sample {
+	t.Helper()
+	h, err := e.Submit(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return collect(t, h)
+}
+
+func prompt(seed uint64, n, vocab int) []int32 {
+	r := rand.New(rand.NewPCG(seed, 11))
+	p := make([]int32, n)
+	for i := range p {
+		p[i] = int32(r.IntN(vocab))
+	}
+	return p
+}
+
+func sameSamples(a, b []Sample) error {
+	if len(a) != len(b) {
+		return fmt.Errorf("%d samples vs %d", len(a), len(b))
+	}
+	for i := range a {
+		if !slices.Equal(a[i].Tokens, b[i].Tokens) {
+			return fmt.Errorf("sample %d tokens %v vs %v", i, a[i].Tokens, b[i].Tokens)
+		}
+		for j := range a[i].LogProbs {
+			if math.Float32bits(a[i].LogProbs[j]) != math.Float32bits(b[i].LogProbs[j]) {
+				return fmt.Errorf("sample %d logprob %d: %v vs %v", i, j, a[i].LogProbs[j], b[i].LogProbs[j])
+			}
+		}
+		if a[i].Finish != b[i].Finish {
+			return fmt.Errorf("sample %d finish %s vs %s", i, a[i].Finish, b[i].Finish)
+		}
+	}
+	return nil
+}
+
+func TestGenerateDeterministic(t *testing.T) {
+	cfg := testConfig()
+	m := newRandomModel(t, cfg, testOptions(), 1)
+	e := startEngine(t, m, EngineConfig{})
+	req := Request{ID: "a", Prompt: prompt(1, 13, cfg.VocabSize), N: 4,
+		Params: SamplingParams{Temperature: 1, MaxTokens: 20, Seed: 42}}
+	first := generate(t, e, req)
+	if len(first) != 4 {
+		t.Fatalf("%d samples, want 4", len(first))
+	}
+	for _, s := range first {
+		if len(s.Tokens) != 20 || s.Finish != FinishLength || len(s.LogProbs) != 20 || len(s.Versions) != 20 {
+			t.Fatalf("sample %d: %d tokens, %d logprobs, %d versions, finish %s", s.Index, len(s.Tokens), len(s.LogProbs), len(s.Versions), s.Finish)
+		}
+	}
+	if slices.Equal(first[0].Tokens, first[1].Tokens) {
+		t.Error("samples 0 and 1 drew the same 20 tokens: the sample index does not reach the RNG")
+	}
+	if err := sameSamples(first, generate(t, e, req)); err != nil {
+		t.Fatalf("same seed, different result: %v", err)
+	}
+	req.Params.Seed = 43
+	if err := sameSamples(first, generate(t, e, req)); err == nil {
+		t.Fatal("another seed gave the same samples")
+	}
+}
+
+// TestBatchInvariantSamples: a sample's tokens and logprobs are bitwise the
+// same whether its request runs alone or with 31 other requests in flight.
+func TestBatchInvariantSamples(t *testing.T) {
+	cfg := testConfig()
+	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken} {
+		t.Run(string(recipe), func(t *testing.T) {
+			opts := testOptions()
+			opts.Recipe = recipe
+			m := newRandomModel(t, cfg, opts, 2)
+			e := startEngine(t, m, EngineConfig{})
+			target := Request{ID: "target", Prompt: prompt(5, 21, cfg.VocabSize), N: 2,
+				Params: SamplingParams{Temperature: 0.8, TopP: 0.9, TopK: 50, MaxTokens: 24, Seed: 7}}
+			alone := generate(t, e, target)
+
+			handles := make([]*Handle, 0, 32)
+			for i := range 31 {
+				h, err := e.Submit(Request{ID: fmt.Sprint("other", i), Prompt: prompt(uint64(100+i), 3+i%17, cfg.VocabSize), N: 1 + i%3,
+					Params: SamplingParams{Temperature: 1, MaxTokens: 5 + i%29, Seed: uint64(i)}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				handles = append(handles, h)
+				if i == 15 { // the target joins a batch already decoding
+					h, err := e.Submit(target)
+					if err != nil {
+						t.Fatal(err)
+					}
+					handles = append(handles, h)
+				}
+			}
+			var crowded []Sample
+			for _, h := range handles {
+				got := collect(t, h)
+				if h.id == "target" {
+					crowded = got
+				}
+			}
+			if err := sameSamples(alone, crowded); err != nil {
+				t.Fatalf("alone vs with 31 others: %v", err)
+			}
+		})
+	}
+}
+
+// TestContinuousBatching pushes 200 requests of mixed lengths through a KV
+// cache that holds only a few at a time; every one completes, and a sample
+// of them equals the same request run alone on a fresh engine.
+func TestContinuousBatching(t *testing.T) {
+	cfg := testConfig()
+	opts := testOptions()
+	opts.KVPages = 40 // 320 token slots: a handful of requests at once
+	m := newRandomModel(t, cfg, opts, 3)
+	e := startEngine(t, m, EngineConfig{})
+	r := rand.New(rand.NewPCG(9, 9))
+	reqs := make([]Request, 200)
+	handles := make([]*Handle, len(reqs))
+	for i := range reqs {
+		reqs[i] = Request{ID: fmt.Sprint("r", i), Prompt: prompt(uint64(i), 1+r.IntN(40), cfg.VocabSize), N: 1 + r.IntN(3),
+			Params: SamplingParams{Temperature: 1, MaxTokens: 1 + r.IntN(30), Seed: uint64(i), Stop: []int32{int32(r.IntN(cfg.VocabSize))}}}
+		var err error
+		if handles[i], err = e.Submit(reqs[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	results := make([][]Sample, len(reqs))
+	for i, h := range handles {
+		results[i] = collect(t, h)
+		if len(results[i]) != reqs[i].N {
+			t.Fatalf("request %d: %d samples, want %d", i, len(results[i]), reqs[i].N)
+		}
+		for _, s := range results[i] {
+			stop := reqs[i].Params.Stop[0]
+			switch {
+			case s.Finish == FinishStop && s.Tokens[len(s.Tokens)-1] != stop:
+				t.Fatalf("request %d sample %d: finish stop without the stop token", i, s.Index)
+			case s.Finish == FinishLength && len(s.Tokens) != reqs[i].Params.MaxTokens:
+				t.Fatalf("request %d sample %d: finish length after %d of %d tokens", i, s.Index, len(s.Tokens), reqs[i].Params.MaxTokens)
+			case s.Finish == FinishAbort:
+				t.Fatalf("request %d sample %d aborted", i, s.Index)
+			}
+		}
+	}
+	if err := e.AtBoundary(context.Background(), func() error {
+		if n := e.pages.inUse(); n != 0 || e.pages.reserved != 0 {
+			return fmt.Errorf("after all requests: %d pages in use, %d reserved", n, e.pages.reserved)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	fresh := startEngine(t, newRandomModel(t, cfg, testOptions(), 3), EngineConfig{})
+	for _, i := range []int{0, 57, 123, 199} {
+		if err := sameSamples(results[i], generate(t, fresh, reqs[i])); err != nil {
+			t.Fatalf("request %d in the crowd vs alone: %v", i, err)
+		}
+	}
+}
+
+// TestScoreMatchesGeneration: the logprob a sample reports for each token at
+// temperature 1 is what teacher forcing scores for it.
+func TestScoreMatchesGeneration(t *testing.T) {
+	cfg := testConfig()
+	m := newRandomModel(t, cfg, testOptions(), 4)
+	e := startEngine(t, m, EngineConfig{})
+	p := prompt(3, 17, cfg.VocabSize)
+	got := generate(t, e, Request{ID: "g", Prompt: p, N: 2, Params: SamplingParams{Temperature: 1, MaxTokens: 30, Seed: 1}})
+	for _, s := range got {
+		full := append(slices.Clone(p), s.Tokens...)
+		scores, err := e.Score(context.Background(), [][]int32{full})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(scores[0]) != len(full)-1 {
+			t.Fatalf("%d scores for %d tokens", len(scores[0]), len(full))
+		}
+		for i, lp := range s.LogProbs {
+			if want := scores[0][len(p)-1+i]; math.Abs(float64(lp-want)) > 1e-5 {
+				t.Fatalf("sample %d token %d: generation logprob %v, scoring %v", s.Index, i, lp, want)
+			}
+		}
+	}
+}
+
+// TestVersionsAcrossCommit: tokens carry the policy version they were
+// produced under; a rollout spanning a commit shows both.
+func TestVersionsAcrossCommit(t *testing.T) {
+	cfg := testConfig()
+	m := newRandomModel(t, cfg, testOptions(), 5)
+	e := startEngine(t, m, EngineConfig{Version: 1})
+	h, err := e.Submit(Request{ID: "v", Prompt: prompt(1, 5, cfg.VocabSize), N: 1, Params: SamplingParams{Temperature: 1, MaxTokens: 200, Seed: 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Millisecond) // let a few tokens be produced under version 1
+	if err := e.AtBoundary(context.Background(), func() error { e.SetVersion(2); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	s := collect(t, h)[0]
+	if s.Versions[0] != 1 || s.Versions[len(s.Versions)-1] != 2 {
+		t.Fatalf("versions run from %d to %d, want 1 to 2", s.Versions[0], s.Versions[len(s.Versions)-1])
+	}
+	for i := 1; i < len(s.Versions); i++ {
+		if s.Versions[i] < s.Versions[i-1] {
+			t.Fatalf("version went back at token %d", i)
+		}
+	}
+}
+
+func TestAbortAndStop(t *testing.T) {
+	cfg := testConfig()
+	m := newRandomModel(t, cfg, testOptions(), 6)
+	e := NewEngine(m, EngineConfig{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(ctx) }()
+	long := Request{ID: "long", Prompt: prompt(2, 9, cfg.VocabSize), N: 3, Params: SamplingParams{Temperature: 1, MaxTokens: 240, Seed: 5}}
+	h1, err := e.Submit(long)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h2, err := e.Submit(long)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h1.Abort()
+	for _, s := range collect(t, h1) {
+		if s.Finish != FinishAbort {
+			t.Fatalf("aborted request: sample %d finished %s", s.Index, s.Finish)
+		}
+	}
+	cancel() // the engine stops: h2's samples end as aborted, none lost
+	got := collect(t, h2)
+	if len(got) != 3 {
+		t.Fatalf("%d samples after shutdown, want 3", len(got))
+	}
+	for _, s := range got {
+		if s.Finish != FinishAbort && s.Finish != FinishLength {
+			t.Fatalf("sample %d: finish %s", s.Index, s.Finish)
+		}
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Submit(long); err == nil {
+		t.Fatal("Submit after the engine stopped succeeded")
+	}
+}
+
+func TestSubmitErrors(t *testing.T) {
+	cfg := testConfig()
+	m := newRandomModel(t, cfg, testOptions(), 7)
+	e := NewEngine(m, EngineConfig{})
+	ok := SamplingParams{Temperature: 1, MaxTokens: 4}
+	for _, tc := range []struct {
+		name string
+		req  Request
+		want string
+	}{
+		{"empty prompt", Request{N: 1, Params: ok}, "empty prompt"},
+		{"token outside vocabulary", Request{Prompt: []int32{1, 128}, N: 1, Params: ok}, "outside the vocabulary"},
+		{"negative token", Request{Prompt: []int32{-1}, N: 1, Params: ok}, "outside the vocabulary"},
+		{"n = 0", Request{Prompt: []int32{1}, Params: ok}, "n = 0"},
+		{"n too large", Request{Prompt: []int32{1}, N: 49, Params: ok}, "exceeds"},
+		{"max_tokens 0", Request{Prompt: []int32{1}, N: 1, Params: SamplingParams{Temperature: 1}}, "max_tokens"},
+		{"context", Request{Prompt: make([]int32, 200), N: 1, Params: SamplingParams{MaxTokens: 57}}, "exceeds the context"},
+		{"negative temperature", Request{Prompt: []int32{1}, N: 1, Params: SamplingParams{Temperature: -1, MaxTokens: 1}}, "temperature"},
+		{"top_p above 1", Request{Prompt: []int32{1}, N: 1, Params: SamplingParams{TopP: 1.5, MaxTokens: 1}}, "top_p"},
+		{"negative top_k", Request{Prompt: []int32{1}, N: 1, Params: SamplingParams{TopK: -1, MaxTokens: 1}}, "top_k"},
+		{"kv cache", Request{Prompt: make([]int32, 100), N: 40, Params: SamplingParams{MaxTokens: 150}}, "KV pages"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := e.Submit(tc.req); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
