@@ -25,14 +25,21 @@ type Backend struct {
 	workers int
 	log     *zap.Logger
 
-	mu   sync.Mutex
-	live map[uintptr]*kernels.Buffer // root buffers from Alloc, by address
+	mu    sync.Mutex
+	live  map[uintptr]*kernels.Buffer // root buffers from Alloc, by address
+	spans []span                      // the same roots, sorted by address (views find their root here)
+	freed freedSet                    // roots given to Free, so that a freed root never counts as a view
+	rec   *recording                  // the capture in progress, nil when not capturing
 
 	scratch sync.Pool // *[]float32: rows that operands are decoded into
 	fp4     [256][2]float32
 }
 
-var _ kernels.Backend = (*Backend)(nil)
+var (
+	_ kernels.Backend  = (*Backend)(nil)
+	_ kernels.Capturer = (*Backend)(nil)
+	_ kernels.Liveness = (*Backend)(nil)
+)
 
 // New returns a CPU backend. A nil logger discards logs.
 func New(cfg Config, log *zap.Logger) (*Backend, error) {
@@ -71,6 +78,9 @@ func (be *Backend) Name() string { return "cpu" }
 
 // Alloc returns a zeroed, 8-byte aligned buffer.
 func (be *Backend) Alloc(dt kernels.DType, shape ...int) (*kernels.Buffer, error) {
+	if err := be.refuseInCapture("alloc"); err != nil {
+		return nil, err
+	}
 	size, err := kernels.SizeOf(dt, shape)
 	if err != nil {
 		return nil, fmt.Errorf("cpu: alloc: %w", err)
@@ -81,9 +91,7 @@ func (be *Backend) Alloc(dt kernels.DType, shape ...int) (*kernels.Buffer, error
 	if err != nil {
 		return nil, fmt.Errorf("cpu: alloc: %w", err)
 	}
-	be.mu.Lock()
-	be.live[b.Addr()] = b
-	be.mu.Unlock()
+	be.register(b)
 	return b, nil
 }
 
@@ -91,18 +99,24 @@ func (be *Backend) Alloc(dt kernels.DType, shape ...int) (*kernels.Buffer, error
 func (be *Backend) Free(b *kernels.Buffer) error {
 	be.mu.Lock()
 	defer be.mu.Unlock()
+	if err := be.refuseLocked("free"); err != nil {
+		return err
+	}
 	if b == nil || be.live[b.Addr()] != b {
 		return fmt.Errorf("cpu: free %v: not a live buffer of this backend", b)
 	}
-	delete(be.live, b.Addr())
+	be.unregisterLocked(b)
 	return nil
 }
 
 // Sync returns nil: CPU ops complete before they return.
-func (be *Backend) Sync() error { return nil }
+func (be *Backend) Sync() error { return be.refuseInCapture("sync") }
 
 // Upload copies src into dst at byte offset off.
 func (be *Backend) Upload(dst *kernels.Buffer, off int, src []byte) error {
+	if err := be.refuseInCapture("upload"); err != nil {
+		return err
+	}
 	h, err := be.host("upload", "dst", dst)
 	if err != nil {
 		return err
@@ -116,6 +130,9 @@ func (be *Backend) Upload(dst *kernels.Buffer, off int, src []byte) error {
 
 // Download copies len(dst) bytes of src from byte offset off.
 func (be *Backend) Download(dst []byte, src *kernels.Buffer, off int) error {
+	if err := be.refuseInCapture("download"); err != nil {
+		return err
+	}
 	h, err := be.host("download", "src", src)
 	if err != nil {
 		return err
@@ -129,6 +146,9 @@ func (be *Backend) Download(dst []byte, src *kernels.Buffer, off int) error {
 
 // Copy copies src into dst.
 func (be *Backend) Copy(dst, src *kernels.Buffer) error {
+	if err := be.refuseInCapture("copy"); err != nil {
+		return err
+	}
 	d, err := be.host("copy", "dst", dst)
 	if err != nil {
 		return err
@@ -146,6 +166,9 @@ func (be *Backend) Copy(dst, src *kernels.Buffer) error {
 
 // Zero clears dst.
 func (be *Backend) Zero(dst *kernels.Buffer) error {
+	if err := be.refuseInCapture("zero"); err != nil {
+		return err
+	}
 	h, err := be.host("zero", "dst", dst)
 	if err != nil {
 		return err

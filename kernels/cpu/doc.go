@@ -10,6 +10,11 @@
 // in a fixed order, so results do not depend on the worker count or on the
 // other rows of a batch. The NVFP4 quantizer is internal/nvfp4, bit for bit.
 //
+// It implements kernels.Capturer (capture.go): between BeginCapture and
+// EndCapture each op is validated and recorded instead of run, and the
+// recorded list replays as a graph, like a CUDA graph; and kernels.Liveness,
+// so a graph is never launched over a freed buffer.
+//
 // Like every backend, it expects one goroutine to issue ops (see package
 // kernels); Alloc and Free are nevertheless safe for concurrent use.
 package cpu

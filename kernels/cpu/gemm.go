@@ -165,155 +165,168 @@ func (o operand) dotRow(a []float32, r int) float32 {
 
 // Gemm computes dst = a * w^T with FP32 accumulation.
 func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
+	return issue(be, "gemm", gemmArgs{Dst: dst, A: a, W: w}, be.prepGemm)
+}
+
+func (be *Backend) prepGemm(g gemmArgs) (func() error, error) {
+	dst, a, w := g.Dst, g.A, g.W
 	m, n, k, err := kernels.ValidateGemm(dst, a, w)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := be.owns("gemm", map[string]*kernels.Buffer{"dst": dst, "a": a, "w": w}); err != nil {
-		return err
+		return nil, err
 	}
-	A, W := u16s(a), u16s(w)
-	var outF []float32
-	var outB []uint16
-	if dst.DType() == kernels.F32 {
-		outF = f32s(dst)
-	} else {
-		outB = u16s(dst)
-	}
-	mt, nt := (m+tileM-1)/tileM, (n+tileN-1)/tileN
-	be.parallel(mt*nt, func(item int) {
-		r0, c0 := item/nt*tileM, item%nt*tileN
-		r1, c1 := min(r0+tileM, m), min(c0+tileN, n)
-		buf := be.getScratch((r1 - r0 + 1) * k)
-		defer be.putScratch(buf)
-		rows, wrow := (*buf)[:(r1-r0)*k], (*buf)[(r1-r0)*k:]
-		for r := r0; r < r1; r++ {
-			decodeBF16(rows[(r-r0)*k:(r-r0+1)*k], A[r*k:(r+1)*k])
+	return func() error {
+		A, W := u16s(a), u16s(w)
+		var outF []float32
+		var outB []uint16
+		if dst.DType() == kernels.F32 {
+			outF = f32s(dst)
+		} else {
+			outB = u16s(dst)
 		}
-		for c := c0; c < c1; c++ {
-			decodeBF16(wrow, W[c*k:(c+1)*k])
+		mt, nt := (m+tileM-1)/tileM, (n+tileN-1)/tileN
+		be.parallel(mt*nt, func(item int) {
+			r0, c0 := item/nt*tileM, item%nt*tileN
+			r1, c1 := min(r0+tileM, m), min(c0+tileN, n)
+			buf := be.getScratch((r1 - r0 + 1) * k)
+			defer be.putScratch(buf)
+			rows, wrow := (*buf)[:(r1-r0)*k], (*buf)[(r1-r0)*k:]
 			for r := r0; r < r1; r++ {
-				v := dot(rows[(r-r0)*k:(r-r0+1)*k], wrow)
-				if outF != nil {
-					outF[r*n+c] = v
-				} else {
-					outB[r*n+c] = bf16.FromFloat32(v)
+				decodeBF16(rows[(r-r0)*k:(r-r0+1)*k], A[r*k:(r+1)*k])
+			}
+			for c := c0; c < c1; c++ {
+				decodeBF16(wrow, W[c*k:(c+1)*k])
+				for r := r0; r < r1; r++ {
+					v := dot(rows[(r-r0)*k:(r-r0+1)*k], wrow)
+					if outF != nil {
+						outF[r*n+c] = v
+					} else {
+						outB[r*n+c] = bf16.FromFloat32(v)
+					}
 				}
 			}
-		}
-	})
-	return nil
+		})
+		return nil
+	}, nil
 }
 
 // GroupedGemm runs the per-expert GEMMs with the fused epilogue.
 func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
+	return issue(be, "grouped gemm", a, be.prepGroupedGemm)
+}
+
+func (be *Backend) prepGroupedGemm(a kernels.GroupedGemmArgs) (func() error, error) {
 	s, err := a.Validate()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	bufs := map[string]*kernels.Buffer{"offsets": a.Offsets, "out": a.Out, "gather": a.Gather,
 		"A": a.A.BF16, "A.packed": a.A.Q.Packed, "A.scales": a.A.Q.Scales, "A.scale": a.A.Q.Scale,
 		"W": a.W.BF16, "W.packed": a.W.Q.Packed, "W.scales": a.W.Q.Scales, "W.scale": a.W.Q.Scale}
 	if err := be.owns("grouped gemm", bufs); err != nil {
-		return err
+		return nil, err
 	}
-	offsets := i32s(a.Offsets)
-	if offsets[0] < 0 || int(offsets[s.E]) > s.R {
-		return fmt.Errorf("cpu: grouped gemm: offsets run from %d to %d, out has %d rows", offsets[0], offsets[s.E], s.R)
-	}
-	for e := range s.E {
-		if offsets[e+1] < offsets[e] {
-			return fmt.Errorf("cpu: grouped gemm: offsets decrease at expert %d (%d > %d)", e, offsets[e], offsets[e+1])
+	return func() error {
+		offsets := i32s(a.Offsets)
+		if offsets[0] < 0 || int(offsets[s.E]) > s.R {
+			return fmt.Errorf("cpu: grouped gemm: offsets run from %d to %d, out has %d rows", offsets[0], offsets[s.E], s.R)
 		}
-	}
-	var gather []int32
-	if a.Gather != nil {
-		gather = i32s(a.Gather)
-		for r := offsets[0]; r < offsets[s.E]; r++ {
-			if g := gather[r]; g < 0 || int(g) >= s.Ta {
-				return fmt.Errorf("cpu: grouped gemm: sorted row %d gathers row %d of %d", r, g, s.Ta)
+		for e := range s.E {
+			if offsets[e+1] < offsets[e] {
+				return fmt.Errorf("cpu: grouped gemm: offsets decrease at expert %d (%d > %d)", e, offsets[e], offsets[e+1])
 			}
 		}
-	}
-	A, W := be.newOperand(a.A, s.Kp), be.newOperand(a.W, s.Kp)
-	out := u16s(a.Out)
-
-	// Work items: (expert, tile of its rows, tile of output columns).
-	type item struct{ e, r0, r1, c0, c1 int }
-	var items []item
-	for e := range s.E {
-		for r0 := int(offsets[e]); r0 < int(offsets[e+1]); r0 += tileM {
-			for c0 := 0; c0 < s.OutN; c0 += tileN {
-				items = append(items, item{e, r0, min(r0+tileM, int(offsets[e+1])), c0, min(c0+tileN, s.OutN)})
-			}
-		}
-	}
-	kp := s.Kp
-	be.parallel(len(items), func(i int) {
-		it := items[i]
-		nr := it.r1 - it.r0
-		buf := be.getScratch((nr + 2) * kp)
-		defer be.putScratch(buf)
-		rows, w0, w1 := (*buf)[:nr*kp], (*buf)[nr*kp:(nr+1)*kp], (*buf)[(nr+1)*kp:]
-		src := make([]int, nr)
-		for r := it.r0; r < it.r1; r++ {
-			src[r-it.r0] = r
-			if gather != nil {
-				src[r-it.r0] = int(gather[r])
-			}
-			A.row(rows[(r-it.r0)*kp:], src[r-it.r0])
-		}
-		// Few rows: read W in place. More: widen each W row once and reuse
-		// it. Both sum in the same order (see dot).
-		inPlace := nr <= 2 && W.fused()
-		acc := make([]float32, 2*nr)
-		halves := 1
-		if a.Act == kernels.SwiGLU {
-			halves = 2
-		}
-		for c := it.c0; c < it.c1; c++ {
-			gate, up := acc[:nr], acc[nr:]
-			for half := range halves {
-				r := it.e*s.N + half*s.OutN + c // W row: gate, or up for SwiGLU
-
-				dst := gate
-				if half == 1 {
-					dst = up
+		var gather []int32
+		if a.Gather != nil {
+			gather = i32s(a.Gather)
+			for r := offsets[0]; r < offsets[s.E]; r++ {
+				if g := gather[r]; g < 0 || int(g) >= s.Ta {
+					return fmt.Errorf("cpu: grouped gemm: sorted row %d gathers row %d of %d", r, g, s.Ta)
 				}
-				if inPlace {
-					for j := range nr {
-						dst[j] = W.dotRow(rows[j*kp:(j+1)*kp], r)
+			}
+		}
+		A, W := be.newOperand(a.A, s.Kp), be.newOperand(a.W, s.Kp)
+		out := u16s(a.Out)
+
+		// Work items: (expert, tile of its rows, tile of output columns).
+		type item struct{ e, r0, r1, c0, c1 int }
+		var items []item
+		for e := range s.E {
+			for r0 := int(offsets[e]); r0 < int(offsets[e+1]); r0 += tileM {
+				for c0 := 0; c0 < s.OutN; c0 += tileN {
+					items = append(items, item{e, r0, min(r0+tileM, int(offsets[e+1])), c0, min(c0+tileN, s.OutN)})
+				}
+			}
+		}
+		kp := s.Kp
+		be.parallel(len(items), func(i int) {
+			it := items[i]
+			nr := it.r1 - it.r0
+			buf := be.getScratch((nr + 2) * kp)
+			defer be.putScratch(buf)
+			rows, w0, w1 := (*buf)[:nr*kp], (*buf)[nr*kp:(nr+1)*kp], (*buf)[(nr+1)*kp:]
+			src := make([]int, nr)
+			for r := it.r0; r < it.r1; r++ {
+				src[r-it.r0] = r
+				if gather != nil {
+					src[r-it.r0] = int(gather[r])
+				}
+				A.row(rows[(r-it.r0)*kp:], src[r-it.r0])
+			}
+			// Few rows: read W in place. More: widen each W row once and reuse
+			// it. Both sum in the same order (see dot).
+			inPlace := nr <= 2 && W.fused()
+			acc := make([]float32, 2*nr)
+			halves := 1
+			if a.Act == kernels.SwiGLU {
+				halves = 2
+			}
+			for c := it.c0; c < it.c1; c++ {
+				gate, up := acc[:nr], acc[nr:]
+				for half := range halves {
+					r := it.e*s.N + half*s.OutN + c // W row: gate, or up for SwiGLU
+
+					dst := gate
+					if half == 1 {
+						dst = up
 					}
-					continue
+					if inPlace {
+						for j := range nr {
+							dst[j] = W.dotRow(rows[j*kp:(j+1)*kp], r)
+						}
+						continue
+					}
+					w := w0
+					if half == 1 {
+						w = w1
+					}
+					W.row(w, r)
+					j := 0
+					for ; j+2 <= nr; j += 2 {
+						dst[j], dst[j+1] = dot2(rows[j*kp:(j+1)*kp], rows[(j+1)*kp:(j+2)*kp], w)
+					}
+					if j < nr {
+						dst[j] = dot(rows[j*kp:(j+1)*kp], w)
+					}
 				}
-				w := w0
-				if half == 1 {
-					w = w1
-				}
-				W.row(w, r)
-				j := 0
-				for ; j+2 <= nr; j += 2 {
-					dst[j], dst[j+1] = dot2(rows[j*kp:(j+1)*kp], rows[(j+1)*kp:(j+2)*kp], w)
-				}
-				if j < nr {
-					dst[j] = dot(rows[j*kp:(j+1)*kp], w)
+				for j := range nr {
+					h := epilogue(gate[j], A, W, src[j], it.e)
+					switch a.Act {
+					case kernels.ReLU2:
+						h = max(h, 0)
+						h *= h
+					case kernels.SwiGLU:
+						u := epilogue(up[j], A, W, src[j], it.e)
+						h = h / (1 + float32(math.Exp(float64(-h)))) * u
+					}
+					out[(it.r0+j)*s.OutN+c] = bf16.FromFloat32(h)
 				}
 			}
-			for j := range nr {
-				h := epilogue(gate[j], A, W, src[j], it.e)
-				switch a.Act {
-				case kernels.ReLU2:
-					h = max(h, 0)
-					h *= h
-				case kernels.SwiGLU:
-					u := epilogue(up[j], A, W, src[j], it.e)
-					h = h / (1 + float32(math.Exp(float64(-h)))) * u
-				}
-				out[(it.r0+j)*s.OutN+c] = bf16.FromFloat32(h)
-			}
-		}
-	})
-	return nil
+		})
+		return nil
+	}, nil
 }
 
 // epilogue applies the FP32 global scales: acc * per_token_scale * alpha.

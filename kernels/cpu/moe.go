@@ -12,20 +12,26 @@ import (
 
 // Route computes softmax or sigmoid scores and the top-k per token.
 func (be *Backend) Route(a kernels.RouteArgs) error {
+	return issue(be, "route", a, be.prepRoute)
+}
+
+func (be *Backend) prepRoute(a kernels.RouteArgs) (func() error, error) {
 	t, e, k, err := a.Validate()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := be.owns("route", map[string]*kernels.Buffer{"logits": a.Logits, "ids": a.IDs, "weights": a.Weights}); err != nil {
-		return err
+		return nil, err
 	}
-	logits, ids, weights := f32s(a.Logits), i32s(a.IDs), f32s(a.Weights)
-	be.parallel(t, func(tok int) {
-		s := make([]float32, e)
-		taken := make([]bool, e)
-		route(s, taken, logits[tok*e:(tok+1)*e], ids[tok*k:(tok+1)*k], weights[tok*k:(tok+1)*k], a)
-	})
-	return nil
+	return func() error {
+		logits, ids, weights := f32s(a.Logits), i32s(a.IDs), f32s(a.Weights)
+		be.parallel(t, func(tok int) {
+			s := make([]float32, e)
+			taken := make([]bool, e)
+			route(s, taken, logits[tok*e:(tok+1)*e], ids[tok*k:(tok+1)*k], weights[tok*k:(tok+1)*k], a)
+		})
+		return nil
+	}, nil
 }
 
 // route handles one token; s and taken are scratch of length E.
@@ -83,111 +89,129 @@ func ranksAbove(a, b float32) bool { return a > b || (b != b && a == a) }
 
 // Permute sorts the assignments by expert with a stable counting sort.
 func (be *Backend) Permute(a kernels.PermuteArgs) error {
+	return issue(be, "permute", a, be.prepPermute)
+}
+
+func (be *Backend) prepPermute(a kernels.PermuteArgs) (func() error, error) {
 	_, k, e, err := a.Validate()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := be.owns("permute", map[string]*kernels.Buffer{"ids": a.IDs, "offsets": a.Offsets, "rows": a.Rows, "slots": a.Slots}); err != nil {
-		return err
+		return nil, err
 	}
-	ids, offsets, rows, slots := i32s(a.IDs), i32s(a.Offsets), i32s(a.Rows), i32s(a.Slots)
-	clear(offsets)
-	for i, id := range ids {
-		if id < 0 || int(id) >= e {
-			return fmt.Errorf("cpu: permute: assignment (%d, %d) names expert %d of %d", i/k, i%k, id, e)
+	return func() error {
+		ids, offsets, rows, slots := i32s(a.IDs), i32s(a.Offsets), i32s(a.Rows), i32s(a.Slots)
+		clear(offsets)
+		for i, id := range ids {
+			if id < 0 || int(id) >= e {
+				return fmt.Errorf("cpu: permute: assignment (%d, %d) names expert %d of %d", i/k, i%k, id, e)
+			}
+			offsets[id+1]++
 		}
-		offsets[id+1]++
-	}
-	for i := 1; i <= e; i++ {
-		offsets[i] += offsets[i-1]
-	}
-	next := make([]int32, e)
-	copy(next, offsets[:e])
-	for i, id := range ids {
-		r := next[id]
-		next[id]++
-		rows[r] = int32(i / k)
-		slots[i] = r
-	}
-	return nil
+		for i := 1; i <= e; i++ {
+			offsets[i] += offsets[i-1]
+		}
+		next := make([]int32, e)
+		copy(next, offsets[:e])
+		for i, id := range ids {
+			r := next[id]
+			next[id]++
+			rows[r] = int32(i / k)
+			slots[i] = r
+		}
+		return nil
+	}, nil
 }
 
 // Quantize runs the NVFP4 codec over rows (and matrices) in parallel.
 func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
+	return issue(be, "quantize", a, be.prepQuantize)
+}
+
+func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 	s, err := a.Validate()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := be.owns("quantize", map[string]*kernels.Buffer{"src": a.Src, "packed": a.Dst.Packed, "scales": a.Dst.Scales, "scale": a.Dst.Scale}); err != nil {
-		return err
+		return nil, err
 	}
-	src, packed, scales, scale := u16s(a.Src), a.Dst.Packed.Host(), a.Dst.Scales.Host(), f32s(a.Dst.Scale)
-	rows := s.Mats * s.Rows
-	pb, sb := s.Kp/2, s.Kp/nvfp4.BlockSize
-	var rowErr atomic.Pointer[error] // geometry was validated: only a bug sets it
-	quantRow := func(r int, sEnc, sDec float32) {
-		if err := nvfp4.QuantizeRow(packed[r*pb:(r+1)*pb], scales[r*sb:(r+1)*sb], src[r*s.K:(r+1)*s.K], sEnc, sDec); err != nil {
-			rowErr.CompareAndSwap(nil, &err)
-		}
-	}
-	switch a.Mode {
-	case kernels.PerRow:
-		be.parallel(rows, func(r int) {
-			sEnc, sDec := nvfp4.EncodeScale(nvfp4.AmaxBF16(src[r*s.K : (r+1)*s.K]))
-			quantRow(r, sEnc, sDec)
-			scale[r] = sDec
-		})
-	case kernels.PerMatrix:
-		// The max is exact and order-free, so splitting it is safe.
-		amax := make([]float32, rows)
-		be.parallel(rows, func(r int) { amax[r] = nvfp4.AmaxBF16(src[r*s.K : (r+1)*s.K]) })
-		enc := make([]float32, s.Mats)
-		for m := range s.Mats {
-			var mx float32
-			for _, v := range amax[m*s.Rows : (m+1)*s.Rows] {
-				mx = max(mx, v) // NaN propagates, as in AmaxBF16
+	return func() error {
+		src, packed, scales, scale := u16s(a.Src), a.Dst.Packed.Host(), a.Dst.Scales.Host(), f32s(a.Dst.Scale)
+		rows := s.Mats * s.Rows
+		pb, sb := s.Kp/2, s.Kp/nvfp4.BlockSize
+		var rowErr atomic.Pointer[error] // geometry was validated: only a bug sets it
+		quantRow := func(r int, sEnc, sDec float32) {
+			if err := nvfp4.QuantizeRow(packed[r*pb:(r+1)*pb], scales[r*sb:(r+1)*sb], src[r*s.K:(r+1)*s.K], sEnc, sDec); err != nil {
+				rowErr.CompareAndSwap(nil, &err)
 			}
-			enc[m], scale[m] = nvfp4.EncodeScale(mx)
 		}
-		be.parallel(rows, func(r int) { quantRow(r, enc[r/s.Rows], scale[r/s.Rows]) })
-	}
-	if err := rowErr.Load(); err != nil {
-		return fmt.Errorf("cpu: quantize: %w", *err)
-	}
-	return nil
+		switch a.Mode {
+		case kernels.PerRow:
+			be.parallel(rows, func(r int) {
+				sEnc, sDec := nvfp4.EncodeScale(nvfp4.AmaxBF16(src[r*s.K : (r+1)*s.K]))
+				quantRow(r, sEnc, sDec)
+				scale[r] = sDec
+			})
+		case kernels.PerMatrix:
+			// The max is exact and order-free, so splitting it is safe.
+			amax := make([]float32, rows)
+			be.parallel(rows, func(r int) { amax[r] = nvfp4.AmaxBF16(src[r*s.K : (r+1)*s.K]) })
+			enc := make([]float32, s.Mats)
+			for m := range s.Mats {
+				var mx float32
+				for _, v := range amax[m*s.Rows : (m+1)*s.Rows] {
+					mx = max(mx, v) // NaN propagates, as in AmaxBF16
+				}
+				enc[m], scale[m] = nvfp4.EncodeScale(mx)
+			}
+			be.parallel(rows, func(r int) { quantRow(r, enc[r/s.Rows], scale[r/s.Rows]) })
+		}
+		if err := rowErr.Load(); err != nil {
+			return fmt.Errorf("cpu: quantize: %w", *err)
+		}
+		return nil
+	}, nil
 }
 
 // Finalize sums each token's weighted expert rows in fixed k order.
 func (be *Backend) Finalize(a kernels.FinalizeArgs) error {
+	return issue(be, "finalize", a, be.prepFinalize)
+}
+
+func (be *Backend) prepFinalize(a kernels.FinalizeArgs) (func() error, error) {
 	t, h, k, err := a.Validate()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := be.owns("finalize", map[string]*kernels.Buffer{"out": a.Out, "rows": a.Rows, "weights": a.Weights, "slots": a.Slots}); err != nil {
-		return err
+		return nil, err
 	}
-	out, rows, w, slots := u16s(a.Out), u16s(a.Rows), f32s(a.Weights), i32s(a.Slots)
-	nr := a.Rows.Dim(0)
-	for i, s := range slots {
-		if s < 0 || int(s) >= nr {
-			return fmt.Errorf("cpu: finalize: slot %d of assignment (%d, %d) is outside %d rows", s, i/k, i%k, nr)
-		}
-	}
-	be.parallel(t, func(tok int) {
-		acc := make([]float32, h)
-		for j := range k {
-			wj := w[tok*k+j]
-			y := rows[int(slots[tok*k+j])*h:][:h]
-			for c, v := range y {
-				// The conversion forbids FMA contraction: the GPU does the
-				// same two rounded steps (__fmul_rn, __fadd_rn).
-				acc[c] += float32(wj * bf16.ToFloat32(v))
+	return func() error {
+		out, rows, w, slots := u16s(a.Out), u16s(a.Rows), f32s(a.Weights), i32s(a.Slots)
+		nr := a.Rows.Dim(0)
+		for i, s := range slots {
+			if s < 0 || int(s) >= nr {
+				return fmt.Errorf("cpu: finalize: slot %d of assignment (%d, %d) is outside %d rows", s, i/k, i%k, nr)
 			}
 		}
-		o := out[tok*h:][:h]
-		for c, v := range acc {
-			o[c] = bf16.FromFloat32(v)
-		}
-	})
-	return nil
+		be.parallel(t, func(tok int) {
+			acc := make([]float32, h)
+			for j := range k {
+				wj := w[tok*k+j]
+				y := rows[int(slots[tok*k+j])*h:][:h]
+				for c, v := range y {
+					// The conversion forbids FMA contraction: the GPU does the
+					// same two rounded steps (__fmul_rn, __fadd_rn).
+					acc[c] += float32(wj * bf16.ToFloat32(v))
+				}
+			}
+			o := out[tok*h:][:h]
+			for c, v := range acc {
+				o[c] = bf16.FromFloat32(v)
+			}
+		})
+		return nil
+	}, nil
 }
