@@ -38,6 +38,8 @@ type command struct {
 var commands = []command{
 	{"quantize", "quantize BF16 tensors of a safetensors file to NVFP4", runQuantize},
 	{"bench", "benchmark the MoE layer: NVFP4 recipes against BF16, side by side", runBench},
+	{"init-model", "write a model directory with seeded random weights (presets tiny, small, ...)", runInitModel},
+	{"score", "score token sequences with a model (teacher-forced logprobs)", runScore},
 }
 
 func lookup(name string) *command {
