@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 )
 
 // FinishReason says why a sample ended.
@@ -103,6 +104,8 @@ type Engine struct {
 	wake   chan struct{}
 	closed bool
 
+	stats engineStats
+
 	// Loop state.
 	version  uint64
 	pages    pageAlloc
@@ -110,6 +113,26 @@ type Engine struct {
 	prefill  []*request
 	running  []*seq
 	maxPages int
+}
+
+// EngineStats are counters of the loop's work since it started.
+type EngineStats struct {
+	Steps       uint64 // forward passes
+	GraphSteps  uint64 // of which replayed from a captured graph
+	Tokens      uint64 // tokens forwarded (prompt and decode)
+	Generated   uint64 // tokens sampled
+	KVPagesUsed int64  // pages held by sequences after the last step
+}
+
+type engineStats struct {
+	steps, graphSteps, tokens, generated atomic.Uint64
+	pages                                atomic.Int64
+}
+
+// Stats returns the loop's counters; safe from any goroutine.
+func (e *Engine) Stats() EngineStats {
+	return EngineStats{Steps: e.stats.steps.Load(), GraphSteps: e.stats.graphSteps.Load(), Tokens: e.stats.tokens.Load(),
+		Generated: e.stats.generated.Load(), KVPagesUsed: e.stats.pages.Load()}
 }
 
 type request struct {
@@ -447,6 +470,9 @@ func (e *Engine) step() error {
 		return nil
 	}
 	n := len(in.LogitRows)
+	e.stats.steps.Add(1)
+	e.stats.tokens.Add(uint64(len(in.Tokens)))
+	e.stats.generated.Add(uint64(n))
 	if err := e.forward(&in, decodeOnly); err != nil {
 		return err
 	}
@@ -492,6 +518,7 @@ func (e *Engine) step() error {
 		}
 	}
 	e.running = next
+	e.stats.pages.Store(int64(e.pages.inUse()))
 	return nil
 }
 
@@ -519,6 +546,7 @@ func (e *Engine) forward(in *StepInput, decodeOnly bool) error {
 		if _, err := e.m.Stage(*in); err != nil {
 			return err
 		}
+		e.stats.graphSteps.Add(1)
 		return e.cfg.Graphs.Run(padded)
 	}
 	sh, err := e.m.Stage(*in)

@@ -445,3 +445,38 @@ func TestGraphReplayMatchesEager(t *testing.T) {
 		})
 	}
 }
+
+// TestRoutedExperts: with RoutedExperts each token carries, per layer, the k
+// distinct experts of the forward pass that produced it; every sample's
+// first token comes from the same prompt row, so they agree there.
+func TestRoutedExperts(t *testing.T) {
+	cfg := testConfig()
+	e := startEngine(t, newRandomModel(t, cfg, testOptions(), 12), EngineConfig{})
+	p := prompt(8, 10, cfg.VocabSize)
+	got := generate(t, e, Request{ID: "r", Prompt: p, N: 3, Params: SamplingParams{Temperature: 1, MaxTokens: 9, Seed: 4, RoutedExperts: true}})
+	for _, s := range got {
+		if len(s.Routed) != len(s.Tokens) {
+			t.Fatalf("sample %d: %d routing entries for %d tokens", s.Index, len(s.Routed), len(s.Tokens))
+		}
+		for i, ids := range s.Routed {
+			if len(ids) != cfg.Layers*cfg.TopK {
+				t.Fatalf("token %d: %d ids, want %d", i, len(ids), cfg.Layers*cfg.TopK)
+			}
+			for l := range cfg.Layers {
+				layer := ids[l*cfg.TopK : (l+1)*cfg.TopK]
+				for j, id := range layer {
+					if id < 0 || int(id) >= cfg.Experts || slices.Contains(layer[:j], id) {
+						t.Fatalf("token %d layer %d: experts %v", i, l, layer)
+					}
+				}
+			}
+		}
+		if !slices.Equal(s.Routed[0], got[0].Routed[0]) {
+			t.Fatalf("sample %d's first token routed %v, sample 0's %v", s.Index, s.Routed[0], got[0].Routed[0])
+		}
+	}
+	plain := generate(t, e, Request{ID: "p", Prompt: p, N: 1, Params: SamplingParams{Temperature: 1, MaxTokens: 3}})
+	if plain[0].Routed != nil {
+		t.Fatal("routing returned without being asked for")
+	}
+}

@@ -25,12 +25,15 @@ Flags:
 `
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "-help") {
+		fmt.Fprint(stdout, benchUsage, "\n", benchGenerateUsage)
+		return flag.ErrHelp
+	}
+	if len(args) > 0 && args[0] == "generate" {
+		return runBenchGenerate(ctx, args[1:], stdout, stderr)
+	}
 	if len(args) == 0 || args[0] != "moe" {
-		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "-help") {
-			fmt.Fprint(stdout, benchUsage)
-			return flag.ErrHelp
-		}
-		return usageErrorf("bench: want a benchmark name: moe")
+		return usageErrorf("bench: want a benchmark name: moe or generate")
 	}
 	fs := flag.NewFlagSet("bench moe", flag.ContinueOnError)
 	fs.SetOutput(stderr)

@@ -66,3 +66,15 @@ func TestBenchErrors(t *testing.T) {
 		})
 	}
 }
+
+func TestBenchGenerate(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"bench", "generate", "--preset", "tiny", "--requests", "3", "--n", "2",
+		"--prompt-len", "5", "--max-tokens", "7"}, &stdout, &stderr)
+	if code != 0 {
+		t.Fatalf("exit %d, stderr:\n%s", code, stderr.String())
+	}
+	if out := stdout.String(); !strings.Contains(out, "rollouts 6, generated tokens 42") || !strings.Contains(out, "tokens/s") {
+		t.Fatalf("output %q", out)
+	}
+}
