@@ -160,6 +160,19 @@ func (b *Buffer) Slice(lo, hi int) (*Buffer, error) {
 	return b.view(lo*b.stride(), shape), nil
 }
 
+// ByteRange returns a U8 view of n bytes at byte offset off: a tensor that
+// is a contiguous part of a larger buffer (one expert's gate rows, say).
+func (b *Buffer) ByteRange(off, n int) (*Buffer, error) {
+	if off < 0 || n < 0 || off+n > b.Size() {
+		return nil, fmt.Errorf("kernels: bytes [%d:%d] of %s (%d bytes)", off, off+n, b, b.Size())
+	}
+	v := &Buffer{dtype: U8, shape: []int{n}, addr: b.addr + uintptr(off), owner: b.owner}
+	if b.host != nil {
+		v.host = b.host[off : off+n : off+n]
+	}
+	return v, nil
+}
+
 // stride is the size in bytes of one entry along dimension 0.
 func (b *Buffer) stride() int {
 	s := b.dtype.Size()

@@ -33,3 +33,14 @@ type Graph interface {
 type Liveness interface {
 	Live(b *Buffer) bool
 }
+
+// Stager is implemented by backends that accept host bytes for a buffer
+// from any goroutine while the op-issuing goroutine keeps working: the
+// refit path, which streams a new weight version into staging buffers and
+// resident weight stacks that no running op reads. Stage copies src into
+// dst at byte offset off and returns once src may be reused; it is never
+// recorded by a capture. The caller guarantees that no op reads or writes
+// those bytes meanwhile.
+type Stager interface {
+	Stage(dst *Buffer, off int, src []byte) error
+}

@@ -15,7 +15,7 @@ type FinishReason string
 // Finish reasons.
 const (
 	FinishStop   FinishReason = "stop"   // a stop token was produced (it is included)
-	FinishLength FinishReason = "length" // max_tokens, or the model's context, was reached
+	FinishLength FinishReason = "length" // max_tokens was reached
 	FinishAbort  FinishReason = "abort"  // the request was aborted or the engine stopped
 )
 
@@ -113,6 +113,9 @@ type Engine struct {
 	prefill  []*request
 	running  []*seq
 	maxPages int
+	// scoreNeed holds back admission while a scoring job waits for this
+	// many pages, so steady generation load cannot starve it.
+	scoreNeed int
 }
 
 // EngineStats are counters of the loop's work since it started.
@@ -154,8 +157,22 @@ type seq struct {
 }
 
 type boundary struct {
-	fn  func() error
-	err chan error
+	fn    func() error
+	err   chan error
+	state atomic.Int32 // boundaryPending, then running or cancelled
+}
+
+const (
+	boundaryPending int32 = iota
+	boundaryRunning
+	boundaryCancelled
+)
+
+// run runs the function unless its caller gave up first.
+func (b *boundary) run() {
+	if b.state.CompareAndSwap(boundaryPending, boundaryRunning) {
+		b.err <- b.fn()
+	}
 }
 
 // NewEngine makes an engine over m. The model must not be used by anything
@@ -175,6 +192,8 @@ func (e *Engine) SetVersion(v uint64) { e.version = v }
 
 // Submit validates and queues a request.
 func (e *Engine) Submit(req Request) (*Handle, error) {
+	// The engine keeps the request: it must not share the caller's slices.
+	req.Prompt, req.Params.Stop = slices.Clone(req.Prompt), slices.Clone(req.Params.Stop)
 	if err := e.validate(&req); err != nil {
 		return nil, err
 	}
@@ -205,7 +224,7 @@ func (e *Engine) validate(r *Request) error {
 	case len(r.Prompt)+p.MaxTokens > c.MaxPositions:
 		return fmt.Errorf("policy: request %q: prompt of %d tokens + max_tokens %d exceeds the context of %d", r.ID, len(r.Prompt), p.MaxTokens, c.MaxPositions)
 	case !(p.Temperature >= 0) || p.Temperature > 1e6:
-		return fmt.Errorf("policy: request %q: temperature %v, want >= 0", r.ID, p.Temperature)
+		return fmt.Errorf("policy: request %q: temperature %v, want 0 (greedy) up to 1e6", r.ID, p.Temperature)
 	case !(p.TopP > 0 && p.TopP <= 1):
 		return fmt.Errorf("policy: request %q: top_p %v, want (0, 1]", r.ID, p.TopP)
 	case p.TopK < 0 || p.TopK > c.VocabSize:
@@ -247,7 +266,9 @@ func (e *Engine) post(item any) error {
 }
 
 // AtBoundary runs fn on the loop goroutine between two steps (a weight
-// commit) and returns its error. Generation pauses only while fn runs.
+// commit) and returns its error. Generation pauses only while fn runs. If
+// ctx ends before fn starts, fn never runs and ctx's error is returned; once
+// fn has started, AtBoundary waits for it. fn must not call AtBoundary.
 func (e *Engine) AtBoundary(ctx context.Context, fn func() error) error {
 	b := &boundary{fn: fn, err: make(chan error, 1)}
 	if err := e.post(b); err != nil {
@@ -257,7 +278,10 @@ func (e *Engine) AtBoundary(ctx context.Context, fn func() error) error {
 	case err := <-b.err:
 		return err
 	case <-ctx.Done():
-		return ctx.Err()
+		if b.state.CompareAndSwap(boundaryPending, boundaryCancelled) {
+			return ctx.Err()
+		}
+		return <-b.err // it is running: its effects happen, so report them
 	}
 }
 
@@ -281,7 +305,7 @@ func (e *Engine) Run(ctx context.Context) error {
 			return nil
 		}
 		if err := e.step(); err != nil {
-			return fmt.Errorf("policy: engine step: %w", err)
+			return fmt.Errorf("engine step: %w", err)
 		}
 	}
 }
@@ -297,7 +321,9 @@ func (e *Engine) shutdown() {
 		case *request:
 			e.waiting = append(e.waiting, it)
 		case *boundary:
-			it.err <- ErrStopped
+			if it.state.CompareAndSwap(boundaryPending, boundaryCancelled) {
+				it.err <- ErrStopped
+			}
 		}
 	}
 	for _, s := range e.running {
@@ -305,10 +331,7 @@ func (e *Engine) shutdown() {
 	}
 	e.running = nil
 	for _, r := range append(e.waiting, e.prefill...) {
-		for i := range r.left {
-			r.h.samples <- Sample{Index: r.N - r.left + i, Finish: FinishAbort}
-		}
-		close(r.h.samples)
+		e.abortRequest(r)
 	}
 	e.waiting, e.prefill = nil, nil
 }
@@ -323,7 +346,7 @@ func (e *Engine) drainInbox() {
 		case *request:
 			e.waiting = append(e.waiting, it)
 		case *boundary:
-			it.err <- it.fn()
+			it.run()
 		}
 	}
 }
@@ -361,10 +384,7 @@ func (e *Engine) reapAborted() {
 				}
 				e.pages.unreserve(r.reserved - len(r.prompt))
 			}
-			for i := range r.left {
-				r.h.samples <- Sample{Index: i, Finish: FinishAbort}
-			}
-			close(r.h.samples)
+			e.abortRequest(r)
 		}
 		return out
 	}
@@ -376,9 +396,10 @@ func (e *Engine) reapAborted() {
 func (e *Engine) admit() {
 	for len(e.waiting) > 0 {
 		r := e.waiting[0]
-		if !e.pages.reserve(r.reserved) {
+		if !e.pages.reserve(r.reserved + e.scoreNeed) {
 			return
 		}
+		e.pages.unreserve(e.scoreNeed)
 		e.waiting = e.waiting[1:]
 		e.prefill = append(e.prefill, r)
 	}
@@ -406,10 +427,12 @@ func (e *Engine) step() error {
 		in.QueryStart = append(in.QueryStart, in.QueryStart[len(in.QueryStart)-1]+int32(n))
 	}
 	in.QueryStart = []int32{0}
+	stepped := 0 // running samples in this step: a prefix of e.running
 	for _, s := range e.running {
 		if len(in.SeqLens) == o.MaxSeqs || len(in.Tokens) == o.MaxTokens || len(in.LogitRows) == o.MaxLogitRows {
 			break
 		}
+		stepped++
 		pos := s.length
 		if pos/ps >= len(s.pages) {
 			p, err := e.pages.take()
@@ -437,7 +460,7 @@ func (e *Engine) step() error {
 		last := r.done+n == P
 		if last && len(in.LogitRows)+r.N > o.MaxLogitRows {
 			if n == 1 {
-				break // the sampling rows do not fit this step
+				continue // its sampling rows do not fit this step; others may
 			}
 			n--
 			last = false
@@ -470,15 +493,19 @@ func (e *Engine) step() error {
 		return nil
 	}
 	n := len(in.LogitRows)
+	err := e.forward(&in, decodeOnly)
+	if err != nil {
+		return err
+	}
 	e.stats.steps.Add(1)
 	e.stats.tokens.Add(uint64(len(in.Tokens)))
 	e.stats.generated.Add(uint64(n))
-	if err := e.forward(&in, decodeOnly); err != nil {
-		return err
-	}
-	tokens, lps, err := e.m.Samples(n)
-	if err != nil {
-		return err
+	var tokens []int32
+	var lps []float32
+	if n > 0 {
+		if tokens, lps, err = e.m.Samples(n); err != nil {
+			return err
+		}
 	}
 	var routing [][]int32
 	if slices.ContainsFunc(owners, func(o logitOwner) bool {
@@ -502,6 +529,7 @@ func (e *Engine) step() error {
 		e.prefill = slices.DeleteFunc(e.prefill, func(x *request) bool { return x == r })
 		seqs, err := e.fork(r)
 		if err != nil {
+			e.abortRequest(r)
 			return err
 		}
 		for _, s := range seqs {
@@ -511,13 +539,12 @@ func (e *Engine) step() error {
 			row++
 		}
 	}
-	// Samples that did not fit this step keep their place.
-	for _, s := range e.running {
-		if !slices.Contains(owners, logitOwner{s: s}) {
-			next = append(next, s)
-		}
+	// Samples that did not fit this step go first next time.
+	var skipped []*seq
+	for _, s := range e.running[stepped:] {
+		skipped = append(skipped, s)
 	}
-	e.running = next
+	e.running = append(skipped, next...)
 	e.stats.pages.Store(int64(e.pages.inUse()))
 	return nil
 }
@@ -528,8 +555,8 @@ func (e *Engine) forward(in *StepInput, decodeOnly bool) error {
 	if decodeOnly && e.cfg.Graphs != nil {
 		n := len(in.Tokens)
 		padded, err := e.cfg.Graphs.Pad(n)
-		if err != nil {
-			return err
+		if err != nil { // larger than the largest bucket: run it eagerly
+			return e.eager(in)
 		}
 		for range padded - n {
 			// Padding rows: a token at position 0 stored nowhere, in a
@@ -549,11 +576,25 @@ func (e *Engine) forward(in *StepInput, decodeOnly bool) error {
 		e.stats.graphSteps.Add(1)
 		return e.cfg.Graphs.Run(padded)
 	}
+	return e.eager(in)
+}
+
+func (e *Engine) eager(in *StepInput) error {
 	sh, err := e.m.Stage(*in)
 	if err != nil {
 		return err
 	}
 	return e.m.Forward(sh, true)
+}
+
+// abortRequest ends every undelivered sample of a request that has no
+// running samples (waiting, in prefill, or failing to fork).
+func (e *Engine) abortRequest(r *request) {
+	for i := range r.left {
+		r.h.samples <- Sample{Index: r.N - r.left + i, Finish: FinishAbort}
+	}
+	r.left = 0
+	close(r.h.samples)
 }
 
 // row is the sampling row of sample i drawing the token at position pos.
@@ -624,8 +665,11 @@ func (e *Engine) emit(s *seq, tok int32, lp float32, routing [][]int32, row int)
 	return false
 }
 
-// finish delivers s and releases its pages.
+// finish delivers s and releases its pages, once.
 func (e *Engine) finish(s *seq, why FinishReason) {
+	if s.out.Finish != "" {
+		return
+	}
 	s.out.Finish = why
 	for _, p := range s.pages {
 		e.pages.release(p)

@@ -306,7 +306,9 @@ func TestVersionsAcrossCommit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(5 * time.Millisecond) // let a few tokens be produced under version 1
+	for e.Stats().Generated < 3 { // let a few tokens be produced under version 1
+		time.Sleep(100 * time.Microsecond)
+	}
 	if err := e.AtBoundary(context.Background(), func() error { e.SetVersion(2); return nil }); err != nil {
 		t.Fatal(err)
 	}
@@ -338,10 +340,37 @@ func TestAbortAndStop(t *testing.T) {
 		t.Fatal(err)
 	}
 	h1.Abort()
-	for _, s := range collect(t, h1) {
+	got1 := collect(t, h1)
+	if len(got1) != 3 {
+		t.Fatalf("aborted request delivered %d samples, want 3", len(got1))
+	}
+	for _, s := range got1 {
 		if s.Finish != FinishAbort {
 			t.Fatalf("aborted request: sample %d finished %s", s.Index, s.Finish)
 		}
+	}
+	// Abort a request while its samples are decoding: they come back
+	// aborted with the tokens they had, and every page is returned.
+	for e.Stats().Generated < 3*5 {
+		time.Sleep(100 * time.Microsecond)
+	}
+	h2.Abort()
+	for _, s := range collect(t, h2) {
+		if s.Finish != FinishAbort || len(s.Tokens) == 0 || len(s.Tokens) >= 240 {
+			t.Fatalf("sample %d aborted while running: finish %s with %d tokens", s.Index, s.Finish, len(s.Tokens))
+		}
+	}
+	if err := e.AtBoundary(context.Background(), func() error {
+		if e.pages.inUse() != 0 || e.pages.reserved != 0 {
+			return fmt.Errorf("after aborts: %d pages in use, %d reserved", e.pages.inUse(), e.pages.reserved)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	h2, err = e.Submit(long)
+	if err != nil {
+		t.Fatal(err)
 	}
 	cancel() // the engine stops: h2's samples end as aborted, none lost
 	got := collect(t, h2)
@@ -478,5 +507,92 @@ func TestRoutedExperts(t *testing.T) {
 	plain := generate(t, e, Request{ID: "p", Prompt: p, N: 1, Params: SamplingParams{Temperature: 1, MaxTokens: 3}})
 	if plain[0].Routed != nil {
 		t.Fatal("routing returned without being asked for")
+	}
+}
+
+// TestLongPromptsChunked: prompts longer than a step's token budget are
+// prefilled in chunks, and the result is bitwise the one of a roomy engine;
+// so is a step whose sampling rows do not fit (few logit rows).
+func TestLongPromptsChunked(t *testing.T) {
+	cfg := testConfig()
+	reqs := []Request{
+		{ID: "long", Prompt: prompt(21, 40, cfg.VocabSize), N: 6, Params: SamplingParams{Temperature: 1, MaxTokens: 9, Seed: 1}},
+		{ID: "short", Prompt: prompt(22, 3, cfg.VocabSize), N: 2, Params: SamplingParams{Temperature: 1, MaxTokens: 12, Seed: 2}},
+		{ID: "mid", Prompt: prompt(23, 17, cfg.VocabSize), N: 3, Params: SamplingParams{Temperature: 0.5, MaxTokens: 5, Seed: 3}},
+	}
+	run := func(opts ModelOptions) [][]Sample {
+		e := startEngine(t, newRandomModel(t, cfg, opts, 13), EngineConfig{})
+		hs := make([]*Handle, len(reqs))
+		for i, r := range reqs {
+			var err error
+			if hs[i], err = e.Submit(r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		out := make([][]Sample, len(hs))
+		for i, h := range hs {
+			out[i] = collect(t, h)
+		}
+		return out
+	}
+	tight := testOptions()
+	tight.MaxTokens, tight.MaxLogitRows, tight.MaxSeqs = 16, 7, 8
+	want, got := run(testOptions()), run(tight)
+	for i := range reqs {
+		if err := sameSamples(want[i], got[i]); err != nil {
+			t.Fatalf("request %s, 16-token steps vs roomy steps: %v", reqs[i].ID, err)
+		}
+	}
+}
+
+// TestGraphsAcrossWeightCommit: after new weights are written in place and
+// requantized at a step boundary, the graphs captured before replay them:
+// the samples equal those of an eager engine loaded with the new weights,
+// and nothing is recaptured.
+func TestGraphsAcrossWeightCommit(t *testing.T) {
+	cfg := testConfig()
+	opts := testOptions()
+	opts.Recipe = moe.RecipePerToken
+	m := newRandomModel(t, cfg, opts, 14)
+	g, err := NewGraphs(m, DefaultBuckets(opts.MaxSeqs), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { g.Close() })
+	e := startEngine(t, m, EngineConfig{Graphs: g})
+	req := Request{ID: "w", Prompt: prompt(31, 9, cfg.VocabSize), N: 4, Params: SamplingParams{Temperature: 1, MaxTokens: 16, Seed: 9}}
+	generate(t, e, req) // captures the buckets it needs
+	before := g.Stats()
+
+	next := newRandomModel(t, cfg, opts, 15) // the new weights
+	targets, err := next.Tensors()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.AtBoundary(context.Background(), func() error {
+		for _, tg := range targets {
+			raw := make([]byte, tg.Size())
+			if err := next.be.Download(raw, tg.Buffer, tg.Offset); err != nil {
+				return err
+			}
+			live, err := m.Resolve(tg.Name)
+			if err != nil {
+				return err
+			}
+			if err := m.be.Upload(live.Buffer, live.Offset, raw); err != nil {
+				return err
+			}
+		}
+		return m.Requantize()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	got := generate(t, e, req)
+	want := generate(t, startEngine(t, next, EngineConfig{}), req)
+	if err := sameSamples(want, got); err != nil {
+		t.Fatalf("graphs after the commit vs an eager engine with the new weights: %v", err)
+	}
+	if st := g.Stats(); st.Recaptures != 0 || st.Captures != before.Captures || st.Replays <= before.Replays {
+		t.Fatalf("graph stats %+v after the commit, %+v before", st, before)
 	}
 }

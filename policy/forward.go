@@ -109,6 +109,9 @@ func (m *Model) step(sh Shape) error {
 			return fmt.Errorf("layer %d: %w", i, err)
 		}
 	}
+	if sh.L == 0 {
+		return nil // a prefill chunk that ends no prompt: only the KV cache matters
+	}
 	return run(
 		func() error { return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: m.norm, Eps: eps}) },
 		func() error { return be.Embed(kernels.EmbedArgs{Out: sel, Table: x, IDs: logitRows}) }, // gather rows
@@ -170,6 +173,8 @@ type StepInput struct {
 
 // Stage writes in into the model's input buffers and returns its Shape.
 // Sampling may be empty (scoring); otherwise it has one row per logit row.
+// There may be no logit rows: a prefill chunk that ends no prompt only
+// fills the KV cache.
 func (m *Model) Stage(in StepInput) (Shape, error) {
 	sh := Shape{T: len(in.Tokens), S: len(in.SeqLens), L: len(in.LogitRows)}
 	o := m.opts
@@ -178,8 +183,8 @@ func (m *Model) Stage(in StepInput) (Shape, error) {
 		return sh, fmt.Errorf("policy: stage: %d tokens, want 1..%d", sh.T, o.MaxTokens)
 	case sh.S == 0 || sh.S > o.MaxSeqs:
 		return sh, fmt.Errorf("policy: stage: %d sequences, want 1..%d", sh.S, o.MaxSeqs)
-	case sh.L == 0 || sh.L > o.MaxLogitRows:
-		return sh, fmt.Errorf("policy: stage: %d logit rows, want 1..%d", sh.L, o.MaxLogitRows)
+	case sh.L > o.MaxLogitRows:
+		return sh, fmt.Errorf("policy: stage: %d logit rows, want at most %d", sh.L, o.MaxLogitRows)
 	case len(in.Positions) != sh.T || len(in.Slots) != sh.T || len(in.QueryStart) != sh.S+1 || len(in.PageTable) != sh.S:
 		return sh, fmt.Errorf("policy: stage: inconsistent lengths (%d tokens, %d positions, %d slots, %d sequences, %d query starts, %d page rows)",
 			sh.T, len(in.Positions), len(in.Slots), sh.S, len(in.QueryStart), len(in.PageTable))
@@ -233,7 +238,7 @@ func (m *Model) Forward(sh Shape, sample bool) error {
 	if err := m.step(sh); err != nil {
 		return fmt.Errorf("policy: forward: %w", err)
 	}
-	if !sample {
+	if !sample || sh.L == 0 {
 		return nil
 	}
 	v := views{}

@@ -62,8 +62,10 @@ func (e *Engine) score(s []int32) ([]float32, error) {
 	n := len(s)
 	need := ceilDiv(n, ps)
 	if !e.pages.reserve(need) {
+		e.scoreNeed = need
 		return nil, errNoPages
 	}
+	e.scoreNeed = 0
 	pages := make([]int32, 0, need)
 	defer func() {
 		for _, p := range pages {

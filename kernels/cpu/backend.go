@@ -243,3 +243,19 @@ func (be *Backend) parallel(n int, fn func(i int)) {
 	}
 	wg.Wait()
 }
+
+var _ kernels.Stager = (*Backend)(nil)
+
+// Stage copies src into dst at byte offset off. Unlike Upload it may be
+// called from any goroutine and is never captured (see kernels.Stager).
+func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
+	if dst == nil || dst.Owner() != be || (dst.Host() == nil && dst.Size() > 0) {
+		return fmt.Errorf("cpu: stage: dst %v: %w", dst, kernels.ErrForeignBuffer)
+	}
+	h := dst.Host()
+	if off < 0 || off+len(src) > len(h) {
+		return fmt.Errorf("cpu: stage: %d bytes at offset %d into %v (%d bytes)", len(src), off, dst, len(h))
+	}
+	copy(h[off:], src)
+	return nil
+}
