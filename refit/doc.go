@@ -1,10 +1,15 @@
-// Package refit is the weight-version protocol over NATS: the publisher that
-// streams a BF16 checkpoint (or a subset) as one version, and the receiver
-// in the worker that verifies chunks, writes them into the resident BF16
-// stacks and staging, validates the version as a whole, commits it at the
-// engine's step boundary (staged copies, in-place requantization of the
-// touched experts, version bump) and times every refit per layer and phase.
+// Package refit is the weight-version protocol over NATS JetStream
+// (PROTOCOL.md): the Publisher, which streams a BF16 safetensors checkpoint
+// (or a subset) as one version, and the Receiver in the worker, which
+// verifies every chunk as it arrives, writes it straight into the resident
+// BF16 expert stacks or into staging buffers, validates the version as a
+// whole, commits it at the engine's step boundary (staged copies, in-place
+// requantization of the touched experts, version bump) and reports per-layer
+// timings.
 //
-// Status: not implemented yet; it is the subject of the refit issue, which
-// builds on moe.Layer.Requantize (in-place NVFP4 rebuild) from this commit.
+// A Receiver's Run owns it; it needs a backend that implements
+// kernels.Stager (bytes written from its goroutine while the engine's loop
+// runs) and it commits only through Engine.AtBoundary, so generation pauses
+// just for the commit. A Publisher serialises its own Publish calls; one
+// process should publish a given model.
 package refit

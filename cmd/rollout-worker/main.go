@@ -40,6 +40,7 @@ var commands = []command{
 	{"bench", "benchmark the MoE layer: NVFP4 recipes against BF16, side by side", runBench},
 	{"init-model", "write a model directory with seeded random weights (presets tiny, small, ...)", runInitModel},
 	{"score", "score token sequences with a model (teacher-forced logprobs)", runScore},
+	{"publish", "publish a weight version (all or some BF16 tensors) to the workers over NATS", runPublish},
 }
 
 func lookup(name string) *command {

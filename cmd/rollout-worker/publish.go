@@ -1,0 +1,181 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/rollout-worker/rollout-worker/refit"
+)
+
+const publishUsage = `Usage: rollout-worker publish --nats-url URL --model-id ID --version N
+       --from DIR|FILE.safetensors [--only REGEX] [--wait-workers K --timeout D]
+
+Publish a weight version to the rollout workers over NATS JetStream
+(refit/PROTOCOL.md): the BF16 tensors of a checkpoint, a model directory
+(model.safetensors, or the shards of model.safetensors.index.json) or one
+safetensors file, as one safetensors stream in chunks on refit.ID.v.N.
+Every published tensor must be BF16.
+
+Without --only the version is full: every tensor of the checkpoint, which
+must then be the whole model. With --only only the tensors whose names
+match REGEX (a Go regexp, unanchored) go out, as a partial version (full if
+REGEX happens to match every tensor); the workers keep the other tensors.
+
+N must be newer than the last published version. The manifest is printed
+once JetStream has stored every chunk. With --wait-workers K the command
+then waits up to --timeout for K workers' statuses, prints them with
+per-layer timings, and fails unless every one applied the version.
+
+Flags:
+`
+
+func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("publish", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), publishUsage)
+		fs.PrintDefaults()
+	}
+	url := fs.String("nats-url", nats.DefaultURL, "NATS server `URL`(s), comma-separated")
+	model := fs.String("model-id", "", "model `id`, [A-Za-z0-9_-]{1,64} (required)")
+	version := fs.Uint64("version", 0, "version `number`, > 0 and newer than the last published (required)")
+	from := fs.String("from", "", "model `directory` or .safetensors file (required)")
+	only := fs.String("only", "", "publish only tensors whose name matches this Go `regexp` (a partial version)")
+	waitWorkers := fs.Int("wait-workers", 0, "after publishing, wait for this many workers' statuses")
+	timeout := fs.Duration("timeout", 5*time.Minute, "how long --wait-workers waits for the statuses")
+	chunkBytes := fs.Int("chunk-bytes", 0, "chunk size in bytes (default min(4 MiB, the server's max_payload - 4 KiB))")
+	inflight := fs.Int64("max-inflight-bytes", refit.DefaultMaxInflightBytes, "unacknowledged chunk bytes at most")
+	storage := fs.String("storage", "file", "JetStream storage of the stream and bucket: file or memory")
+	verbose := fs.Bool("v", false, "log progress (retries and warnings are always logged)")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+
+	switch {
+	case *model == "":
+		return usageErrorf("--model-id is required")
+	case !refit.ValidModelID(*model):
+		return usageErrorf("--model-id %q: want 1 to 64 of [A-Za-z0-9_-]", *model)
+	case *version == 0:
+		return usageErrorf("--version is required and must be at least 1")
+	case *from == "":
+		return usageErrorf("--from is required")
+	case *waitWorkers < 0:
+		return usageErrorf("--wait-workers must not be negative, not %d", *waitWorkers)
+	case *waitWorkers > 0 && *timeout <= 0:
+		return usageErrorf("--timeout must be positive, not %v", *timeout)
+	case *chunkBytes < 0:
+		return usageErrorf("--chunk-bytes must not be negative, not %d", *chunkBytes)
+	case *inflight <= 0:
+		return usageErrorf("--max-inflight-bytes must be positive, not %d", *inflight)
+	}
+	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes}
+	switch *storage {
+	case "file":
+		cfg.Storage = jetstream.FileStorage
+	case "memory":
+		cfg.Storage = jetstream.MemoryStorage
+	default:
+		return usageErrorf("--storage %q: want file or memory", *storage)
+	}
+	var re *regexp.Regexp
+	if *only != "" {
+		var err error
+		if re, err = regexp.Compile(*only); err != nil {
+			return usageErrorf("--only: %v", err)
+		}
+	}
+
+	level := zapcore.WarnLevel
+	if *verbose {
+		level = zapcore.InfoLevel
+	}
+	log := zap.New(zapcore.NewCore(zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig()), zapcore.AddSync(stderr), level))
+	defer log.Sync()
+
+	src, err := refit.OpenSource(*from, re)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+
+	nc, err := nats.Connect(*url,
+		nats.Name("rollout-worker publish"),
+		nats.Timeout(5*time.Second),
+		nats.MaxReconnects(-1), // Publish retries until ctx ends (Ctrl-C)
+		nats.ReconnectWait(250*time.Millisecond),
+	)
+	if err != nil {
+		return fmt.Errorf("connect to NATS at %s: %w", *url, err)
+	}
+	defer nc.Close()
+
+	pub, err := refit.NewPublisher(nc, cfg, log)
+	if err != nil {
+		return err
+	}
+	var statuses *refit.StatusCollector
+	if *waitWorkers > 0 {
+		// Statuses are not stored: listen before the version goes out.
+		if statuses, err = pub.Statuses(ctx, *version); err != nil {
+			return err
+		}
+		defer statuses.Close()
+	}
+
+	start := time.Now()
+	m, err := pub.Publish(ctx, *version, src, src.Size(), src.Full())
+	if err != nil {
+		return err
+	}
+	writeManifestSummary(stdout, m, time.Since(start))
+	if statuses == nil {
+		return nil
+	}
+
+	wctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	got, werr := statuses.Wait(wctx, *waitWorkers)
+	if len(got) > 0 {
+		fmt.Fprintln(stdout)
+		if err := refit.FormatStatuses(stdout, got); err != nil {
+			return err
+		}
+	}
+	if werr != nil {
+		return werr
+	}
+	var failed []string
+	for _, s := range got {
+		if s.State != refit.StateApplied {
+			failed = append(failed, fmt.Sprintf("%s %s", s.Worker, s.State))
+		}
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("version %d: %d of %d workers did not apply it: %s", m.Version, len(failed), len(got), strings.Join(failed, ", "))
+	}
+	return nil
+}
+
+// writeManifestSummary prints what was published.
+func writeManifestSummary(w io.Writer, m refit.Manifest, took time.Duration) {
+	kind := "partial"
+	if m.Full {
+		kind = "full"
+	}
+	rate := float64(m.TotalBytes) / (1 << 20) / max(took.Seconds(), 1e-9)
+	fmt.Fprintf(w, "published %s version %d of model %s on %s\n", kind, m.Version, m.Model, m.Subject)
+	fmt.Fprintf(w, "  %d tensors, %d bytes (header %d) in %d chunks of %d bytes, %.2fs (%.1f MiB/s)\n",
+		m.Tensors, m.TotalBytes, m.HeaderBytes, m.Chunks, m.ChunkBytes, took.Seconds(), rate)
+	fmt.Fprintf(w, "  sha256 %s\n", m.SHA256)
+}

@@ -1,0 +1,114 @@
+package refit
+
+import (
+	"bytes"
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy"
+	"github.com/rollout-worker/rollout-worker/refit/refittest"
+)
+
+// rawNATS measures core-NATS throughput on loopback: size bytes as 1 MiB
+// messages from one connection to a subscriber on another, timed from the
+// first publish to the last byte received.
+func rawNATS(b *testing.B, url string, size int) float64 {
+	b.Helper()
+	pub, sub := refittest.Connect(b, url), refittest.Connect(b, url)
+	const msg = 1 << 20
+	payload := make([]byte, msg-4096) // what fits a 1 MiB max_payload with headers
+	n := (size + len(payload) - 1) / len(payload)
+	var got atomic.Int64
+	done := make(chan struct{})
+	s, err := sub.Subscribe("bench.raw", func(m *nats.Msg) {
+		if got.Add(int64(len(m.Data))) >= int64(n*len(payload)) {
+			close(done)
+		}
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Unsubscribe()
+	if err := sub.Flush(); err != nil {
+		b.Fatal(err)
+	}
+	start := time.Now()
+	for range n {
+		if err := pub.Publish("bench.raw", payload); err != nil {
+			b.Fatal(err)
+		}
+	}
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		b.Fatalf("raw NATS: %d of %d bytes after a minute", got.Load(), n*len(payload))
+	}
+	return float64(n*len(payload)) / time.Since(start).Seconds() / 1e6
+}
+
+// BenchmarkRefitThroughput publishes full versions of the "small" preset
+// (18 MB) to one worker and reports the throughput into the worker's
+// resident buffers (from the start of Publish to the last byte written and
+// verified) and end to end (to the commit), next to raw core-NATS
+// throughput of 1 MiB messages measured in the same run, and the ratio.
+func BenchmarkRefitThroughput(b *testing.B) {
+	for _, storage := range []string{"file", "memory"} {
+		b.Run(storage, func(b *testing.B) {
+			srv := refittest.StartServer(b)
+			cfg, err := policy.Preset("small")
+			if err != nil {
+				b.Fatal(err)
+			}
+			dir := b.TempDir()
+			if err := policy.WriteRandomModel(dir, cfg, 1); err != nil {
+				b.Fatal(err)
+			}
+			stream := subset(b, dir, nil)
+			w := startWorker(b, srv.URL(), dir, "bench", moe.RecipePerToken, nil)
+			pcfg := PublisherConfig{Model: testModel}
+			if storage == "memory" {
+				pcfg.Storage = 1 // jetstream.MemoryStorage
+			}
+			p, err := NewPublisher(refittest.Connect(b, srv.URL()), pcfg, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			raw := rawNATS(b, srv.URL(), len(stream))
+			var v uint64
+			var total, commit time.Duration
+			for b.Loop() {
+				v++
+				start := time.Now()
+				if _, err := p.Publish(context.Background(), v, bytes.NewReader(stream), int64(len(stream)), true); err != nil {
+					b.Fatal(err)
+				}
+				for w.r.LastStatus().Version != v {
+					time.Sleep(100 * time.Microsecond)
+				}
+				total += time.Since(start)
+				st := w.r.LastStatus()
+				if st.State != StateApplied {
+					b.Fatalf("version %d: %+v", v, st)
+				}
+				commit += time.Duration(st.PhasesMS["commit"] * float64(time.Millisecond))
+			}
+			bytes := float64(len(stream)) * float64(v)
+			// Into the resident buffers: publish start to the last byte
+			// written and verified (the commit, a CPU requantization of
+			// every expert here, excluded); and end to end.
+			into := bytes / (total - commit).Seconds() / 1e6
+			e2e := bytes / total.Seconds() / 1e6
+			b.ReportMetric(into, "refit-MB/s")
+			b.ReportMetric(e2e, "with-commit-MB/s")
+			b.ReportMetric(raw, "nats-MB/s")
+			b.ReportMetric(into/raw, "ratio")
+			b.Logf("%s storage: %d bytes a version; into buffers %.0f MB/s (%.0f with the commit), raw core NATS %.0f MB/s: ratio %.2f; last phases %v",
+				storage, len(stream), into, e2e, raw, into/raw, w.r.LastStatus().PhasesMS)
+		})
+	}
+}

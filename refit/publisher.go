@@ -1,0 +1,606 @@
+package refit
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+)
+
+// Publisher defaults and limits (see PROTOCOL.md, "Flow control").
+const (
+	DefaultMaxInflightBytes = 64 << 20
+	DefaultPublishTimeout   = 10 * time.Second
+	// ChunkHeaderRoom is what a chunk leaves of the server's max_payload
+	// for its NATS headers.
+	ChunkHeaderRoom = 4 << 10
+)
+
+// Backoff between retries of a failed publish (a chunk, the announcement,
+// the manifest): doubling from retryMin up to retryMax.
+const (
+	retryMin = 20 * time.Millisecond
+	retryMax = time.Second
+)
+
+// PublisherConfig configures a Publisher. Zero values take the defaults.
+type PublisherConfig struct {
+	// Model is the model id, [A-Za-z0-9_-]{1,64}.
+	Model string
+	// MaxInflightBytes bounds the chunk bytes published but not yet
+	// acknowledged by JetStream (default DefaultMaxInflightBytes). It must
+	// hold at least one chunk.
+	MaxInflightBytes int64
+	// ChunkBytes is the size of every chunk but the last; 0 means
+	// min(MaxChunkBytes, max_payload - ChunkHeaderRoom) of the server the
+	// connection is on. A larger value is an error.
+	ChunkBytes int
+	// Storage of the stream and the bucket: jetstream.FileStorage (the zero
+	// value, the default) or jetstream.MemoryStorage.
+	Storage jetstream.StorageType
+	// Replicas of the stream and the bucket in a cluster; 0 means 1.
+	Replicas int
+	// PublishTimeout bounds the wait for one acknowledgement and one
+	// JetStream API call (default DefaultPublishTimeout); after it the
+	// operation is retried.
+	PublishTimeout time.Duration
+}
+
+// Publisher publishes versions of one model (PROTOCOL.md). One Publisher,
+// and one process, should publish a given model: Publish calls of a
+// Publisher are serialized, and the stream's ordering guard (below) makes
+// two concurrent publishers of one model stall each other.
+type Publisher struct {
+	nc  *nats.Conn
+	js  jetstream.JetStream
+	cfg PublisherConfig
+	log *zap.Logger
+
+	mu sync.Mutex // held by Publish
+
+	// onInflight, when set (by tests), sees the unacknowledged chunk bytes
+	// after every chunk is published.
+	onInflight func(bytes int64)
+}
+
+// NewPublisher checks cfg, fills in its defaults and returns a Publisher
+// on nc. A nil log logs nothing. It makes no JetStream calls: Publish
+// creates or updates the stream and the bucket.
+func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publisher, error) {
+	if log == nil {
+		log = zap.NewNop()
+	}
+	fail := func(format string, args ...any) (*Publisher, error) {
+		return nil, fmt.Errorf("refit: new publisher for model %q: %s", cfg.Model, fmt.Sprintf(format, args...))
+	}
+	if nc == nil {
+		return fail("no NATS connection")
+	}
+	if !ValidModelID(cfg.Model) {
+		return fail("invalid model id (want 1 to 64 of [A-Za-z0-9_-])")
+	}
+	maxChunk := min(int64(MaxChunkBytes), nc.MaxPayload()-ChunkHeaderRoom)
+	if maxChunk <= 0 {
+		return fail("the server's max_payload of %d bytes leaves no room for chunks (%d bytes go to headers)", nc.MaxPayload(), ChunkHeaderRoom)
+	}
+	switch {
+	case cfg.ChunkBytes == 0:
+		cfg.ChunkBytes = int(maxChunk)
+	case cfg.ChunkBytes < 0 || int64(cfg.ChunkBytes) > maxChunk:
+		return fail("chunk bytes %d: want 1 to %d (min of %d and the server's max_payload %d less %d for headers)",
+			cfg.ChunkBytes, maxChunk, MaxChunkBytes, nc.MaxPayload(), ChunkHeaderRoom)
+	}
+	if cfg.MaxInflightBytes == 0 {
+		cfg.MaxInflightBytes = DefaultMaxInflightBytes
+	}
+	if cfg.MaxInflightBytes < int64(cfg.ChunkBytes) {
+		return fail("max inflight bytes %d is less than one chunk of %d bytes", cfg.MaxInflightBytes, cfg.ChunkBytes)
+	}
+	if cfg.Storage != jetstream.FileStorage && cfg.Storage != jetstream.MemoryStorage {
+		return fail("storage %v: want file or memory", cfg.Storage)
+	}
+	if cfg.Replicas < 0 {
+		return fail("replicas %d", cfg.Replicas)
+	}
+	if cfg.Replicas == 0 {
+		cfg.Replicas = 1
+	}
+	if cfg.PublishTimeout < 0 {
+		return fail("publish timeout %v", cfg.PublishTimeout)
+	}
+	if cfg.PublishTimeout == 0 {
+		cfg.PublishTimeout = DefaultPublishTimeout
+	}
+	// The window, not the library, bounds what is pending: leave it room.
+	maxPending := cfg.MaxInflightBytes/int64(cfg.ChunkBytes) + 2
+	js, err := jetstream.New(nc,
+		jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
+		jetstream.WithPublishAsyncMaxPending(int(min(maxPending, 1<<30))),
+		jetstream.WithDefaultTimeout(cfg.PublishTimeout))
+	if err != nil {
+		return fail("jetstream: %v", err)
+	}
+	return &Publisher{nc: nc, js: js, cfg: cfg, log: log.With(zap.String("model", cfg.Model))}, nil
+}
+
+// Config returns the configuration with its defaults filled in.
+func (p *Publisher) Config() PublisherConfig { return p.cfg }
+
+// Publish publishes the safetensors stream of size bytes that src holds as
+// version of the model, following PROTOCOL.md: it creates or updates the
+// stream and the bucket, writes the announcement, publishes the chunks
+// asynchronously with at most MaxInflightBytes unacknowledged, writes the
+// manifest once JetStream has acknowledged every chunk, and then purges the
+// versions older than the previous one. full says whether the stream holds
+// every tensor of the model (see Source.Full).
+//
+// The stream's header is checked first (ParseHeader; every tensor BF16).
+// version must be newer than the bucket's manifest, and its subject must be
+// empty (a version number is used once: workers reject one they have seen).
+//
+// A chunk whose publish fails or times out is published again, with the
+// same Nats-Msg-Id, with backoff, until ctx ends, and so is everything
+// after it: every chunk but the first carries Nats-Expected-Last-Msg-Id
+// (the previous chunk's id), so the stream stores the chunks in order and
+// exactly once even across a server restart. Errors that will not go away
+// by themselves (a JetStream API error with a 4xx code, a closed
+// connection, a message over max_payload) end the publish at once. src
+// must not change while Publish runs.
+func (p *Publisher) Publish(ctx context.Context, version uint64, src io.ReaderAt, size int64, full bool) (Manifest, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	m, err := p.publish(ctx, version, src, size, full)
+	if err != nil {
+		return Manifest{}, fmt.Errorf("refit: publish version %d: %w", version, err)
+	}
+	return m, nil
+}
+
+func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt, size int64, full bool) (Manifest, error) {
+	start := time.Now()
+	model := p.cfg.Model
+	switch {
+	case version == 0:
+		return Manifest{}, errors.New("versions start at 1")
+	case size <= 8 || size > MaxStreamBytes:
+		return Manifest{}, fmt.Errorf("stream of %d bytes: want 9 to %d", size, MaxStreamBytes)
+	}
+	hdr, err := readHeader(src, size)
+	if err != nil {
+		return Manifest{}, err
+	}
+	chunkBytes := int64(p.cfg.ChunkBytes)
+	nChunks := (size + chunkBytes - 1) / chunkBytes
+	if nChunks > 1<<31-1 {
+		return Manifest{}, fmt.Errorf("%d chunks of %d bytes: too many", nChunks, chunkBytes)
+	}
+	m := Manifest{
+		Announce: Announce{Protocol: ProtocolVersion, Model: model, Version: version, Full: full,
+			Subject: VersionSubject(model, version), TotalBytes: size, ChunkBytes: p.cfg.ChunkBytes, Chunks: int(nChunks)},
+		HeaderBytes: int(hdr.Len),
+		Tensors:     len(hdr.Tensors),
+	}
+	if err := m.Announce.check("announce"); err != nil {
+		return Manifest{}, err // cannot happen with the checks above; kept as the contract's guard
+	}
+
+	stream, kv, err := p.ensure(ctx)
+	if err != nil {
+		return Manifest{}, err
+	}
+	prev, err := p.previous(ctx, kv)
+	if err != nil {
+		return Manifest{}, err
+	}
+	if version <= prev {
+		return Manifest{}, fmt.Errorf("not newer than version %d, the newest published", prev)
+	}
+	subjects, err := p.subjects(ctx, stream)
+	if err != nil {
+		return Manifest{}, err
+	}
+	if n := subjects[m.Subject]; n > 0 {
+		return Manifest{}, fmt.Errorf("subject %s already holds %d chunks (an earlier attempt?): publish a newer version", m.Subject, n)
+	}
+
+	log := p.log.With(zap.Uint64("version", version))
+	log.Info("refit: publishing", zap.Int64("bytes", size), zap.Int("chunks", m.Chunks), zap.Int("chunk_bytes", m.ChunkBytes),
+		zap.Int("tensors", m.Tensors), zap.Bool("full", full), zap.Uint64("previous", prev))
+	if err := p.put(ctx, kv, KeyAnnounce, m.Announce); err != nil {
+		return Manifest{}, err
+	}
+	sum, err := p.sendChunks(ctx, log, version, src, size)
+	if err != nil {
+		return Manifest{}, err
+	}
+	m.SHA256 = sum
+	m.PublishedAt = time.Now().UTC()
+	if err := p.put(ctx, kv, KeyManifest, m); err != nil {
+		return Manifest{}, err
+	}
+	elapsed := time.Since(start)
+	log.Info("refit: published", zap.Duration("took", elapsed),
+		zap.Float64("mib_per_s", float64(size)/(1<<20)/max(elapsed.Seconds(), 1e-9)), zap.String("sha256", sum))
+
+	// Retention is housekeeping: the version is out, so a failure is only
+	// logged.
+	if err := p.purgeOld(ctx, stream, version, prev); err != nil {
+		log.Warn("refit: purge old versions", zap.Error(err))
+	}
+	return m, nil
+}
+
+// readHeader reads and checks the safetensors header at the start of src.
+func readHeader(src io.ReaderAt, size int64) (Header, error) {
+	var lenBuf [8]byte
+	if err := readFull(src, lenBuf[:], 0); err != nil {
+		return Header{}, fmt.Errorf("read the header length: %w", err)
+	}
+	n, _, err := HeaderLen(lenBuf[:])
+	if err != nil {
+		return Header{}, err
+	}
+	if 8+n > size {
+		return Header{}, fmt.Errorf("%w: safetensors header of %d bytes in a stream of %d", ErrProtocol, n, size)
+	}
+	js := make([]byte, n)
+	if err := readFull(src, js, 8); err != nil {
+		return Header{}, fmt.Errorf("read the header: %w", err)
+	}
+	h, err := ParseHeader(js, size)
+	if err != nil {
+		return Header{}, err
+	}
+	var bad []string
+	for _, t := range h.Tensors {
+		if t.DType != "BF16" {
+			bad = append(bad, fmt.Sprintf("%s (%s)", t.Name, t.DType))
+		}
+	}
+	if len(bad) > 0 {
+		slices.SortFunc(bad, naturalCompare)
+		return Header{}, fmt.Errorf("%d tensors are not BF16: %s", len(bad), listSome(bad, 10))
+	}
+	return h, nil
+}
+
+// readFull fills p from src at off.
+func readFull(src io.ReaderAt, p []byte, off int64) error {
+	n, err := src.ReadAt(p, off)
+	if n == len(p) {
+		return nil
+	}
+	if err == nil || err == io.EOF {
+		err = io.ErrUnexpectedEOF
+	}
+	return fmt.Errorf("bytes %d..%d: %w", off, off+int64(len(p)), err)
+}
+
+// listSome joins up to n items and counts the rest.
+func listSome(items []string, n int) string {
+	if len(items) <= n {
+		return strings.Join(items, ", ")
+	}
+	return strings.Join(items[:n], ", ") + fmt.Sprintf(" and %d more", len(items)-n)
+}
+
+// ensure creates or updates the model's stream and bucket.
+func (p *Publisher) ensure(ctx context.Context) (jetstream.Stream, jetstream.KeyValue, error) {
+	model := p.cfg.Model
+	var stream jetstream.Stream
+	err := p.retry(ctx, "create or update stream "+StreamName(model), func(ctx context.Context) (err error) {
+		stream, err = p.js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+			Name:        StreamName(model),
+			Description: "refit versions of model " + model + " (PROTOCOL.md)",
+			Subjects:    []string{StreamSubjects(model)},
+			Retention:   jetstream.LimitsPolicy,
+			Discard:     jetstream.DiscardOld,
+			Storage:     p.cfg.Storage,
+			Replicas:    p.cfg.Replicas,
+			MaxMsgSize:  int32(min(p.nc.MaxPayload(), 1<<31-1)),
+		})
+		return err
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	var kv jetstream.KeyValue
+	err = p.retry(ctx, "create or update bucket "+BucketName(model), func(ctx context.Context) (err error) {
+		kv, err = p.js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
+			Bucket:      BucketName(model),
+			Description: "refit announcement and manifest of model " + model + " (PROTOCOL.md)",
+			History:     2, // the manifests of the two versions kept (PROTOCOL.md)
+			Storage:     p.cfg.Storage,
+			Replicas:    p.cfg.Replicas,
+		})
+		return err
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return stream, kv, nil
+}
+
+// previous returns the version of the bucket's manifest, 0 if none.
+func (p *Publisher) previous(ctx context.Context, kv jetstream.KeyValue) (uint64, error) {
+	var prev uint64
+	err := p.retry(ctx, "read the manifest", func(ctx context.Context) error {
+		e, err := kv.Get(ctx, KeyManifest)
+		if errors.Is(err, jetstream.ErrKeyNotFound) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		m, err := ParseManifest(e.Value())
+		if err != nil {
+			// Not ours to judge: the version rule is then the workers'.
+			p.log.Warn("refit: the bucket's manifest does not parse; ignoring it", zap.Error(err))
+			return nil
+		}
+		prev = m.Version
+		return nil
+	})
+	return prev, err
+}
+
+// subjects returns the message count of every version subject in the stream.
+func (p *Publisher) subjects(ctx context.Context, stream jetstream.Stream) (map[string]uint64, error) {
+	var subjects map[string]uint64
+	err := p.retry(ctx, "list the stream's subjects", func(ctx context.Context) error {
+		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(StreamSubjects(p.cfg.Model)))
+		if err != nil {
+			return err
+		}
+		subjects = info.State.Subjects
+		return nil
+	})
+	return subjects, err
+}
+
+// put writes v as JSON under key.
+func (p *Publisher) put(ctx context.Context, kv jetstream.KeyValue, key string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("encode %s: %w", key, err)
+	}
+	return p.retry(ctx, "write "+key, func(ctx context.Context) error {
+		_, err := kv.Put(ctx, key, b)
+		return err
+	})
+}
+
+// purgeOld purges the subjects of every version below version but prev,
+// so that the stream keeps the newest two complete versions.
+func (p *Publisher) purgeOld(ctx context.Context, stream jetstream.Stream, version, prev uint64) error {
+	subjects, err := p.subjects(ctx, stream)
+	if err != nil {
+		return err
+	}
+	prefix := VersionSubject(p.cfg.Model, 0)
+	prefix = prefix[:len(prefix)-1]
+	var old []string
+	for subj := range subjects {
+		v, err := strconv.ParseUint(strings.TrimPrefix(subj, prefix), 10, 64)
+		if err == nil && v < version && v != prev {
+			old = append(old, subj)
+		}
+	}
+	slices.Sort(old)
+	for _, subj := range old {
+		err := p.retry(ctx, "purge "+subj, func(ctx context.Context) error {
+			return stream.Purge(ctx, jetstream.WithPurgeSubject(subj))
+		})
+		if err != nil {
+			return err
+		}
+		p.log.Info("refit: purged an old version", zap.String("subject", subj), zap.Uint64("messages", subjects[subj]))
+	}
+	return nil
+}
+
+// retry runs op, each attempt bounded by PublishTimeout, until it succeeds,
+// fails for good (not transient), or ctx ends.
+func (p *Publisher) retry(ctx context.Context, what string, op func(context.Context) error) error {
+	wait := retryMin
+	for attempt := 1; ; attempt++ {
+		actx, cancel := context.WithTimeout(ctx, p.cfg.PublishTimeout)
+		err := op(actx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("%s: %w (last error: %v)", what, ctx.Err(), err)
+		}
+		if !transient(err) {
+			return fmt.Errorf("%s: %w", what, err)
+		}
+		p.log.Warn("refit: retrying", zap.String("op", what), zap.Int("attempt", attempt), zap.Error(err))
+		if serr := sleepCtx(ctx, wait); serr != nil {
+			return fmt.Errorf("%s: %w (last error: %v)", what, serr, err)
+		}
+		wait = min(2*wait, retryMax)
+	}
+}
+
+// transient reports whether err may go away by itself, so that the
+// operation is worth retrying: anything but a JetStream API error with a
+// 4xx code (except the stream's "wrong last msg ID" answer to a chunk sent
+// after a lost one) and errors of the request itself. Timeouts, a lost or
+// restarting server (including the connection's own write errors) and a
+// JetStream that is not ready yet are transient.
+func transient(err error) bool {
+	var apiErr *jetstream.APIError
+	var jsErr jetstream.JetStreamError
+	switch {
+	case errors.As(err, &apiErr):
+	case errors.As(err, &jsErr) && jsErr.APIError() != nil:
+		apiErr = jsErr.APIError()
+	}
+	if apiErr != nil {
+		return apiErr.Code >= 500 || apiErr.ErrorCode == errCodeWrongLastMsgID || apiErr.Code == 0
+	}
+	for _, permanent := range []error{
+		nats.ErrConnectionClosed, nats.ErrConnectionDraining, nats.ErrInvalidConnection,
+		nats.ErrBadSubject, nats.ErrMaxPayload, nats.ErrInvalidMsg, nats.ErrHeadersNotSupported,
+		nats.ErrAuthorization, nats.ErrAuthExpired, nats.ErrAuthRevoked, nats.ErrPermissionViolation,
+		jetstream.ErrInvalidOption, jetstream.ErrAsyncPublishReplySubjectSet,
+	} {
+		if errors.Is(err, permanent) {
+			return false
+		}
+	}
+	return true
+}
+
+// errCodeWrongLastMsgID is JetStream's error code for a message whose
+// Nats-Expected-Last-Msg-Id is not the stream's last message id.
+const errCodeWrongLastMsgID jetstream.ErrorCode = 10070
+
+// sleepCtx sleeps for d or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// inflightChunk is a chunk published and not yet acknowledged.
+type inflightChunk struct {
+	seq int
+	buf []byte
+	fut jetstream.PubAckFuture
+}
+
+// sendChunks publishes the chunks of src on the version's subject within
+// the byte window and returns the stream's SHA-256 once every chunk is
+// acknowledged.
+//
+// The window is a FIFO of published chunks. A chunk is published when it
+// fits in the window; otherwise the oldest is awaited. When the oldest
+// fails, every later chunk in flight is awaited too (each ends with an ack,
+// an error or the ack timeout), and publishing resumes at the failed chunk:
+// chunks the stream did store are acknowledged again as duplicates.
+func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uint64, src io.ReaderAt, size int64) (string, error) {
+	model := p.cfg.Model
+	subject := VersionSubject(model, version)
+	chunkBytes := int64(p.cfg.ChunkBytes)
+	nChunks := int((size + chunkBytes - 1) / chunkBytes)
+	chunkLen := func(seq int) int { return int(min(chunkBytes, size-int64(seq)*chunkBytes)) }
+
+	var (
+		digest   = sha256.New()
+		hashed   int // chunks hashed so far (a resent chunk is hashed once)
+		next     int // next chunk to publish
+		queue    []inflightChunk
+		inflight int64
+		free     [][]byte // buffers of acknowledged chunks, for reuse
+		wait     = retryMin
+		retries  int
+	)
+	// fail handles a failed chunk: it awaits the other chunks in flight
+	// (each ends with an ack, an error or the ack timeout), backs off and
+	// rewinds to the oldest chunk not acknowledged in order.
+	fail := func(seq int, err error, others []inflightChunk) error {
+		if !transient(err) {
+			return fmt.Errorf("chunk %d of %d: %w", seq, nChunks, err)
+		}
+		retries++
+		log.Warn("refit: chunk failed; publishing again from the oldest unacknowledged one", zap.Int("seq", seq),
+			zap.Int("in_flight", len(queue)), zap.Int("retries", retries), zap.Error(err))
+		for _, c := range others {
+			select {
+			case <-c.fut.Ok():
+			case <-c.fut.Err():
+			case <-ctx.Done():
+				return fmt.Errorf("chunk %d of %d: %w (last error: %v)", seq, nChunks, ctx.Err(), err)
+			}
+		}
+		next = seq
+		if len(queue) > 0 {
+			next = queue[0].seq
+		}
+		queue, inflight = queue[:0], 0
+		if serr := sleepCtx(ctx, wait); serr != nil {
+			return fmt.Errorf("chunk %d of %d: %w (last error: %v)", seq, nChunks, serr, err)
+		}
+		wait = min(2*wait, retryMax)
+		return nil
+	}
+
+	for acked := 0; acked < nChunks; {
+		if next < nChunks && inflight+int64(chunkLen(next)) <= p.cfg.MaxInflightBytes {
+			n := chunkLen(next)
+			var buf []byte
+			if k := len(free); k > 0 {
+				buf, free = free[k-1][:n], free[:k-1]
+			} else {
+				buf = make([]byte, n, chunkBytes)
+			}
+			off := int64(next) * chunkBytes
+			if err := readFull(src, buf, off); err != nil {
+				return "", fmt.Errorf("read chunk %d: %w", next, err)
+			}
+			if next == hashed {
+				digest.Write(buf)
+				hashed++
+			}
+			h := Chunk{Version: version, Seq: next, Offset: off, Total: size, Chunks: nChunks, CRC: CRC32C(buf)}.Header()
+			h.Set(jetstream.MsgIDHeader, MsgID(model, version, next))
+			if next > 0 {
+				h.Set(jetstream.ExpectedLastMsgIDHeader, MsgID(model, version, next-1))
+			}
+			fut, err := p.js.PublishMsgAsync(&nats.Msg{Subject: subject, Header: h, Data: buf})
+			if err != nil {
+				// Not sent: nothing of it is in flight.
+				if err := fail(next, err, queue); err != nil {
+					return "", err
+				}
+				continue
+			}
+			queue = append(queue, inflightChunk{seq: next, buf: buf, fut: fut})
+			inflight += int64(n)
+			if p.onInflight != nil {
+				p.onInflight(inflight)
+			}
+			next++
+			continue
+		}
+		c := queue[0]
+		select {
+		case <-c.fut.Ok():
+			queue = queue[1:]
+			inflight -= int64(len(c.buf))
+			free = append(free, c.buf) // acknowledged: the library holds it no more
+			acked = c.seq + 1
+			wait = retryMin
+		case err := <-c.fut.Err():
+			if err := fail(c.seq, err, queue[1:]); err != nil {
+				return "", err
+			}
+		case <-ctx.Done():
+			return "", fmt.Errorf("chunk %d of %d: %w", c.seq, nChunks, ctx.Err())
+		}
+	}
+	if retries > 0 {
+		log.Info("refit: all chunks stored after retries", zap.Int("retries", retries))
+	}
+	return hex.EncodeToString(digest.Sum(nil)), nil
+}

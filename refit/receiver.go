@@ -1,0 +1,837 @@
+package refit
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy"
+)
+
+// Engine is where a version is committed: between two generation steps.
+type Engine interface {
+	AtBoundary(ctx context.Context, fn func() error) error
+	SetVersion(v uint64) // called inside AtBoundary
+}
+
+// ReceiverConfig configures a worker's receiver.
+type ReceiverConfig struct {
+	Model  string // model id
+	Worker string // worker id in status reports
+	// Version is the version of the weights loaded at start (0: none yet).
+	Version uint64
+	// MaxBytes bounds the bytes a consumer pulls ahead (default 64 MiB).
+	MaxBytes int
+	// ChunkTimeout rejects a version whose chunks (or manifest) stop
+	// arriving for this long: the publisher died (default 30 s).
+	ChunkTimeout time.Duration
+}
+
+// Receiver is the worker side of the refit protocol. Run owns it: every
+// field below mu is touched only by Run's goroutine; Status and
+// CurrentVersion may be called from anywhere.
+type Receiver struct {
+	cfg     ReceiverConfig
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	m       *policy.Model
+	eng     Engine
+	stager  kernels.Stager
+	log     *zap.Logger
+	metrics *metrics
+
+	// Staging mirrors of the live buffers that a version may not write in
+	// place (everything but the expert stacks, and those too when the
+	// recipe reads them), allocated once.
+	staging map[*kernels.Buffer]*kernels.Buffer
+	direct  bool // expert tensors are written straight into the stacks
+
+	mu      sync.Mutex
+	current uint64
+	last    Status
+
+	seen  map[uint64]bool // version numbers received (applied or rejected)
+	dirty []span          // stack ranges a rejected version overwrote
+
+	received   atomic.Int64  // bytes of the version being received
+	chunkDelay time.Duration // tests: a slow worker
+}
+
+// receivedBytes returns the bytes received of the current version.
+func (r *Receiver) receivedBytes() int64 { return r.received.Load() }
+
+// span is a byte range of a live buffer.
+type span struct {
+	buf      *kernels.Buffer
+	off, len int
+	name     string
+}
+
+func (s span) covers(o span) bool {
+	return s.buf == o.buf && s.off <= o.off && o.off+o.len <= s.off+s.len
+}
+
+// NewReceiver prepares a receiver for the model m, committing through eng.
+// It allocates the staging buffers, so call it at start, before the engine
+// runs. reg may be nil.
+func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig, log *zap.Logger, reg prometheus.Registerer) (*Receiver, error) {
+	if !ValidModelID(cfg.Model) {
+		return nil, fmt.Errorf("refit: receiver: model id %q: want [A-Za-z0-9_-]+", cfg.Model)
+	}
+	if cfg.Worker == "" {
+		return nil, fmt.Errorf("refit: receiver: empty worker id")
+	}
+	if cfg.MaxBytes <= 0 {
+		cfg.MaxBytes = 64 << 20
+	}
+	if cfg.ChunkTimeout <= 0 {
+		cfg.ChunkTimeout = 30 * time.Second
+	}
+	if log == nil {
+		log = zap.NewNop()
+	}
+	st, ok := m.Backend().(kernels.Stager)
+	if !ok {
+		return nil, fmt.Errorf("refit: receiver: backend %s cannot stage bytes from another goroutine", m.Backend().Name())
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("refit: receiver: %w", err)
+	}
+	met, err := newMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	r := &Receiver{cfg: cfg, nc: nc, js: js, m: m, eng: eng, stager: st, log: log, metrics: met,
+		staging: map[*kernels.Buffer]*kernels.Buffer{}, direct: m.Options().Recipe != moe.RecipeBF16,
+		current: cfg.Version, seen: map[uint64]bool{}}
+	targets, err := m.Tensors()
+	if err != nil {
+		return nil, err
+	}
+	for _, t := range targets {
+		if (t.IsExpert() && r.direct) || r.staging[t.Buffer] != nil {
+			continue
+		}
+		b, err := m.Backend().Alloc(t.Buffer.DType(), t.Buffer.Shape()...)
+		if err != nil {
+			r.Close()
+			return nil, fmt.Errorf("refit: receiver: staging for %s: %w", t.Name, err)
+		}
+		r.staging[t.Buffer] = b
+	}
+	met.version.Set(float64(cfg.Version))
+	return r, nil
+}
+
+// Close frees the staging buffers. Call it after Run returned.
+func (r *Receiver) Close() error {
+	var errs []error
+	for live, b := range r.staging {
+		errs = append(errs, r.m.Backend().Free(b))
+		delete(r.staging, live)
+	}
+	return errors.Join(errs...)
+}
+
+// CurrentVersion returns the version being served.
+func (r *Receiver) CurrentVersion() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.current
+}
+
+// LastStatus returns the report on the last version handled.
+func (r *Receiver) LastStatus() Status {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.last
+}
+
+// Run receives versions until ctx is done. It first catches up with the
+// newest published version (late join), then follows announcements.
+func (r *Receiver) Run(ctx context.Context) error {
+	kv, err := r.bucket(ctx)
+	if err != nil {
+		return err
+	}
+	// Watch first, so nothing published while catching up is missed: the
+	// watcher delivers the current values, a nil marker, then updates.
+	w, err := kv.WatchAll(ctx)
+	if err != nil {
+		return fmt.Errorf("refit: receiver: watch %s: %w", BucketName(r.cfg.Model), err)
+	}
+	defer w.Stop()
+	var initial []jetstream.KeyValueEntry
+	for caughtUp := false; ; {
+		var e jetstream.KeyValueEntry
+		select {
+		case <-ctx.Done():
+			return nil
+		case u, ok := <-w.Updates():
+			if !ok {
+				return fmt.Errorf("refit: receiver: watcher of %s closed", BucketName(r.cfg.Model))
+			}
+			e = u
+		}
+		if !caughtUp {
+			if e != nil {
+				initial = append(initial, e)
+				continue
+			}
+			caughtUp = true
+			if err := r.catchUp(ctx, kv, initial); err != nil {
+				return err
+			}
+			continue
+		}
+		if e == nil || e.Operation() != jetstream.KeyValuePut {
+			continue
+		}
+		a, ok := r.announcement(e)
+		if !ok || a.Model != r.cfg.Model {
+			continue
+		}
+		r.handle(ctx, kv, a)
+	}
+}
+
+// announcement reads a version to handle from an announce or manifest
+// entry; a manifest counts only if its version was not seen (its
+// announcement was missed, during a reconnect say).
+func (r *Receiver) announcement(e jetstream.KeyValueEntry) (Announce, bool) {
+	switch e.Key() {
+	case KeyAnnounce:
+		a, err := ParseAnnounce(e.Value())
+		if err != nil {
+			r.log.Warn("refit: bad announcement", zap.Error(err))
+			return a, false
+		}
+		return a, true
+	case KeyManifest:
+		m, err := ParseManifest(e.Value())
+		if err != nil {
+			r.log.Warn("refit: bad manifest", zap.Error(err))
+			return Announce{}, false
+		}
+		return m.Announce, !r.seen[m.Version]
+	}
+	return Announce{}, false
+}
+
+// bucket waits for the model's bucket to exist.
+func (r *Receiver) bucket(ctx context.Context) (jetstream.KeyValue, error) {
+	for {
+		kv, err := r.js.KeyValue(ctx, BucketName(r.cfg.Model))
+		if err == nil {
+			return kv, nil
+		}
+		if !errors.Is(err, jetstream.ErrBucketNotFound) && ctx.Err() == nil {
+			r.log.Warn("refit: waiting for the bucket", zap.String("bucket", BucketName(r.cfg.Model)), zap.Error(err))
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// catchUp applies, from the bucket's current values, the newest complete
+// version when it is newer than the loaded one: directly if it is full,
+// after the previous version if that is needed, full and still in the
+// stream, else the worker needs a full version. Then a version still being
+// published is received too.
+func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial []jetstream.KeyValueEntry) error {
+	var m *Manifest
+	var ann *Announce
+	for _, e := range initial {
+		switch e.Key() {
+		case KeyManifest:
+			if x, err := ParseManifest(e.Value()); err == nil {
+				m = &x
+			} else {
+				r.log.Warn("refit: bad manifest", zap.Error(err))
+			}
+		case KeyAnnounce:
+			if x, err := ParseAnnounce(e.Value()); err == nil {
+				ann = &x
+			}
+		}
+	}
+	if m != nil && m.Version > r.current {
+		if err := r.catchUpTo(ctx, kv, *m); err != nil {
+			return err
+		}
+	}
+	if ann != nil && ann.Version > r.current && !r.seen[ann.Version] {
+		r.handle(ctx, kv, *ann)
+	}
+	return nil
+}
+
+func (r *Receiver) catchUpTo(ctx context.Context, kv jetstream.KeyValue, m Manifest) error {
+	if !m.Full {
+		// A partial version is a delta: apply it only on top of the
+		// version before it, fetched first when this worker lacks it.
+		prev, ok, err := r.previousVersion(ctx, m.Version)
+		if err != nil {
+			return err
+		}
+		// The base is there when this worker serves the version before
+		// it, or, with no earlier version in the stream, when it serves the
+		// number just below (version 1 over the loaded weights, say).
+		base := ok && prev <= r.current || !ok && m.Version == r.current+1
+		if !base && ok {
+			base = r.handle(ctx, kv, Announce{Protocol: ProtocolVersion, Model: r.cfg.Model, Version: prev, Full: true,
+				Subject: VersionSubject(r.cfg.Model, prev)}) == nil
+		}
+		if !base {
+			r.seen[m.Version] = true
+			r.report(Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: m.Version},
+				fmt.Errorf("%w: version %d is partial and no full version it builds on is available", errNeedsFull, m.Version))
+			return nil
+		}
+	}
+	r.handle(ctx, kv, m.Announce)
+	return nil
+}
+
+// previousVersion finds the newest version below v still in the stream.
+func (r *Receiver) previousVersion(ctx context.Context, v uint64) (uint64, bool, error) {
+	s, err := r.js.Stream(ctx, StreamName(r.cfg.Model))
+	if err != nil {
+		return 0, false, fmt.Errorf("refit: receiver: stream: %w", err)
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(StreamSubjects(r.cfg.Model)))
+	if err != nil {
+		return 0, false, fmt.Errorf("refit: receiver: stream info: %w", err)
+	}
+	var best uint64
+	prefix := "refit." + r.cfg.Model + ".v."
+	for subj := range info.State.Subjects {
+		n, err := strconv.ParseUint(strings.TrimPrefix(subj, prefix), 10, 64)
+		if err == nil && n < v && n > best {
+			best = n
+		}
+	}
+	return best, best > 0, nil
+}
+
+// handle receives and commits one version, or rejects it, and reports.
+func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce) error {
+	st := Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: a.Version}
+	var err error
+	if a.Version <= r.current || r.seen[a.Version] {
+		err = fmt.Errorf("duplicate or older version %d (serving %d)", a.Version, r.current)
+	} else {
+		r.seen[a.Version] = true
+		err = r.receive(ctx, kv, a, &st)
+	}
+	if ctx.Err() != nil && err != nil {
+		return err // shutting down: not the version's fault
+	}
+	r.report(st, err)
+	return err
+}
+
+// report logs, counts and publishes the outcome of a version.
+func (r *Receiver) report(st Status, err error) {
+	st.CurrentVersion = r.current
+	switch {
+	case err == nil:
+		st.State = StateApplied
+	case errors.Is(err, errNeedsFull):
+		st.State, st.Reason = StateNeedsFull, err.Error()
+	default:
+		st.State, st.Reason = StateRejected, err.Error()
+	}
+	r.metrics.versions.WithLabelValues(st.State).Inc()
+	r.mu.Lock()
+	r.last = st
+	r.mu.Unlock()
+	fields := []zap.Field{zap.Uint64("version", st.Version), zap.String("state", st.State), zap.Uint64("serving", r.current),
+		zap.Any("phases_ms", st.PhasesMS)}
+	if err != nil {
+		r.log.Warn("refit: version not applied", append(fields, zap.String("reason", st.Reason))...)
+	} else {
+		r.log.Info("refit: version applied", append(fields, zap.Int64("bytes", st.Bytes), zap.Any("layers", st.Layers))...)
+	}
+	b, merr := jsonMarshal(st)
+	if merr == nil {
+		merr = r.nc.Publish(StatusSubject(r.cfg.Model), b)
+	}
+	if merr != nil {
+		r.log.Warn("refit: publish status", zap.Error(merr))
+	}
+}
+
+var errNeedsFull = errors.New("needs a full version")
+
+// write is one tensor of the version: where its bytes go.
+type write struct {
+	info   TensorInfo
+	target policy.Target
+	dst    *kernels.Buffer // live (direct) or staging
+	layer  int
+	// Times its first and last byte arrived.
+	first, last time.Time
+	carry       byte // the low byte of an element split across chunks
+}
+
+// plan checks a parsed header against the model and decides where each
+// tensor goes. It reports every problem at once.
+func (r *Receiver) plan(h Header) ([]*write, error) {
+	var problems []string
+	var ws []*write
+	for _, t := range h.Tensors {
+		tg, err := r.m.Resolve(t.Name)
+		switch {
+		case err != nil:
+			problems = append(problems, fmt.Sprintf("unknown tensor %q", t.Name))
+			continue
+		case t.DType != "BF16":
+			problems = append(problems, fmt.Sprintf("tensor %q: dtype %s, want BF16", t.Name, t.DType))
+			continue
+		case !slices.Equal(t.Shape, tg.Shape):
+			problems = append(problems, fmt.Sprintf("tensor %q: shape %v, want %v", t.Name, t.Shape, tg.Shape))
+			continue
+		}
+		w := &write{info: t, target: tg, dst: tg.Buffer, layer: tg.Layer}
+		if s := r.staging[tg.Buffer]; s != nil {
+			w.dst = s
+		}
+		ws = append(ws, w)
+	}
+	if len(problems) > 0 {
+		if len(problems) > 10 {
+			problems = append(problems[:10], fmt.Sprintf("and %d more", len(problems)-10))
+		}
+		return nil, errors.New(strings.Join(problems, "; "))
+	}
+	// Two tensors writing the same bytes (per-expert and fused, say) would
+	// make the result depend on their order.
+	spans := make([]span, len(ws))
+	for i, w := range ws {
+		spans[i] = span{w.target.Buffer, w.target.Offset, w.target.Size(), w.info.Name}
+	}
+	sort.Slice(spans, func(i, j int) bool {
+		return spans[i].buf.Addr()+uintptr(spans[i].off) < spans[j].buf.Addr()+uintptr(spans[j].off)
+	})
+	for i := 1; i < len(spans); i++ {
+		p, s := spans[i-1], spans[i]
+		if p.buf == s.buf && s.off < p.off+p.len {
+			return nil, fmt.Errorf("tensors %q and %q write the same weights", p.name, s.name)
+		}
+	}
+	// Dirty stack ranges must all be rewritten by this version.
+	var missing []string
+	for _, d := range r.dirty {
+		if !slices.ContainsFunc(ws, func(w *write) bool {
+			return w.dst == w.target.Buffer && span{w.target.Buffer, w.target.Offset, w.target.Size(), ""}.covers(d)
+		}) {
+			missing = append(missing, d.name)
+		}
+	}
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("%w: %d tensors left dirty by a rejected version are not rewritten (first: %s)", errNeedsFull, len(missing), missing[0])
+	}
+	return ws, nil
+}
+
+// isFull reports whether a version's tensors cover every weight of the
+// model.
+func (r *Receiver) isFull(ws []*write) (bool, error) {
+	targets, err := r.m.Tensors()
+	if err != nil {
+		return false, err
+	}
+	for _, t := range targets {
+		want := span{t.Buffer, t.Offset, t.Size(), t.Name}
+		if !slices.ContainsFunc(ws, func(w *write) bool {
+			return span{w.target.Buffer, w.target.Offset, w.target.Size(), ""}.covers(want)
+		}) {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// receive streams version a into its destinations, validates it and
+// commits it.
+func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announce, st *Status) (err error) {
+	recvStart := time.Now()
+	stream, err := r.js.Stream(ctx, StreamName(r.cfg.Model))
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", StreamName(r.cfg.Model), err)
+	}
+	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{VersionSubject(r.cfg.Model, a.Version)}, DeliverPolicy: jetstream.DeliverAllPolicy})
+	if err != nil {
+		return fmt.Errorf("consumer for version %d: %w", a.Version, err)
+	}
+	msgs := make(chan jetstream.Msg, 4)
+	cc, err := cons.Consume(func(m jetstream.Msg) {
+		select {
+		case msgs <- m:
+		case <-ctx.Done():
+		}
+	}, jetstream.PullMaxBytes(r.cfg.MaxBytes))
+	if err != nil {
+		return fmt.Errorf("consume version %d: %w", a.Version, err)
+	}
+	defer cc.Stop()
+
+	var (
+		hdr      Header
+		prefix   []byte // the stream's first bytes, until the header is parsed
+		ws       []*write
+		received int64
+		total    int64 = -1
+		chunks   int
+		next     int
+		digest   = sha256.New()
+		wrote    []span // stack ranges written in place so far
+	)
+	defer func() {
+		if err != nil && len(wrote) > 0 {
+			r.dirty = append(r.dirty, wrote...)
+		}
+	}()
+	timer := time.NewTimer(r.cfg.ChunkTimeout)
+	defer timer.Stop()
+	for total < 0 || received < total {
+		var msg jetstream.Msg
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-timer.C:
+			return fmt.Errorf("version %d: no chunk for %v after %d of %d bytes (publisher gone?)", a.Version, r.cfg.ChunkTimeout, received, max(total, a.TotalBytes))
+		case msg = <-msgs:
+		}
+		if r.chunkDelay > 0 {
+			time.Sleep(r.chunkDelay)
+		}
+		timer.Reset(r.cfg.ChunkTimeout)
+		data := msg.Data()
+		c, err := ParseChunk(msg.Headers(), len(data))
+		if err != nil {
+			return fmt.Errorf("version %d: %w", a.Version, err)
+		}
+		switch {
+		case c.Version != a.Version:
+			return fmt.Errorf("chunk of version %d on the subject of version %d", c.Version, a.Version)
+		case c.Seq != next || c.Offset != received:
+			return fmt.Errorf("version %d: chunk %d at offset %d, want chunk %d at offset %d", a.Version, c.Seq, c.Offset, next, received)
+		case total >= 0 && (c.Total != total || c.Chunks != chunks):
+			return fmt.Errorf("version %d: chunk %d says %d bytes in %d chunks, earlier chunks said %d in %d", a.Version, c.Seq, c.Total, c.Chunks, total, chunks)
+		}
+		if err := c.Verify(data); err != nil {
+			return err
+		}
+		total, chunks = c.Total, c.Chunks
+		next++
+		digest.Write(data)
+		now := time.Now()
+		chunkStart := received
+		received += int64(len(data))
+		r.received.Store(received)
+		if ws == nil {
+			prefix = append(prefix, data...)
+			n, ok, err := HeaderLen(prefix)
+			if err != nil {
+				return fmt.Errorf("version %d: %w", a.Version, err)
+			}
+			if !ok || int64(len(prefix)) < 8+n {
+				continue
+			}
+			if hdr, err = ParseHeader(prefix[8:8+n], total); err != nil {
+				return fmt.Errorf("version %d: %w", a.Version, err)
+			}
+			if ws, err = r.plan(hdr); err != nil {
+				if errors.Is(err, errNeedsFull) {
+					return err
+				}
+				return fmt.Errorf("version %d rejected: %w", a.Version, err)
+			}
+			if a.Full {
+				if full, err := r.isFull(ws); err != nil || !full {
+					return fmt.Errorf("version %d is announced full but does not cover every weight", a.Version)
+				}
+			}
+			// The data bytes that came with the header.
+			data, chunkStart = prefix[8+n:], 8+n
+			prefix = nil
+			if len(data) == 0 {
+				continue
+			}
+		}
+		if err := r.scatter(ws, hdr, chunkStart, data, now, &wrote); err != nil {
+			return fmt.Errorf("version %d: %w", a.Version, err)
+		}
+	}
+	if ws == nil {
+		return fmt.Errorf("version %d: stream ended inside its header", a.Version)
+	}
+	// Every byte is in: the manifest must vouch for them.
+	m, err := r.awaitManifest(ctx, kv, a.Version)
+	if err != nil {
+		return err
+	}
+	if sum := hex.EncodeToString(digest.Sum(nil)); sum != m.SHA256 || m.TotalBytes != total || m.Chunks != chunks {
+		return fmt.Errorf("version %d: sha256 %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
+			a.Version, sum, total, chunks, m.SHA256, m.TotalBytes, m.Chunks)
+	}
+	st.Bytes = total
+	receiveDone := time.Now()
+	layers := r.receiveTimings(ws)
+	if err := r.commit(ctx, a.Version, ws, layers, st); err != nil {
+		return err
+	}
+	// The stacks now hold committed weights: nothing written is dirty, and
+	// earlier dirt this version rewrote is clean again.
+	r.dirty = slices.DeleteFunc(r.dirty, func(d span) bool {
+		return slices.ContainsFunc(wrote, func(w span) bool { return w.covers(d) })
+	})
+	wrote = nil
+	st.PhasesMS["receive"] = ms(receiveDone.Sub(recvStart))
+	r.metrics.phase.WithLabelValues("receive").Observe(receiveDone.Sub(recvStart).Seconds())
+	return nil
+}
+
+// scatter writes the data bytes [at, at+len(data)) of the stream into the
+// tensors they belong to, checking every complete BF16 value for NaN/Inf.
+func (r *Receiver) scatter(ws []*write, h Header, at int64, data []byte, now time.Time, wrote *[]span) error {
+	ds := h.DataStart()
+	// The first tensor overlapping the chunk (ws is in data order).
+	i := sort.Search(len(ws), func(i int) bool { return ds+ws[i].info.End > at })
+	for ; i < len(ws) && len(data) > 0; i++ {
+		w := ws[i]
+		begin := ds + w.info.Begin
+		lo := at - begin // offset inside the tensor
+		n := min(int64(len(data)), ds+w.info.End-at)
+		part := data[:n]
+		if err := checkFinite(w, lo, part); err != nil {
+			return err
+		}
+		if err := r.stager.Stage(w.dst, w.target.Offset+int(lo), part); err != nil {
+			return fmt.Errorf("tensor %q: %w", w.info.Name, err)
+		}
+		if w.first.IsZero() {
+			w.first = now
+			if w.dst == w.target.Buffer {
+				*wrote = append(*wrote, span{w.target.Buffer, w.target.Offset, w.target.Size(), w.info.Name})
+			}
+		}
+		w.last = now
+		data, at = data[n:], at+n
+	}
+	return nil
+}
+
+// checkFinite rejects a NaN or Inf among the BF16 values of part, which
+// starts lo bytes into tensor w. A value split across chunks is completed
+// with the byte carried from the previous chunk.
+func checkFinite(w *write, lo int64, part []byte) error {
+	j := 0
+	if lo%2 == 1 { // finish the value whose low byte came last time
+		if bad(w.carry, part[0]) {
+			return fmt.Errorf("tensor %q: value %d is NaN or Inf", w.info.Name, lo/2)
+		}
+		j = 1
+	}
+	// Four values a word: a lane is NaN or Inf when its exponent bits
+	// (0x7F80) are all set, i.e. when (v & 0x7F80) ^ 0x7F80 is zero.
+	const exp, ones, high = 0x7F807F807F807F80, 0x0001000100010001, 0x8000800080008000
+	for ; j+8 <= len(part); j += 8 {
+		y := binary.LittleEndian.Uint64(part[j:])&exp ^ exp
+		if (y-ones)&^y&high != 0 {
+			break // some lane is: find it below
+		}
+	}
+	for ; j+1 < len(part); j += 2 {
+		if bad(part[j], part[j+1]) {
+			return fmt.Errorf("tensor %q: value %d is NaN or Inf", w.info.Name, (lo+int64(j))/2)
+		}
+	}
+	if j < len(part) {
+		w.carry = part[j]
+	}
+	return nil
+}
+
+// bad reports whether a little-endian BF16 value is NaN or Inf: all eight
+// exponent bits set.
+func bad(lo, hi byte) bool { return hi&0x7f == 0x7f && lo&0x80 != 0 }
+
+// awaitManifest waits for the manifest of version v.
+func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, v uint64) (Manifest, error) {
+	deadline := time.Now().Add(r.cfg.ChunkTimeout)
+	for {
+		e, err := kv.Get(ctx, KeyManifest)
+		if err == nil {
+			m, perr := ParseManifest(e.Value())
+			switch {
+			case perr != nil:
+				return m, fmt.Errorf("version %d: %w", v, perr)
+			case m.Version == v:
+				return m, nil
+			case m.Version > v:
+				// Catching up on an older version: its manifest is in the
+				// bucket's history.
+				if old, ok := r.oldManifest(ctx, kv, v); ok {
+					return old, nil
+				}
+				return m, fmt.Errorf("version %d: the manifest moved on to version %d without it", v, m.Version)
+			}
+		} else if !errors.Is(err, jetstream.ErrKeyNotFound) && ctx.Err() == nil {
+			r.log.Warn("refit: read manifest", zap.Error(err))
+		}
+		if time.Now().After(deadline) {
+			return Manifest{}, fmt.Errorf("version %d: all bytes in, but no manifest after %v (publisher gone?)", v, r.cfg.ChunkTimeout)
+		}
+		select {
+		case <-ctx.Done():
+			return Manifest{}, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// oldManifest looks for version v's manifest in the bucket's history.
+func (r *Receiver) oldManifest(ctx context.Context, kv jetstream.KeyValue, v uint64) (Manifest, bool) {
+	hist, err := kv.History(ctx, KeyManifest)
+	if err != nil {
+		return Manifest{}, false
+	}
+	for _, e := range hist {
+		if m, err := ParseManifest(e.Value()); err == nil && m.Version == v {
+			return m, true
+		}
+	}
+	return Manifest{}, false
+}
+
+// receiveTimings returns, per decoder layer, the span from its first to its
+// last byte received (layer -1, the embeddings and head, is reported as
+// layer -1).
+func (r *Receiver) receiveTimings(ws []*write) map[int]*LayerTiming {
+	first, last := map[int]time.Time{}, map[int]time.Time{}
+	for _, w := range ws {
+		if w.first.IsZero() {
+			continue // an empty tensor
+		}
+		if f, ok := first[w.layer]; !ok || w.first.Before(f) {
+			first[w.layer] = w.first
+		}
+		if w.last.After(last[w.layer]) {
+			last[w.layer] = w.last
+		}
+	}
+	out := map[int]*LayerTiming{}
+	for _, w := range ws {
+		if out[w.layer] == nil {
+			out[w.layer] = &LayerTiming{Layer: w.layer}
+		}
+	}
+	for l, f := range first {
+		if !f.IsZero() {
+			out[l].ReceiveMS = ms(last[l].Sub(f))
+		}
+	}
+	return out
+}
+
+// commit copies staged tensors into the live buffers, requantizes the
+// touched experts in place and moves the version, at a step boundary.
+func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map[int]*LayerTiming, st *Status) error {
+	experts := map[int][]int{}
+	for _, w := range ws {
+		if w.target.IsExpert() {
+			for e := w.target.Experts[0]; e < w.target.Experts[1]; e++ {
+				experts[w.layer] = append(experts[w.layer], e)
+			}
+		}
+	}
+	var copyTotal, quantTotal time.Duration
+	var pause time.Duration
+	err := r.eng.AtBoundary(ctx, func() error {
+		start := time.Now()
+		be := r.m.Backend()
+		for _, w := range ws {
+			if w.dst == w.target.Buffer {
+				continue
+			}
+			t0 := time.Now()
+			dst, err := w.target.Buffer.ByteRange(w.target.Offset, w.target.Size())
+			if err != nil {
+				return err
+			}
+			src, err := w.dst.ByteRange(w.target.Offset, w.target.Size())
+			if err != nil {
+				return err
+			}
+			if err := be.Copy(dst, src); err != nil {
+				return fmt.Errorf("copy %s: %w", w.info.Name, err)
+			}
+			d := time.Since(t0)
+			copyTotal += d
+			layers[w.layer].CopyMS += ms(d)
+		}
+		for layer, es := range experts {
+			slices.Sort(es)
+			es = slices.Compact(es)
+			t0 := time.Now()
+			if err := r.m.MoE(layer).Requantize(es...); err != nil {
+				return fmt.Errorf("requantize layer %d: %w", layer, err)
+			}
+			if err := be.Sync(); err != nil {
+				return err
+			}
+			d := time.Since(t0)
+			quantTotal += d
+			layers[layer].RequantizeMS += ms(d)
+		}
+		r.eng.SetVersion(v)
+		r.mu.Lock()
+		r.current = v
+		r.mu.Unlock()
+		pause = time.Since(start)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("version %d: commit: %w", v, err)
+	}
+	st.PhasesMS = map[string]float64{"copy": ms(copyTotal), "requantize": ms(quantTotal), "commit": ms(pause)}
+	for _, l := range layers {
+		st.Layers = append(st.Layers, *l)
+		for phase, d := range map[string]float64{"receive": l.ReceiveMS, "copy": l.CopyMS, "requantize": l.RequantizeMS} {
+			r.metrics.layer.WithLabelValues(phase).Observe(d / 1e3)
+		}
+	}
+	sort.Slice(st.Layers, func(i, j int) bool { return st.Layers[i].Layer < st.Layers[j].Layer })
+	r.metrics.phase.WithLabelValues("copy").Observe(copyTotal.Seconds())
+	r.metrics.phase.WithLabelValues("requantize").Observe(quantTotal.Seconds())
+	r.metrics.phase.WithLabelValues("commit").Observe(pause.Seconds())
+	r.metrics.version.Set(float64(v))
+	return nil
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }

@@ -1,0 +1,633 @@
+package refit
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	"github.com/rollout-worker/rollout-worker/internal/stfile"
+	"github.com/rollout-worker/rollout-worker/kernels/cpu"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy"
+	"github.com/rollout-worker/rollout-worker/refit/refittest"
+)
+
+const testModel = "tiny"
+
+// modelDir writes a seeded random tiny model and returns its directory.
+func modelDir(t testing.TB, seed uint64) string {
+	t.Helper()
+	cfg, err := policy.Preset("tiny")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := policy.WriteRandomModel(dir, cfg, seed); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// mixDir writes a model whose tensors matching re come from src and the
+// rest from base.
+func mixDir(t *testing.T, base, src string, re *regexp.Regexp) string {
+	t.Helper()
+	b, err := stfile.Open(filepath.Join(base, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	s, err := stfile.Open(filepath.Join(src, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	var out []stfile.Tensor
+	for _, n := range b.Names() {
+		from := b
+		if re.MatchString(n) {
+			from = s
+		}
+		tn, err := from.Tensor(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, tn)
+	}
+	dir := t.TempDir()
+	if err := stfile.Write(filepath.Join(dir, "model.safetensors"), out, nil); err != nil {
+		t.Fatal(err)
+	}
+	cfgJSON, err := os.ReadFile(filepath.Join(base, "config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), cfgJSON, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// subset returns the safetensors bytes of the tensors of dir matching re.
+func subset(t testing.TB, dir string, re *regexp.Regexp) []byte {
+	t.Helper()
+	f, err := stfile.Open(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var ts []stfile.Tensor
+	for _, n := range f.Names() {
+		if re == nil || re.MatchString(n) {
+			tn, err := f.Tensor(n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ts = append(ts, tn)
+		}
+	}
+	return streamOf(t, ts)
+}
+
+// streamOf serializes tensors as a safetensors byte stream.
+func streamOf(t testing.TB, ts []stfile.Tensor) []byte {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "v.safetensors")
+	if err := stfile.Write(p, ts, nil); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func testOpts(recipe moe.Recipe) policy.ModelOptions {
+	return policy.ModelOptions{Recipe: recipe, MaxTokens: 128, MaxSeqs: 16, MaxLogitRows: 128, KVPages: 256, PageSize: 8}
+}
+
+// worker is a model, its engine and its receiver, all running.
+type worker struct {
+	m      *policy.Model
+	e      *policy.Engine
+	r      *Receiver
+	nc     *nats.Conn
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func startWorker(t testing.TB, url, dir, id string, recipe moe.Recipe, tune func(*ReceiverConfig)) *worker {
+	t.Helper()
+	be, err := cpu.New(cpu.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := policy.LoadModel(be, dir, testOpts(recipe))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &worker{m: m, e: policy.NewEngine(m, policy.EngineConfig{}), nc: refittest.Connect(t, url), done: make(chan error, 2)}
+	cfg := ReceiverConfig{Model: testModel, Worker: id, ChunkTimeout: 2 * time.Second}
+	if tune != nil {
+		tune(&cfg)
+	}
+	if w.r, err = NewReceiver(w.nc, m, w.e, cfg, testLogger(t), nil); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	w.cancel = cancel
+	go func() { w.done <- w.e.Run(ctx) }()
+	go func() { w.done <- w.r.Run(ctx) }()
+	t.Cleanup(w.stop)
+	return w
+}
+
+func (w *worker) stop() {
+	if w.cancel == nil {
+		return
+	}
+	w.cancel()
+	w.cancel = nil
+	<-w.done
+	<-w.done
+	w.r.Close()
+	w.m.Close()
+}
+
+// waitStatus waits until the worker has handled version v and returns its
+// report.
+func (w *worker) waitStatus(t *testing.T, v uint64) Status {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		if st := w.r.LastStatus(); st.Version == v {
+			return st
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Fatalf("worker: no status for version %d (last %+v)", v, w.r.LastStatus())
+	return Status{}
+}
+
+func newPublisher(t *testing.T, url string) *Publisher {
+	t.Helper()
+	p, err := NewPublisher(refittest.Connect(t, url), PublisherConfig{Model: testModel, ChunkBytes: 64 << 10}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func publish(t *testing.T, p *Publisher, v uint64, stream []byte, full bool) {
+	t.Helper()
+	if _, err := p.Publish(context.Background(), v, bytes.NewReader(stream), int64(len(stream)), full); err != nil {
+		t.Fatalf("publish version %d: %v", v, err)
+	}
+}
+
+// rollouts generates a fixed set of rollouts and scores on an engine.
+func rollouts(t *testing.T, e *policy.Engine) ([]policy.Sample, [][]float32) {
+	t.Helper()
+	h, err := e.Submit(policy.Request{ID: "eq", Prompt: []int32{5, 9, 200, 17, 3, 88, 41}, N: 3,
+		Params: policy.SamplingParams{Temperature: 1, MaxTokens: 12, Seed: 77}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []policy.Sample
+	for s := range h.Samples() {
+		out = append(out, s)
+	}
+	slices.SortFunc(out, func(a, b policy.Sample) int { return a.Index - b.Index })
+	scores, err := e.Score(context.Background(), [][]int32{{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 300, 301}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out, scores
+}
+
+// fresh generates the same rollouts with a worker loaded from dir, no NATS.
+func fresh(t *testing.T, dir string, recipe moe.Recipe) ([]policy.Sample, [][]float32) {
+	t.Helper()
+	be, err := cpu.New(cpu.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := policy.LoadModel(be, dir, testOpts(recipe))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	e := policy.NewEngine(m, policy.EngineConfig{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	return rollouts(t, e)
+}
+
+func sameRollouts(t *testing.T, what string, gotS []policy.Sample, gotScores [][]float32, wantS []policy.Sample, wantScores [][]float32) {
+	t.Helper()
+	for i := range wantS {
+		if !slices.Equal(gotS[i].Tokens, wantS[i].Tokens) || !slices.Equal(f32bits(gotS[i].LogProbs), f32bits(wantS[i].LogProbs)) {
+			t.Fatalf("%s: sample %d differs: tokens %v vs %v", what, i, gotS[i].Tokens, wantS[i].Tokens)
+		}
+	}
+	if !slices.Equal(f32bits(gotScores[0]), f32bits(wantScores[0])) {
+		t.Fatalf("%s: scores differ: %v vs %v", what, gotScores[0], wantScores[0])
+	}
+}
+
+func f32bits(v []float32) []uint32 {
+	out := make([]uint32, len(v))
+	for i, x := range v {
+		out[i] = math.Float32bits(x)
+	}
+	return out
+}
+
+var experts = regexp.MustCompile(`\.mlp\.experts\.`)
+
+// TestRefitEquivalence: a worker refit from A to B produces bit for bit
+// the rollouts and scores of a fresh worker loaded with B: for a full
+// version, an experts-only partial version, and two refits in a row.
+func TestRefitEquivalence(t *testing.T) {
+	a, b, c := modelDir(t, 1), modelDir(t, 2), modelDir(t, 3)
+	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16} {
+		t.Run(string(recipe), func(t *testing.T) {
+			srv := refittest.StartServer(t)
+			p := newPublisher(t, srv.URL())
+			w := startWorker(t, srv.URL(), a, "w-"+string(recipe), recipe, nil)
+			base := map[moe.Recipe]uint64{moe.RecipePerToken: 0, moe.RecipeBF16: 10}[recipe]
+
+			publish(t, p, base+1, subset(t, b, nil), true) // full: A -> B
+			if st := w.waitStatus(t, base+1); st.State != StateApplied {
+				t.Fatalf("full version: %+v", st)
+			}
+			gotS, gotSc := rollouts(t, w.e)
+			wantS, wantSc := fresh(t, b, recipe)
+			sameRollouts(t, "full refit A->B vs fresh B", gotS, gotSc, wantS, wantSc)
+
+			publish(t, p, base+2, subset(t, c, experts), false) // experts only: B -> B+experts(C)
+			st := w.waitStatus(t, base+2)
+			if st.State != StateApplied {
+				t.Fatalf("experts-only version: %+v", st)
+			}
+			gotS, gotSc = rollouts(t, w.e)
+			wantS, wantSc = fresh(t, mixDir(t, b, c, experts), recipe)
+			sameRollouts(t, "two refits (full, then experts only) vs fresh", gotS, gotSc, wantS, wantSc)
+			for _, v := range gotS[0].Versions {
+				if v != base+2 {
+					t.Fatalf("token produced under version %d, want %d", v, base+2)
+				}
+			}
+			if len(st.Layers) == 0 || st.PhasesMS["commit"] <= 0 || st.Bytes == 0 {
+				t.Fatalf("status lacks timings: %+v", st)
+			}
+		})
+	}
+}
+
+// TestRefitPartialFromStart: an experts-only version applied to a fresh
+// worker equals a fresh worker loaded with the mix.
+func TestRefitPartialFromStart(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 4), modelDir(t, 5)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	publish(t, newPublisher(t, srv.URL()), 1, subset(t, b, experts), false)
+	if st := w.waitStatus(t, 1); st.State != StateApplied {
+		t.Fatalf("%+v", st)
+	}
+	gotS, gotSc := rollouts(t, w.e)
+	wantS, wantSc := fresh(t, mixDir(t, a, b, experts), moe.RecipePerToken)
+	sameRollouts(t, "experts-only refit vs fresh mix", gotS, gotSc, wantS, wantSc)
+}
+
+// rawPublish publishes a version chunk by chunk without the Publisher's
+// checks: mutate may change a chunk's payload or headers, and stopAfter >= 0
+// stops (a dead publisher) after that many chunks, without a manifest.
+func rawPublish(t *testing.T, url string, v uint64, stream []byte, chunk int, stopAfter int, mutate func(seq int, h nats.Header, data []byte) []byte) {
+	t.Helper()
+	ctx := context.Background()
+	p := newPublisher(t, url)
+	_, kv, err := p.ensure(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunks := (len(stream) + chunk - 1) / chunk
+	a := Announce{Protocol: ProtocolVersion, Model: testModel, Version: v, Subject: VersionSubject(testModel, v),
+		TotalBytes: int64(len(stream)), ChunkBytes: chunk, Chunks: chunks}
+	put := func(key string, val any) {
+		b, _ := json.Marshal(val)
+		if _, err := kv.Put(ctx, key, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(KeyAnnounce, a)
+	js, _ := jetstream.New(p.nc)
+	for seq := range chunks {
+		if seq == stopAfter {
+			return
+		}
+		data := stream[seq*chunk : min((seq+1)*chunk, len(stream))]
+		c := Chunk{Version: v, Seq: seq, Offset: int64(seq * chunk), Total: int64(len(stream)), Chunks: chunks, CRC: CRC32C(data)}
+		msg := &nats.Msg{Subject: a.Subject, Header: c.Header(), Data: data}
+		if mutate != nil {
+			msg.Data = mutate(seq, msg.Header, slices.Clone(data))
+		}
+		if _, err := js.PublishMsg(ctx, msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sum := sha256.Sum256(stream)
+	put(KeyManifest, Manifest{Announce: a, SHA256: hex.EncodeToString(sum[:]), PublishedAt: time.Now()})
+}
+
+// servesA checks the worker still generates exactly what model dir A does.
+func servesA(t *testing.T, w *worker, dirA string) {
+	t.Helper()
+	gotS, gotSc := rollouts(t, w.e)
+	wantS, wantSc := fresh(t, dirA, moe.RecipePerToken)
+	sameRollouts(t, "after a rejected version, the worker still serves A", gotS, gotSc, wantS, wantSc)
+}
+
+// setBF16 overwrites value i of tensor name in a stream.
+func setBF16(t *testing.T, stream []byte, name string, i int, v float32) []byte {
+	t.Helper()
+	n := int(binary.LittleEndian.Uint64(stream))
+	h, err := ParseHeader(stream[8:8+n], int64(len(stream)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tn := range h.Tensors {
+		if tn.Name == name {
+			out := slices.Clone(stream)
+			binary.LittleEndian.PutUint16(out[h.DataStart()+tn.Begin+int64(2*i):], bf16.FromFloat32(v))
+			return out
+		}
+	}
+	t.Fatalf("no tensor %q", name)
+	return nil
+}
+
+// TestRefitRejections: each kind of bad version is rejected whole, with a
+// reason, and the worker keeps serving the last committed version.
+func TestRefitRejections(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 6), modelDir(t, 7)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(c *ReceiverConfig) { c.ChunkTimeout = 500 * time.Millisecond })
+	good := subset(t, b, experts)
+	expertName := "model.layers.1.mlp.experts.3.down_proj.weight"
+	f, err := stfile.Open(filepath.Join(b, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	norm, err := f.Tensor("model.norm.weight")
+	if err != nil {
+		t.Fatal(err)
+	}
+	withTensor := func(extra stfile.Tensor) []byte {
+		return streamOf(t, []stfile.Tensor{norm, extra})
+	}
+	v := uint64(0)
+	for _, tc := range []struct {
+		name    string
+		publish func(v uint64)
+		want    string
+	}{
+		{"corrupted chunk", func(v uint64) {
+			rawPublish(t, srv.URL(), v, good, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+				if seq == 3 {
+					d[100] ^= 0x40
+				}
+				return d
+			})
+		}, "crc32c"},
+		{"publisher dies mid-version", func(v uint64) { rawPublish(t, srv.URL(), v, good, 4096, 5, nil) }, "no chunk"},
+		{"wrong dtype", func(v uint64) {
+			rawPublish(t, srv.URL(), v, withTensor(stfile.Tensor{Name: "model.layers.0.input_layernorm.weight", DType: stfile.F32,
+				Shape: []uint64{64}, Data: make([]byte, 256)}), 4096, -1, nil)
+		}, "dtype F32"},
+		{"wrong shape", func(v uint64) {
+			rawPublish(t, srv.URL(), v, withTensor(stfile.Tensor{Name: "model.layers.0.input_layernorm.weight", DType: stfile.BF16,
+				Shape: []uint64{32}, Data: make([]byte, 64)}), 4096, -1, nil)
+		}, "shape [32]"},
+		{"unknown tensor", func(v uint64) {
+			rawPublish(t, srv.URL(), v, withTensor(stfile.Tensor{Name: "model.layers.9.input_layernorm.weight", DType: stfile.BF16,
+				Shape: []uint64{64}, Data: make([]byte, 128)}), 4096, -1, nil)
+		}, "unknown tensor"},
+		{"NaN", func(v uint64) {
+			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 77, float32(math.NaN())), 4096, -1, nil)
+		}, "NaN or Inf"},
+		{"Inf", func(v uint64) {
+			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 5, float32(math.Inf(-1))), 4096, -1, nil)
+		}, "NaN or Inf"},
+		{"digest mismatch", func(v uint64) {
+			rawPublish(t, srv.URL(), v, good, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+				if seq == 2 { // a consistent chunk (good CRC) that differs from what the manifest hashed
+					d[10] ^= 1
+					h.Set(HeaderCRC, fmt.Sprintf("%08x", CRC32C(d)))
+				}
+				return d
+			})
+		}, "sha256"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			v++
+			tc.publish(v)
+			st := w.waitStatus(t, v)
+			if st.State == StateApplied || !strings.Contains(st.Reason, tc.want) {
+				t.Fatalf("status %+v, want a rejection mentioning %q", st, tc.want)
+			}
+			if st.CurrentVersion != 0 {
+				t.Fatalf("serving version %d after a rejection, want 0", st.CurrentVersion)
+			}
+			servesA(t, w, a)
+		})
+	}
+	// Expert bytes of the rejected versions went into the BF16 stacks: a
+	// partial version that does not rewrite them cannot be committed...
+	v++
+	rawPublish(t, srv.URL(), v, streamOf(t, []stfile.Tensor{norm}), 4096, -1, nil)
+	if st := w.waitStatus(t, v); st.State != StateNeedsFull {
+		t.Fatalf("partial version over dirty experts: %+v, want needs_full", st)
+	}
+	servesA(t, w, a)
+	// ...a full version can, and then it is served.
+	v++
+	rawPublish(t, srv.URL(), v, subset(t, b, nil), 4096, -1, nil)
+	if st := w.waitStatus(t, v); st.State != StateApplied {
+		t.Fatalf("full version after rejections: %+v", st)
+	}
+	gotS, gotSc := rollouts(t, w.e)
+	wantS, wantSc := fresh(t, b, moe.RecipePerToken)
+	sameRollouts(t, "full version after rejections vs fresh", gotS, gotSc, wantS, wantSc)
+	// A duplicate, and an older, version number.
+	for _, old := range []uint64{v, v - 3} {
+		rawPublish(t, srv.URL(), old, subset(t, a, nil), 4096, -1, nil)
+		time.Sleep(300 * time.Millisecond)
+		if st := w.r.LastStatus(); st.Version != old || st.State != StateRejected || !strings.Contains(st.Reason, "duplicate or older") {
+			t.Fatalf("version %d again: %+v", old, st)
+		}
+		if w.r.CurrentVersion() != v {
+			t.Fatalf("serving %d after a duplicate, want %d", w.r.CurrentVersion(), v)
+		}
+	}
+}
+
+// TestRefitLateJoin: a worker that starts (or restarts) after versions were
+// published catches up to the newest one.
+func TestRefitLateJoin(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b, c := modelDir(t, 8), modelDir(t, 9), modelDir(t, 10)
+	p := newPublisher(t, srv.URL())
+	publish(t, p, 1, subset(t, b, nil), true)
+	publish(t, p, 2, subset(t, c, experts), false)
+	w := startWorker(t, srv.URL(), a, "late", moe.RecipePerToken, nil)
+	if st := w.waitStatus(t, 2); st.State != StateApplied {
+		t.Fatalf("late join: %+v", st)
+	}
+	gotS, gotSc := rollouts(t, w.e)
+	wantS, wantSc := fresh(t, mixDir(t, b, c, experts), moe.RecipePerToken)
+	sameRollouts(t, "late joiner vs fresh B+experts(C)", gotS, gotSc, wantS, wantSc)
+
+	// The worker restarts (a new process: weights from the checkpoint
+	// again) and catches up once more.
+	w.stop()
+	w2 := startWorker(t, srv.URL(), a, "late", moe.RecipePerToken, nil)
+	if st := w2.waitStatus(t, 2); st.State != StateApplied {
+		t.Fatalf("restarted worker: %+v", st)
+	}
+	gotS, gotSc = rollouts(t, w2.e)
+	sameRollouts(t, "restarted worker vs fresh B+experts(C)", gotS, gotSc, wantS, wantSc)
+}
+
+// TestRefitServerRestart: the NATS server restarts while a version is
+// streaming; publisher and worker reconnect, and the worker ends up either
+// applying the version exactly or rejecting it cleanly (serving A).
+func TestRefitServerRestart(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 11), modelDir(t, 12)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(c *ReceiverConfig) { c.ChunkTimeout = 5 * time.Second })
+	pub, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 4 << 10}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream := subset(t, b, nil)
+	done := make(chan error, 1)
+	go func() {
+		_, err := pub.Publish(context.Background(), 1, bytes.NewReader(stream), int64(len(stream)), true)
+		done <- err
+	}()
+	// Restart once the worker has seen some of the version.
+	for w.r.receivedBytes() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	if err := srv.Restart(t); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("publish across a restart: %v", err)
+	}
+	st := w.waitStatus(t, 1)
+	switch st.State {
+	case StateApplied:
+		gotS, gotSc := rollouts(t, w.e)
+		wantS, wantSc := fresh(t, b, moe.RecipePerToken)
+		sameRollouts(t, "applied across a server restart vs fresh B", gotS, gotSc, wantS, wantSc)
+	default:
+		t.Logf("rejected across the restart: %s", st.Reason)
+		servesA(t, w, a)
+	}
+	t.Logf("version 1 across a server restart: %s", st.State)
+}
+
+// TestRefitSlowWorker: a slow worker does not hold the others back, and
+// generation goes on while a version streams in; only the commit pauses it,
+// and a rollout spanning the commit shows both versions.
+func TestRefitSlowWorker(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 13), modelDir(t, 14)
+	fast := startWorker(t, srv.URL(), a, "fast", moe.RecipePerToken, nil)
+	slow := startWorker(t, srv.URL(), a, "slow", moe.RecipePerToken, func(c *ReceiverConfig) { c.MaxBytes = 64 << 10 })
+	slow.r.chunkDelay = 10 * time.Millisecond
+	// Rollouts run on the slow worker back to back, two at a time, while
+	// the version streams in: one of them spans the commit.
+	stop := make(chan struct{})
+	spans := make(chan bool, 1)
+	go func() {
+		spanned := false
+		defer func() { spans <- spanned }()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			h, err := slow.e.Submit(policy.Request{ID: fmt.Sprint("roll", i), Prompt: []int32{1, 2, 3}, N: 2,
+				Params: policy.SamplingParams{Temperature: 1, MaxTokens: 300, Seed: uint64(i)}})
+			if err != nil {
+				return
+			}
+			for s := range h.Samples() {
+				if len(s.Versions) > 0 && s.Versions[0] == 0 && s.Versions[len(s.Versions)-1] == 1 {
+					spanned = true
+				}
+			}
+		}
+	}()
+	p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 16 << 10}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream := subset(t, b, nil)
+	start := time.Now()
+	if _, err := p.Publish(context.Background(), 1, bytes.NewReader(stream), int64(len(stream)), true); err != nil {
+		t.Fatal(err)
+	}
+	fastDone := fast.waitStatus(t, 1)
+	fastAt := time.Since(start)
+	genBefore := slow.e.Stats().Generated
+	if slow.r.LastStatus().Version == 1 {
+		t.Fatalf("the slow worker finished first (in %v): the test's delay did not bite", fastAt)
+	}
+	slowDone := slow.waitStatus(t, 1)
+	slowAt := time.Since(start)
+	if fastDone.State != StateApplied || slowDone.State != StateApplied {
+		t.Fatalf("fast %+v, slow %+v", fastDone, slowDone)
+	}
+	if genAfter := slow.e.Stats().Generated; genAfter <= genBefore {
+		t.Fatalf("the slow worker generated nothing while receiving (%d tokens before, %d after)", genBefore, genAfter)
+	}
+	close(stop) // the rollout in flight finishes first
+	if !<-spans {
+		t.Fatal("no rollout spanned the commit with tokens of both versions")
+	}
+	t.Logf("fast worker applied after %v, slow worker after %v; slow commit paused generation %.2f ms", fastAt, slowAt, slowDone.PhasesMS["commit"])
+}
+
+func testLogger(t testing.TB) *zap.Logger {
+	if os.Getenv("REFIT_TEST_LOG") == "" {
+		return nil
+	}
+	return zaptest.NewLogger(t)
+}

@@ -1,0 +1,370 @@
+package refit
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"math"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// ProtocolVersion is the version of PROTOCOL.md this package speaks.
+const ProtocolVersion = 1
+
+// NATS headers of a chunk.
+const (
+	HeaderProtocol = "Refit-Protocol"
+	HeaderVersion  = "Refit-Version"
+	HeaderSeq      = "Refit-Seq"
+	HeaderOffset   = "Refit-Offset"
+	HeaderTotal    = "Refit-Total"
+	HeaderChunks   = "Refit-Chunks"
+	HeaderCRC      = "Refit-CRC32C"
+)
+
+// Limits on what the parsers accept from the wire.
+const (
+	MaxChunkBytes  = 4 << 20        // a chunk's payload
+	MaxHeaderBytes = 64 << 20       // a safetensors JSON header
+	MaxStreamBytes = int64(1) << 42 // a version (4 TiB)
+	MaxTensors     = 1 << 20        // tensors in one version
+)
+
+// ErrProtocol wraps every malformed-input error of the wire formats.
+var ErrProtocol = errors.New("refit: protocol error")
+
+var modelID = regexp.MustCompile(`^[A-Za-z0-9_-]{1,64}$`)
+
+// ValidModelID reports whether id can name a model in subjects and streams.
+func ValidModelID(id string) bool { return modelID.MatchString(id) }
+
+// Names of the JetStream objects of a model (see PROTOCOL.md).
+func StreamName(model string) string     { return "REFIT_" + model }
+func BucketName(model string) string     { return "REFIT_" + model }
+func StreamSubjects(model string) string { return "refit." + model + ".v.*" }
+func VersionSubject(model string, v uint64) string {
+	return "refit." + model + ".v." + strconv.FormatUint(v, 10)
+}
+func StatusSubject(model string) string { return "refit." + model + ".status" }
+func MsgID(model string, v uint64, seq int) string {
+	return model + "." + strconv.FormatUint(v, 10) + "." + strconv.Itoa(seq)
+}
+
+// Keys of the bucket.
+const (
+	KeyAnnounce = "announce"
+	KeyManifest = "manifest"
+)
+
+var crcTable = crc32.MakeTable(crc32.Castagnoli)
+
+// CRC32C returns the CRC-32C of b.
+func CRC32C(b []byte) uint32 { return crc32.Checksum(b, crcTable) }
+
+// Chunk is the header of one chunk message.
+type Chunk struct {
+	Version uint64
+	Seq     int
+	Offset  int64
+	Total   int64
+	Chunks  int
+	CRC     uint32
+}
+
+// Header encodes c as NATS headers.
+func (c Chunk) Header() nats.Header {
+	h := nats.Header{}
+	h.Set(HeaderProtocol, strconv.Itoa(ProtocolVersion))
+	h.Set(HeaderVersion, strconv.FormatUint(c.Version, 10))
+	h.Set(HeaderSeq, strconv.Itoa(c.Seq))
+	h.Set(HeaderOffset, strconv.FormatInt(c.Offset, 10))
+	h.Set(HeaderTotal, strconv.FormatInt(c.Total, 10))
+	h.Set(HeaderChunks, strconv.Itoa(c.Chunks))
+	h.Set(HeaderCRC, fmt.Sprintf("%08x", c.CRC))
+	return h
+}
+
+// ParseChunk decodes and checks a chunk's headers against its payload
+// length (the CRC is checked by Verify).
+func ParseChunk(h nats.Header, payloadLen int) (Chunk, error) {
+	var c Chunk
+	bad := func(format string, args ...any) (Chunk, error) {
+		return Chunk{}, fmt.Errorf("%w: chunk: %s", ErrProtocol, fmt.Sprintf(format, args...))
+	}
+	if p := h.Get(HeaderProtocol); p != strconv.Itoa(ProtocolVersion) {
+		return bad("protocol %q, want %d", p, ProtocolVersion)
+	}
+	var err error
+	if c.Version, err = strconv.ParseUint(h.Get(HeaderVersion), 10, 64); err != nil || c.Version == 0 {
+		return bad("version %q", h.Get(HeaderVersion))
+	}
+	seq, err := strconv.ParseUint(h.Get(HeaderSeq), 10, 31)
+	if err != nil {
+		return bad("seq %q", h.Get(HeaderSeq))
+	}
+	c.Seq = int(seq)
+	if c.Offset, err = strconv.ParseInt(h.Get(HeaderOffset), 10, 64); err != nil || c.Offset < 0 {
+		return bad("offset %q", h.Get(HeaderOffset))
+	}
+	if c.Total, err = strconv.ParseInt(h.Get(HeaderTotal), 10, 64); err != nil || c.Total <= 8 || c.Total > MaxStreamBytes {
+		return bad("total %q", h.Get(HeaderTotal))
+	}
+	chunks, err := strconv.ParseUint(h.Get(HeaderChunks), 10, 31)
+	if err != nil || chunks == 0 {
+		return bad("chunks %q", h.Get(HeaderChunks))
+	}
+	c.Chunks = int(chunks)
+	crc := h.Get(HeaderCRC)
+	v, err := strconv.ParseUint(crc, 16, 32)
+	if err != nil || len(crc) != 8 {
+		return bad("crc %q", crc)
+	}
+	c.CRC = uint32(v)
+	switch {
+	case c.Seq >= c.Chunks:
+		return bad("seq %d of %d chunks", c.Seq, c.Chunks)
+	case payloadLen <= 0 || payloadLen > MaxChunkBytes:
+		return bad("payload of %d bytes", payloadLen)
+	case c.Offset > c.Total-int64(payloadLen): // written so that it cannot overflow
+		return bad("%d bytes at offset %d run past the total %d", payloadLen, c.Offset, c.Total)
+	}
+	return c, nil
+}
+
+// Verify checks the payload's CRC-32C.
+func (c Chunk) Verify(payload []byte) error {
+	if got := CRC32C(payload); got != c.CRC {
+		return fmt.Errorf("%w: chunk %d of version %d: crc32c %08x, header says %08x", ErrProtocol, c.Seq, c.Version, got, c.CRC)
+	}
+	return nil
+}
+
+// Announce is the bucket's "announce" value: a version starts.
+type Announce struct {
+	Protocol   int    `json:"protocol"`
+	Model      string `json:"model"`
+	Version    uint64 `json:"version"`
+	Full       bool   `json:"full"`
+	Subject    string `json:"subject"`
+	TotalBytes int64  `json:"total_bytes"`
+	ChunkBytes int    `json:"chunk_bytes"`
+	Chunks     int    `json:"chunks"`
+}
+
+// Manifest is the bucket's "manifest" value: the newest complete version.
+type Manifest struct {
+	Announce
+	HeaderBytes int       `json:"header_bytes"`
+	Tensors     int       `json:"tensors"`
+	SHA256      string    `json:"sha256"`
+	PublishedAt time.Time `json:"published_at"`
+}
+
+// check validates an announcement's fields.
+func (a Announce) check(what string) error {
+	switch {
+	case a.Protocol != ProtocolVersion:
+		return fmt.Errorf("%w: %s: protocol %d", ErrProtocol, what, a.Protocol)
+	case !ValidModelID(a.Model):
+		return fmt.Errorf("%w: %s: model %q", ErrProtocol, what, a.Model)
+	case a.Version == 0:
+		return fmt.Errorf("%w: %s: version 0", ErrProtocol, what)
+	case a.Subject != VersionSubject(a.Model, a.Version):
+		return fmt.Errorf("%w: %s: subject %q, want %q", ErrProtocol, what, a.Subject, VersionSubject(a.Model, a.Version))
+	case a.TotalBytes <= 8 || a.TotalBytes > MaxStreamBytes:
+		return fmt.Errorf("%w: %s: total bytes %d", ErrProtocol, what, a.TotalBytes)
+	case a.ChunkBytes <= 0 || a.ChunkBytes > MaxChunkBytes:
+		return fmt.Errorf("%w: %s: chunk bytes %d", ErrProtocol, what, a.ChunkBytes)
+	case int64(a.Chunks) != (a.TotalBytes+int64(a.ChunkBytes)-1)/int64(a.ChunkBytes):
+		return fmt.Errorf("%w: %s: %d chunks of %d bytes for %d bytes", ErrProtocol, what, a.Chunks, a.ChunkBytes, a.TotalBytes)
+	}
+	return nil
+}
+
+// ParseAnnounce decodes and checks an announcement.
+func ParseAnnounce(b []byte) (Announce, error) {
+	var a Announce
+	if err := json.Unmarshal(b, &a); err != nil {
+		return a, fmt.Errorf("%w: announce: %v", ErrProtocol, err)
+	}
+	return a, a.check("announce")
+}
+
+// ParseManifest decodes and checks a manifest.
+func ParseManifest(b []byte) (Manifest, error) {
+	var m Manifest
+	if err := json.Unmarshal(b, &m); err != nil {
+		return m, fmt.Errorf("%w: manifest: %v", ErrProtocol, err)
+	}
+	if err := m.check("manifest"); err != nil {
+		return m, err
+	}
+	if b, err := hex.DecodeString(m.SHA256); err != nil || len(b) != sha256.Size || strings.ToLower(m.SHA256) != m.SHA256 {
+		return m, fmt.Errorf("%w: manifest: sha256 %q: want 64 lowercase hex digits", ErrProtocol, m.SHA256)
+	}
+	return m, nil
+}
+
+// Worker states in a Status.
+const (
+	StateApplied   = "applied"
+	StateRejected  = "rejected"
+	StateNeedsFull = "needs_full"
+)
+
+// LayerTiming is one decoder layer's share of a refit, in milliseconds.
+type LayerTiming struct {
+	Layer        int     `json:"layer"`
+	ReceiveMS    float64 `json:"receive_ms"`
+	CopyMS       float64 `json:"copy_ms"`
+	RequantizeMS float64 `json:"requantize_ms"`
+}
+
+// Status is a worker's report on one version.
+type Status struct {
+	Protocol       int                `json:"protocol"`
+	Worker         string             `json:"worker"`
+	Version        uint64             `json:"version"`
+	State          string             `json:"state"`
+	Reason         string             `json:"reason,omitempty"`
+	CurrentVersion uint64             `json:"current_version"`
+	Bytes          int64              `json:"bytes"`
+	PhasesMS       map[string]float64 `json:"phases_ms,omitempty"`
+	Layers         []LayerTiming      `json:"layers,omitempty"`
+}
+
+// ParseStatus decodes a status message.
+func ParseStatus(b []byte) (Status, error) {
+	var s Status
+	if err := json.Unmarshal(b, &s); err != nil {
+		return s, fmt.Errorf("%w: status: %v", ErrProtocol, err)
+	}
+	switch {
+	case s.Protocol != ProtocolVersion:
+		return s, fmt.Errorf("%w: status: protocol %d", ErrProtocol, s.Protocol)
+	case s.State != StateApplied && s.State != StateRejected && s.State != StateNeedsFull:
+		return s, fmt.Errorf("%w: status: state %q", ErrProtocol, s.State)
+	case s.Worker == "" || s.Version == 0:
+		return s, fmt.Errorf("%w: status: worker %q, version %d", ErrProtocol, s.Worker, s.Version)
+	}
+	return s, nil
+}
+
+// TensorInfo is one tensor of an incoming safetensors header.
+type TensorInfo struct {
+	Name  string
+	DType string
+	Shape []int
+	Begin int64 // data offsets, relative to the start of the data section
+	End   int64
+}
+
+// Header is a parsed safetensors header.
+type Header struct {
+	Len     int64 // JSON bytes
+	Tensors []TensorInfo
+}
+
+// DataStart is the stream offset of the data section.
+func (h Header) DataStart() int64 { return 8 + h.Len }
+
+// HeaderLen reads the 8-byte little-endian header length at the start of a
+// stream; ok is false while fewer than 8 bytes are known.
+func HeaderLen(prefix []byte) (n int64, ok bool, err error) {
+	if len(prefix) < 8 {
+		return 0, false, nil
+	}
+	u := binary.LittleEndian.Uint64(prefix)
+	if u == 0 || u > MaxHeaderBytes {
+		return 0, true, fmt.Errorf("%w: safetensors header of %d bytes", ErrProtocol, u)
+	}
+	return int64(u), true, nil
+}
+
+// ParseHeader decodes the JSON header of a stream of total bytes and checks
+// it: every entry has a known dtype, a shape whose size matches its byte range
+// (for BF16: 2 bytes an element), and the data ranges tile the data section
+// exactly, without gaps or overlaps. Tensors are returned in data order.
+func ParseHeader(js []byte, total int64) (Header, error) {
+	h := Header{Len: int64(len(js))}
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(js, &raw); err != nil {
+		return h, fmt.Errorf("%w: safetensors header: %v", ErrProtocol, err)
+	}
+	if len(raw) > MaxTensors {
+		return h, fmt.Errorf("%w: safetensors header: %d tensors", ErrProtocol, len(raw))
+	}
+	for name, v := range raw {
+		if name == "__metadata__" {
+			continue
+		}
+		var e struct {
+			DType       string   `json:"dtype"`
+			Shape       []int64  `json:"shape"`
+			DataOffsets [2]int64 `json:"data_offsets"`
+		}
+		if err := json.Unmarshal(v, &e); err != nil {
+			return h, fmt.Errorf("%w: tensor %q: %v", ErrProtocol, name, err)
+		}
+		t := TensorInfo{Name: name, DType: e.DType, Begin: e.DataOffsets[0], End: e.DataOffsets[1]}
+		elems := int64(1)
+		for _, d := range e.Shape {
+			if d < 0 || d > math.MaxInt32 || (d > 0 && elems > MaxStreamBytes/d) {
+				return h, fmt.Errorf("%w: tensor %q: shape %v", ErrProtocol, name, e.Shape)
+			}
+			elems *= d
+			t.Shape = append(t.Shape, int(d))
+		}
+		if t.Begin < 0 || t.End < t.Begin {
+			return h, fmt.Errorf("%w: tensor %q: data offsets %v", ErrProtocol, name, e.DataOffsets)
+		}
+		size := dtypeSize(e.DType)
+		if size == 0 {
+			return h, fmt.Errorf("%w: tensor %q: unknown dtype %q", ErrProtocol, name, e.DType)
+		}
+		if elems*size != t.End-t.Begin {
+			return h, fmt.Errorf("%w: tensor %q: %s%v takes %d bytes, data offsets give %d", ErrProtocol, name, e.DType, e.Shape, elems*size, t.End-t.Begin)
+		}
+		h.Tensors = append(h.Tensors, t)
+	}
+	sort.Slice(h.Tensors, func(i, j int) bool {
+		a, b := h.Tensors[i], h.Tensors[j]
+		return a.Begin < b.Begin || a.Begin == b.Begin && (a.End < b.End || a.End == b.End && a.Name < b.Name)
+	})
+	var at int64
+	for _, t := range h.Tensors {
+		if t.Begin != at {
+			return h, fmt.Errorf("%w: tensor %q: data starts at %d, want %d (gap or overlap)", ErrProtocol, t.Name, t.Begin, at)
+		}
+		at = t.End
+	}
+	if want := total - h.DataStart(); at != want {
+		return h, fmt.Errorf("%w: tensors cover %d data bytes, the stream has %d", ErrProtocol, at, want)
+	}
+	return h, nil
+}
+
+// dtypeSize is the element size of a safetensors dtype, 0 if unknown.
+func dtypeSize(dt string) int64 {
+	switch dt {
+	case "BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2":
+		return 1
+	case "BF16", "F16", "I16", "U16":
+		return 2
+	case "F32", "I32", "U32":
+		return 4
+	case "F64", "I64", "U64":
+		return 8
+	}
+	return 0
+}
