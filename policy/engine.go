@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // FinishReason says why a sample ended.
@@ -81,6 +82,8 @@ type EngineConfig struct {
 	Graphs StepRunner
 	// Version is the policy version of the loaded weights.
 	Version uint64
+	// Metrics, when set, receives the loop's metrics.
+	Metrics *EngineMetrics
 }
 
 // StepRunner runs a decode-only step of n sequences: it may pad to a
@@ -106,8 +109,9 @@ type Engine struct {
 
 	stats engineStats
 
+	version atomic.Uint64 // the policy version tokens are produced under
+
 	// Loop state.
-	version  uint64
 	pages    pageAlloc
 	waiting  []*request
 	prefill  []*request
@@ -125,17 +129,19 @@ type EngineStats struct {
 	Tokens      uint64 // tokens forwarded (prompt and decode)
 	Generated   uint64 // tokens sampled
 	KVPagesUsed int64  // pages held by sequences after the last step
+	Waiting     int64  // requests waiting for admission after the last step
+	Running     int64  // samples decoding after the last step
 }
 
 type engineStats struct {
 	steps, graphSteps, tokens, generated atomic.Uint64
-	pages                                atomic.Int64
+	pages, waiting, running              atomic.Int64
 }
 
 // Stats returns the loop's counters; safe from any goroutine.
 func (e *Engine) Stats() EngineStats {
 	return EngineStats{Steps: e.stats.steps.Load(), GraphSteps: e.stats.graphSteps.Load(), Tokens: e.stats.tokens.Load(),
-		Generated: e.stats.generated.Load(), KVPagesUsed: e.stats.pages.Load()}
+		Generated: e.stats.generated.Load(), KVPagesUsed: e.stats.pages.Load(), Waiting: e.stats.waiting.Load(), Running: e.stats.running.Load()}
 }
 
 type request struct {
@@ -179,16 +185,18 @@ func (b *boundary) run() {
 // else while the engine runs.
 func NewEngine(m *Model, cfg EngineConfig) *Engine {
 	o := m.opts
-	return &Engine{m: m, cfg: cfg, wake: make(chan struct{}, 1), version: cfg.Version,
-		pages: newPageAlloc(o.KVPages), maxPages: o.maxPagesPerSeq(m.cfg)}
+	e := &Engine{m: m, cfg: cfg, wake: make(chan struct{}, 1), pages: newPageAlloc(o.KVPages), maxPages: o.maxPagesPerSeq(m.cfg)}
+	e.version.Store(cfg.Version)
+	return e
 }
 
-// Version returns the policy version tokens are being produced under. Call
-// it from the loop goroutine (inside AtBoundary) or after Run returns.
-func (e *Engine) Version() uint64 { return e.version }
+// Version returns the policy version tokens are being produced under; safe
+// from any goroutine.
+func (e *Engine) Version() uint64 { return e.version.Load() }
 
-// SetVersion sets the policy version; call it inside AtBoundary.
-func (e *Engine) SetVersion(v uint64) { e.version = v }
+// SetVersion sets the policy version. Call it inside AtBoundary, together
+// with the weight change it names, so no step sees one without the other.
+func (e *Engine) SetVersion(v uint64) { e.version.Store(v) }
 
 // Submit validates and queues a request.
 func (e *Engine) Submit(req Request) (*Handle, error) {
@@ -493,6 +501,8 @@ func (e *Engine) step() error {
 		return nil
 	}
 	n := len(in.LogitRows)
+	stepStart := time.Now()
+	graphsBefore := e.stats.graphSteps.Load()
 	err := e.forward(&in, decodeOnly)
 	if err != nil {
 		return err
@@ -500,6 +510,24 @@ func (e *Engine) step() error {
 	e.stats.steps.Add(1)
 	e.stats.tokens.Add(uint64(len(in.Tokens)))
 	e.stats.generated.Add(uint64(n))
+	defer func() {
+		if m := e.cfg.Metrics; m != nil {
+			kind := "eager"
+			if e.stats.graphSteps.Load() > graphsBefore {
+				kind = "graph"
+			}
+			m.steps.WithLabelValues(kind).Inc()
+			m.stepTime.Observe(time.Since(stepStart).Seconds())
+			m.batchToks.Observe(float64(len(in.Tokens)))
+			m.batchSeqs.Observe(float64(len(in.SeqLens)))
+			m.tokens.WithLabelValues("forwarded").Add(float64(len(in.Tokens)))
+			m.tokens.WithLabelValues("generated").Add(float64(n))
+			m.pagesInUse.Set(float64(e.pages.inUse()))
+			m.pagesTotal.Set(float64(e.m.opts.KVPages))
+			m.waiting.Set(float64(len(e.waiting)))
+			m.running.Set(float64(len(e.running)))
+		}
+	}()
 	var tokens []int32
 	var lps []float32
 	if n > 0 {
@@ -546,6 +574,8 @@ func (e *Engine) step() error {
 	}
 	e.running = append(skipped, next...)
 	e.stats.pages.Store(int64(e.pages.inUse()))
+	e.stats.waiting.Store(int64(len(e.waiting)))
+	e.stats.running.Store(int64(len(e.running)))
 	return nil
 }
 
@@ -644,7 +674,7 @@ func (e *Engine) emit(s *seq, tok int32, lp float32, routing [][]int32, row int)
 	p := s.r.Params
 	s.out.Tokens = append(s.out.Tokens, tok)
 	s.out.LogProbs = append(s.out.LogProbs, lp)
-	s.out.Versions = append(s.out.Versions, e.version)
+	s.out.Versions = append(s.out.Versions, e.version.Load())
 	if p.RoutedExperts && routing != nil {
 		k := e.m.cfg.TopK
 		ids := make([]int32, 0, len(routing)*k)
