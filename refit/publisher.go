@@ -207,6 +207,9 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	if version <= prev {
 		return Manifest{}, fmt.Errorf("not newer than version %d, the newest published", prev)
 	}
+	if !full {
+		m.Base = prev // a partial version is a delta on the newest one published
+	}
 	subjects, err := p.subjects(ctx, stream)
 	if err != nil {
 		return Manifest{}, err

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -67,10 +66,12 @@ type Receiver struct {
 	current uint64
 	last    Status
 
-	seen  map[uint64]bool // version numbers received (applied or rejected)
-	dirty []span          // stack ranges a rejected version overwrote
+	seen  map[uint64]bool   // version numbers received (applied or rejected)
+	revs  map[string]uint64 // the last bucket revision handled, per key
+	dirty []span            // stack ranges a rejected version overwrote
 
 	received   atomic.Int64  // bytes of the version being received
+	reports    atomic.Int64  // statuses reported so far
 	chunkDelay time.Duration // tests: a slow worker
 }
 
@@ -101,6 +102,9 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	if cfg.MaxBytes <= 0 {
 		cfg.MaxBytes = 64 << 20
 	}
+	// A pull must fit at least one whole chunk with its headers, or nothing
+	// is ever delivered.
+	cfg.MaxBytes = max(cfg.MaxBytes, MaxChunkBytes+64<<10)
 	if cfg.ChunkTimeout <= 0 {
 		cfg.ChunkTimeout = 30 * time.Second
 	}
@@ -121,7 +125,7 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	}
 	r := &Receiver{cfg: cfg, nc: nc, js: js, m: m, eng: eng, stager: st, log: log, metrics: met,
 		staging: map[*kernels.Buffer]*kernels.Buffer{}, direct: m.Options().Recipe != moe.RecipeBF16,
-		current: cfg.Version, seen: map[uint64]bool{}}
+		current: cfg.Version, seen: map[uint64]bool{}, revs: map[string]uint64{}}
 	targets, err := m.Tensors()
 	if err != nil {
 		return nil, err
@@ -197,19 +201,25 @@ func (r *Receiver) Run(ctx context.Context) error {
 				continue
 			}
 			caughtUp = true
+			for _, e := range initial {
+				r.revs[e.Key()] = e.Revision()
+			}
 			if err := r.catchUp(ctx, kv, initial); err != nil {
 				return err
 			}
 			continue
 		}
-		if e == nil || e.Operation() != jetstream.KeyValuePut {
-			continue
+		if e == nil || e.Operation() != jetstream.KeyValuePut || e.Revision() <= r.revs[e.Key()] {
+			continue // a replay (after a reconnect, say) of an entry already handled
 		}
+		r.revs[e.Key()] = e.Revision()
 		a, ok := r.announcement(e)
 		if !ok || a.Model != r.cfg.Model {
 			continue
 		}
-		r.handle(ctx, kv, a)
+		if err := r.handle(ctx, kv, a); errors.Is(err, errFatal) {
+			return err
+		}
 	}
 }
 
@@ -231,7 +241,9 @@ func (r *Receiver) announcement(e jetstream.KeyValueEntry) (Announce, bool) {
 			r.log.Warn("refit: bad manifest", zap.Error(err))
 			return Announce{}, false
 		}
-		return m.Announce, !r.seen[m.Version]
+		// A manifest counts only for a version whose announcement was
+		// missed; at or below the current version it is old news.
+		return m.Announce, !r.seen[m.Version] && m.Version > r.current
 	}
 	return Announce{}, false
 }
@@ -282,66 +294,40 @@ func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial [
 		}
 	}
 	if ann != nil && ann.Version > r.current && !r.seen[ann.Version] {
-		r.handle(ctx, kv, *ann)
-	}
-	return nil
-}
-
-func (r *Receiver) catchUpTo(ctx context.Context, kv jetstream.KeyValue, m Manifest) error {
-	if !m.Full {
-		// A partial version is a delta: apply it only on top of the
-		// version before it, fetched first when this worker lacks it.
-		prev, ok, err := r.previousVersion(ctx, m.Version)
-		if err != nil {
+		if err := r.handle(ctx, kv, *ann); errors.Is(err, errFatal) {
 			return err
 		}
-		// The base is there when this worker serves the version before
-		// it, or, with no earlier version in the stream, when it serves the
-		// number just below (version 1 over the loaded weights, say).
-		base := ok && prev <= r.current || !ok && m.Version == r.current+1
-		if !base && ok {
-			base = r.handle(ctx, kv, Announce{Protocol: ProtocolVersion, Model: r.cfg.Model, Version: prev, Full: true,
-				Subject: VersionSubject(r.cfg.Model, prev)}) == nil
-		}
-		if !base {
-			r.seen[m.Version] = true
-			r.report(Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: m.Version},
-				fmt.Errorf("%w: version %d is partial and no full version it builds on is available", errNeedsFull, m.Version))
-			return nil
-		}
 	}
-	r.handle(ctx, kv, m.Announce)
 	return nil
 }
 
-// previousVersion finds the newest version below v still in the stream.
-func (r *Receiver) previousVersion(ctx context.Context, v uint64) (uint64, bool, error) {
-	s, err := r.js.Stream(ctx, StreamName(r.cfg.Model))
-	if err != nil {
-		return 0, false, fmt.Errorf("refit: receiver: stream: %w", err)
-	}
-	info, err := s.Info(ctx, jetstream.WithSubjectFilter(StreamSubjects(r.cfg.Model)))
-	if err != nil {
-		return 0, false, fmt.Errorf("refit: receiver: stream info: %w", err)
-	}
-	var best uint64
-	prefix := "refit." + r.cfg.Model + ".v."
-	for subj := range info.State.Subjects {
-		n, err := strconv.ParseUint(strings.TrimPrefix(subj, prefix), 10, 64)
-		if err == nil && n < v && n > best {
-			best = n
+// catchUpTo applies version m, first its base when m is partial and this
+// worker does not serve that base. Only fatal errors are returned.
+func (r *Receiver) catchUpTo(ctx context.Context, kv jetstream.KeyValue, m Manifest) error {
+	if !m.Full && m.Base != r.current {
+		if base, ok := r.oldManifest(ctx, kv, m.Base); ok && (base.Full || base.Base == r.current) {
+			if err := r.handle(ctx, kv, base.Announce); errors.Is(err, errFatal) {
+				return err
+			}
 		}
 	}
-	return best, best > 0, nil
+	if err := r.handle(ctx, kv, m.Announce); errors.Is(err, errFatal) {
+		return err
+	}
+	return nil
 }
 
 // handle receives and commits one version, or rejects it, and reports.
 func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce) error {
 	st := Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: a.Version}
 	var err error
-	if a.Version <= r.current || r.seen[a.Version] {
+	switch {
+	case a.Version <= r.current || r.seen[a.Version]:
 		err = fmt.Errorf("duplicate or older version %d (serving %d)", a.Version, r.current)
-	} else {
+	case !a.Full && a.Base != r.current:
+		r.seen[a.Version] = true
+		err = fmt.Errorf("%w: version %d is a delta on version %d, this worker serves %d", errNeedsFull, a.Version, a.Base, r.current)
+	default:
 		r.seen[a.Version] = true
 		err = r.receive(ctx, kv, a, &st)
 	}
@@ -360,6 +346,9 @@ func (r *Receiver) report(st Status, err error) {
 		st.State = StateApplied
 	case errors.Is(err, errNeedsFull):
 		st.State, st.Reason = StateNeedsFull, err.Error()
+	case errors.Is(err, errFatal):
+		st.State, st.Reason = StateRejected, err.Error()
+		r.log.Error("refit: commit failed after changing weights: stopping the worker so it restarts and catches up", zap.Error(err))
 	default:
 		st.State, st.Reason = StateRejected, err.Error()
 	}
@@ -367,6 +356,7 @@ func (r *Receiver) report(st Status, err error) {
 	r.mu.Lock()
 	r.last = st
 	r.mu.Unlock()
+	r.reports.Add(1)
 	fields := []zap.Field{zap.Uint64("version", st.Version), zap.String("state", st.State), zap.Uint64("serving", r.current),
 		zap.Any("phases_ms", st.PhasesMS)}
 	if err != nil {
@@ -383,7 +373,12 @@ func (r *Receiver) report(st Status, err error) {
 	}
 }
 
-var errNeedsFull = errors.New("needs a full version")
+var (
+	errNeedsFull = errors.New("needs a full version")
+	// errFatal marks a commit that failed after it had changed live
+	// weights: the worker must stop rather than serve two versions.
+	errFatal = errors.New("fatal")
+)
 
 // write is one tensor of the version: where its bytes go.
 type write struct {
@@ -488,9 +483,12 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		return fmt.Errorf("consumer for version %d: %w", a.Version, err)
 	}
 	msgs := make(chan jetstream.Msg, 4)
+	done := make(chan struct{}) // ends a callback blocked on msgs once receive returns
+	defer close(done)
 	cc, err := cons.Consume(func(m jetstream.Msg) {
 		select {
 		case msgs <- m:
+		case <-done:
 		case <-ctx.Done():
 		}
 	}, jetstream.PullMaxBytes(r.cfg.MaxBytes))
@@ -502,6 +500,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	var (
 		hdr      Header
 		prefix   []byte // the stream's first bytes, until the header is parsed
+		parsed   bool   // the header is parsed and planned
 		ws       []*write
 		received int64
 		total    int64 = -1
@@ -553,7 +552,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		chunkStart := received
 		received += int64(len(data))
 		r.received.Store(received)
-		if ws == nil {
+		if !parsed {
 			prefix = append(prefix, data...)
 			n, ok, err := HeaderLen(prefix)
 			if err != nil {
@@ -571,6 +570,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 				}
 				return fmt.Errorf("version %d rejected: %w", a.Version, err)
 			}
+			parsed = true
 			if a.Full {
 				if full, err := r.isFull(ws); err != nil || !full {
 					return fmt.Errorf("version %d is announced full but does not cover every weight", a.Version)
@@ -587,13 +587,19 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 			return fmt.Errorf("version %d: %w", a.Version, err)
 		}
 	}
-	if ws == nil {
+	if !parsed {
 		return fmt.Errorf("version %d: stream ended inside its header", a.Version)
+	}
+	if next != chunks {
+		return fmt.Errorf("version %d: %d chunks carried all %d bytes, the headers said %d", a.Version, next, total, chunks)
 	}
 	// Every byte is in: the manifest must vouch for them.
 	m, err := r.awaitManifest(ctx, kv, a.Version)
 	if err != nil {
 		return err
+	}
+	if m.Full != a.Full || m.Base != a.Base {
+		return fmt.Errorf("version %d: announced full=%v base=%d, the manifest says full=%v base=%d", a.Version, a.Full, a.Base, m.Full, m.Base)
 	}
 	if sum := hex.EncodeToString(digest.Sum(nil)); sum != m.SHA256 || m.TotalBytes != total || m.Chunks != chunks {
 		return fmt.Errorf("version %d: sha256 %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
@@ -772,9 +778,11 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 	}
 	var copyTotal, quantTotal time.Duration
 	var pause time.Duration
+	changed := false // live weights were touched: a failure from here on is fatal
 	err := r.eng.AtBoundary(ctx, func() error {
 		start := time.Now()
 		be := r.m.Backend()
+		changed = true
 		for _, w := range ws {
 			if w.dst == w.target.Buffer {
 				continue
@@ -817,6 +825,9 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 		return nil
 	})
 	if err != nil {
+		if changed {
+			return fmt.Errorf("%w: version %d: commit: %w", errFatal, v, err)
+		}
 		return fmt.Errorf("version %d: commit: %w", v, err)
 	}
 	st.PhasesMS = map[string]float64{"copy": ms(copyTotal), "requantize": ms(quantTotal), "commit": ms(pause)}

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -324,7 +325,8 @@ func TestRefitPartialFromStart(t *testing.T) {
 // rawPublish publishes a version chunk by chunk without the Publisher's
 // checks: mutate may change a chunk's payload or headers, and stopAfter >= 0
 // stops (a dead publisher) after that many chunks, without a manifest.
-func rawPublish(t *testing.T, url string, v uint64, stream []byte, chunk int, stopAfter int, mutate func(seq int, h nats.Header, data []byte) []byte) {
+// A partial version is announced as a delta on base.
+func rawPublish(t *testing.T, url string, v uint64, stream []byte, full bool, base uint64, chunk int, stopAfter int, mutate func(seq int, h nats.Header, data []byte) []byte) {
 	t.Helper()
 	ctx := context.Background()
 	p := newPublisher(t, url)
@@ -333,8 +335,11 @@ func rawPublish(t *testing.T, url string, v uint64, stream []byte, chunk int, st
 		t.Fatal(err)
 	}
 	chunks := (len(stream) + chunk - 1) / chunk
-	a := Announce{Protocol: ProtocolVersion, Model: testModel, Version: v, Subject: VersionSubject(testModel, v),
+	a := Announce{Protocol: ProtocolVersion, Model: testModel, Version: v, Full: full, Subject: VersionSubject(testModel, v),
 		TotalBytes: int64(len(stream)), ChunkBytes: chunk, Chunks: chunks}
+	if !full {
+		a.Base = base
+	}
 	put := func(key string, val any) {
 		b, _ := json.Marshal(val)
 		if _, err := kv.Put(ctx, key, b); err != nil {
@@ -415,34 +420,34 @@ func TestRefitRejections(t *testing.T) {
 		want    string
 	}{
 		{"corrupted chunk", func(v uint64) {
-			rawPublish(t, srv.URL(), v, good, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+			rawPublish(t, srv.URL(), v, good, false, 0, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
 				if seq == 3 {
 					d[100] ^= 0x40
 				}
 				return d
 			})
 		}, "crc32c"},
-		{"publisher dies mid-version", func(v uint64) { rawPublish(t, srv.URL(), v, good, 4096, 5, nil) }, "no chunk"},
+		{"publisher dies mid-version", func(v uint64) { rawPublish(t, srv.URL(), v, good, false, 0, 4096, 5, nil) }, "no chunk"},
 		{"wrong dtype", func(v uint64) {
 			rawPublish(t, srv.URL(), v, withTensor(stfile.Tensor{Name: "model.layers.0.input_layernorm.weight", DType: stfile.F32,
-				Shape: []uint64{64}, Data: make([]byte, 256)}), 4096, -1, nil)
+				Shape: []uint64{64}, Data: make([]byte, 256)}), false, 0, 4096, -1, nil)
 		}, "dtype F32"},
 		{"wrong shape", func(v uint64) {
 			rawPublish(t, srv.URL(), v, withTensor(stfile.Tensor{Name: "model.layers.0.input_layernorm.weight", DType: stfile.BF16,
-				Shape: []uint64{32}, Data: make([]byte, 64)}), 4096, -1, nil)
+				Shape: []uint64{32}, Data: make([]byte, 64)}), false, 0, 4096, -1, nil)
 		}, "shape [32]"},
 		{"unknown tensor", func(v uint64) {
 			rawPublish(t, srv.URL(), v, withTensor(stfile.Tensor{Name: "model.layers.9.input_layernorm.weight", DType: stfile.BF16,
-				Shape: []uint64{64}, Data: make([]byte, 128)}), 4096, -1, nil)
+				Shape: []uint64{64}, Data: make([]byte, 128)}), false, 0, 4096, -1, nil)
 		}, "unknown tensor"},
 		{"NaN", func(v uint64) {
-			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 77, float32(math.NaN())), 4096, -1, nil)
+			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 77, float32(math.NaN())), false, 0, 4096, -1, nil)
 		}, "NaN or Inf"},
 		{"Inf", func(v uint64) {
-			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 5, float32(math.Inf(-1))), 4096, -1, nil)
+			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 5, float32(math.Inf(-1))), false, 0, 4096, -1, nil)
 		}, "NaN or Inf"},
 		{"digest mismatch", func(v uint64) {
-			rawPublish(t, srv.URL(), v, good, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+			rawPublish(t, srv.URL(), v, good, false, 0, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
 				if seq == 2 { // a consistent chunk (good CRC) that differs from what the manifest hashed
 					d[10] ^= 1
 					h.Set(HeaderCRC, fmt.Sprintf("%08x", CRC32C(d)))
@@ -467,14 +472,14 @@ func TestRefitRejections(t *testing.T) {
 	// Expert bytes of the rejected versions went into the BF16 stacks: a
 	// partial version that does not rewrite them cannot be committed...
 	v++
-	rawPublish(t, srv.URL(), v, streamOf(t, []stfile.Tensor{norm}), 4096, -1, nil)
+	rawPublish(t, srv.URL(), v, streamOf(t, []stfile.Tensor{norm}), false, 0, 4096, -1, nil)
 	if st := w.waitStatus(t, v); st.State != StateNeedsFull {
 		t.Fatalf("partial version over dirty experts: %+v, want needs_full", st)
 	}
 	servesA(t, w, a)
 	// ...a full version can, and then it is served.
 	v++
-	rawPublish(t, srv.URL(), v, subset(t, b, nil), 4096, -1, nil)
+	rawPublish(t, srv.URL(), v, subset(t, b, nil), true, 0, 4096, -1, nil)
 	if st := w.waitStatus(t, v); st.State != StateApplied {
 		t.Fatalf("full version after rejections: %+v", st)
 	}
@@ -483,8 +488,11 @@ func TestRefitRejections(t *testing.T) {
 	sameRollouts(t, "full version after rejections vs fresh", gotS, gotSc, wantS, wantSc)
 	// A duplicate, and an older, version number.
 	for _, old := range []uint64{v, v - 3} {
-		rawPublish(t, srv.URL(), old, subset(t, a, nil), 4096, -1, nil)
-		time.Sleep(300 * time.Millisecond)
+		n := w.r.reports.Load()
+		rawPublish(t, srv.URL(), old, subset(t, a, nil), true, 0, 4096, -1, nil)
+		for deadline := time.Now().Add(10 * time.Second); w.r.reports.Load() == n && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
 		if st := w.r.LastStatus(); st.Version != old || st.State != StateRejected || !strings.Contains(st.Reason, "duplicate or older") {
 			t.Fatalf("version %d again: %+v", old, st)
 		}
@@ -528,6 +536,7 @@ func TestRefitServerRestart(t *testing.T) {
 	srv := refittest.StartServer(t)
 	a, b := modelDir(t, 11), modelDir(t, 12)
 	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(c *ReceiverConfig) { c.ChunkTimeout = 5 * time.Second })
+	w.r.chunkDelay = time.Millisecond // ~100 chunks: the transfer takes long enough to restart in
 	pub, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 4 << 10}, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -538,9 +547,13 @@ func TestRefitServerRestart(t *testing.T) {
 		_, err := pub.Publish(context.Background(), 1, bytes.NewReader(stream), int64(len(stream)), true)
 		done <- err
 	}()
-	// Restart once the worker has seen some of the version.
+	// Restart once the worker has seen some of the version, but not all:
+	// the worker is slowed down so that the restart is mid-transfer.
 	for w.r.receivedBytes() == 0 {
 		time.Sleep(time.Millisecond)
+	}
+	if got := w.r.receivedBytes(); got >= int64(len(stream)) {
+		t.Fatalf("the worker had all %d bytes before the restart", got)
 	}
 	if err := srv.Restart(t); err != nil {
 		t.Fatal(err)
@@ -606,17 +619,26 @@ func TestRefitSlowWorker(t *testing.T) {
 	}
 	fastDone := fast.waitStatus(t, 1)
 	fastAt := time.Since(start)
-	genBefore := slow.e.Stats().Generated
 	if slow.r.LastStatus().Version == 1 {
 		t.Fatalf("the slow worker finished first (in %v): the test's delay did not bite", fastAt)
+	}
+	// Tokens are generated while the slow worker's bytes stream in (before
+	// its commit).
+	genBefore := slow.e.Stats().Generated
+	for slow.r.receivedBytes() < int64(len(stream))*3/4 && slow.r.LastStatus().Version != 1 {
+		time.Sleep(time.Millisecond)
+	}
+	genDuring := slow.e.Stats().Generated
+	if slow.r.LastStatus().Version == 1 {
+		t.Fatal("the slow worker committed before the check")
 	}
 	slowDone := slow.waitStatus(t, 1)
 	slowAt := time.Since(start)
 	if fastDone.State != StateApplied || slowDone.State != StateApplied {
 		t.Fatalf("fast %+v, slow %+v", fastDone, slowDone)
 	}
-	if genAfter := slow.e.Stats().Generated; genAfter <= genBefore {
-		t.Fatalf("the slow worker generated nothing while receiving (%d tokens before, %d after)", genBefore, genAfter)
+	if genDuring <= genBefore {
+		t.Fatalf("the slow worker generated nothing while receiving (%d tokens, then %d)", genBefore, genDuring)
 	}
 	close(stop) // the rollout in flight finishes first
 	if !<-spans {
@@ -630,4 +652,87 @@ func testLogger(t testing.TB) *zap.Logger {
 		return nil
 	}
 	return zaptest.NewLogger(t)
+}
+
+// TestRefitPartialOnWrongBase: a worker that rejected a version answers
+// needs_full to the partial version built on it (instead of applying the
+// delta to other weights), keeps serving what it served, and recovers with
+// the next full version.
+func TestRefitPartialOnWrongBase(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b, c := modelDir(t, 15), modelDir(t, 16), modelDir(t, 17)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	p := newPublisher(t, srv.URL())
+	// Version 1 (full) reaches the stream complete, but this worker rejects
+	// it: its first chunk is corrupted on the wire.
+	full := subset(t, b, nil)
+	rawPublish(t, srv.URL(), 1, full, true, 0, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+		if seq == 0 {
+			d[20] ^= 1
+		}
+		return d
+	})
+	if st := w.waitStatus(t, 1); st.State != StateRejected {
+		t.Fatalf("version 1: %+v", st)
+	}
+	publish(t, p, 2, subset(t, c, experts), false) // a delta on version 1
+	if st := w.waitStatus(t, 2); st.State != StateNeedsFull {
+		t.Fatalf("partial version on a rejected base: %+v, want needs_full", st)
+	}
+	servesA(t, w, a)
+	publish(t, p, 3, subset(t, c, nil), true)
+	if st := w.waitStatus(t, 3); st.State != StateApplied {
+		t.Fatalf("full version 3: %+v", st)
+	}
+	gotS, gotSc := rollouts(t, w.e)
+	wantS, wantSc := fresh(t, c, moe.RecipePerToken)
+	sameRollouts(t, "after the full version", gotS, gotSc, wantS, wantSc)
+}
+
+// TestRefitRejectionBF16: under the bf16 recipe, whose forward reads the
+// BF16 expert stacks, a rejected version changes nothing that is served
+// (every tensor is staged, none written in place).
+func TestRefitRejectionBF16(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 18), modelDir(t, 19)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipeBF16, nil)
+	bad := setBF16(t, subset(t, b, nil), "model.norm.weight", 3, float32(math.Inf(1))) // the last tensor in data order
+	rawPublish(t, srv.URL(), 1, bad, true, 0, 8192, -1, nil)
+	if st := w.waitStatus(t, 1); st.State != StateRejected || !strings.Contains(st.Reason, "NaN or Inf") {
+		t.Fatalf("%+v", st)
+	}
+	gotS, gotSc := rollouts(t, w.e)
+	wantS, wantSc := fresh(t, a, moe.RecipeBF16)
+	sameRollouts(t, "bf16 worker after a rejected version", gotS, gotSc, wantS, wantSc)
+	if len(w.r.dirty) != 0 {
+		t.Fatalf("bf16 recipe: %d ranges dirty, want none (everything is staged)", len(w.r.dirty))
+	}
+}
+
+// TestRefitNoLeakOnRejection: rejecting versions mid-stream leaves no
+// goroutine behind.
+func TestRefitNoLeakOnRejection(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 20), modelDir(t, 21)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	good := subset(t, b, experts)
+	rawPublish(t, srv.URL(), 1, good, false, 0, 2048, -1, nil) // warm up the connection's goroutines
+	w.waitStatus(t, 1)
+	for v := uint64(2); v <= 5; v++ {
+		rawPublish(t, srv.URL(), v, setBF16(t, good, "model.layers.0.mlp.experts.0.gate_proj.weight", 1, float32(math.NaN())), false, 1, 2048, -1, nil)
+		if st := w.waitStatus(t, v); st.State != StateRejected {
+			t.Fatalf("version %d: %+v", v, st)
+		}
+	}
+	// No goroutine may still sit in a rejected version's consume callback.
+	var stuck int
+	for range 100 {
+		buf := make([]byte, 1<<20)
+		stuck = strings.Count(string(buf[:runtime.Stack(buf, true)]), "refit.(*Receiver).receive.func")
+		if stuck == 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("%d goroutines still in a rejected version's consume callback", stuck)
 }

@@ -151,10 +151,14 @@ func (c Chunk) Verify(payload []byte) error {
 
 // Announce is the bucket's "announce" value: a version starts.
 type Announce struct {
-	Protocol   int    `json:"protocol"`
-	Model      string `json:"model"`
-	Version    uint64 `json:"version"`
-	Full       bool   `json:"full"`
+	Protocol int    `json:"protocol"`
+	Model    string `json:"model"`
+	Version  uint64 `json:"version"`
+	Full     bool   `json:"full"`
+	// Base is the version a partial version is a delta on: the newest
+	// version published before it (0: the weights workers load at start).
+	// Ignored for a full version.
+	Base       uint64 `json:"base"`
 	Subject    string `json:"subject"`
 	TotalBytes int64  `json:"total_bytes"`
 	ChunkBytes int    `json:"chunk_bytes"`
@@ -179,6 +183,8 @@ func (a Announce) check(what string) error {
 		return fmt.Errorf("%w: %s: model %q", ErrProtocol, what, a.Model)
 	case a.Version == 0:
 		return fmt.Errorf("%w: %s: version 0", ErrProtocol, what)
+	case !a.Full && a.Base >= a.Version:
+		return fmt.Errorf("%w: %s: partial version %d on base %d", ErrProtocol, what, a.Version, a.Base)
 	case a.Subject != VersionSubject(a.Model, a.Version):
 		return fmt.Errorf("%w: %s: subject %q, want %q", ErrProtocol, what, a.Subject, VersionSubject(a.Model, a.Version))
 	case a.TotalBytes <= 8 || a.TotalBytes > MaxStreamBytes:
