@@ -36,9 +36,12 @@ type command struct {
 // commands lists the subcommands in the order help shows them. Add new ones
 // here.
 var commands = []command{
+	{"demo", "the whole loop in one process: NATS, a worker, a trainer refitting it, a driver (the README's main command)", runDemo},
 	{"quantize", "quantize BF16 tensors of a safetensors file to NVFP4", runQuantize},
 	{"bench", "benchmark the MoE layer: NVFP4 recipes against BF16, side by side", runBench},
 	{"init-model", "write a model directory with seeded random weights (presets tiny, small, ...)", runInitModel},
+	{"serve", "run a rollout worker: engine, refit receiver and rollout service over NATS", runServe},
+	{"generate", "request rollouts from the workers of a model and print them as JSON", runGenerate},
 	{"score", "score token sequences with a model (teacher-forced logprobs)", runScore},
 	{"publish", "publish a weight version (all or some BF16 tensors) to the workers over NATS", runPublish},
 }

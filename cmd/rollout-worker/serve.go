@@ -1,0 +1,242 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+)
+
+const serveUsage = `Usage: rollout-worker serve [--model DIR | --preset NAME] [flags]
+
+Run a rollout worker: the generation engine, the refit receiver (weight
+versions over NATS JetStream, refit/PROTOCOL.md) and the rollout service
+(NATS micro service "rollout-worker", rollout/SCHEMA.md). Without
+--nats-url it starts an embedded NATS server with JetStream on loopback and
+prints its URL. SIGTERM or SIGINT drains: admission stops, in-flight
+requests finish (or are aborted after --drain-timeout), every admitted
+request gets its final reply, then the process exits.
+
+Every flag can also be set by the environment variable ROLLOUT_WORKER_<FLAG>
+(upper case, dashes as underscores), e.g. ROLLOUT_WORKER_NATS_URL; a flag on
+the command line wins.
+
+Flags:
+`
+
+// envFlags sets every flag not given on the command line from its
+// ROLLOUT_WORKER_* environment variable.
+func envFlags(fs *flag.FlagSet) error {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		env := envName(f.Name)
+		if v, ok := os.LookupEnv(env); ok && !given[f.Name] && err == nil {
+			if e := fs.Set(f.Name, v); e != nil {
+				err = usageErrorf("%s=%q: %v", env, v, e)
+			}
+		}
+	})
+	return err
+}
+
+func envName(flagName string) string {
+	return "ROLLOUT_WORKER_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// newLogger logs JSON when stderr is not a terminal, console text when it
+// is.
+func newLogger(w io.Writer, format string) (*zap.Logger, error) {
+	if format == "auto" {
+		format = "json"
+		if f, ok := w.(*os.File); ok {
+			if st, err := f.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+				format = "console"
+			}
+		}
+	}
+	var enc zapcore.Encoder
+	switch format {
+	case "json":
+		enc = zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig())
+	case "console":
+		ec := zap.NewDevelopmentEncoderConfig()
+		ec.EncodeTime = zapcore.TimeEncoderOfLayout("15:04:05.000")
+		enc = zapcore.NewConsoleEncoder(ec)
+	default:
+		return nil, usageErrorf("--log-format %q: want auto, json or console", format)
+	}
+	return zap.New(zapcore.NewCore(enc, zapcore.AddSync(w), zap.InfoLevel)), nil
+}
+
+// natsFlags are the connection flags shared by serve, generate and demo.
+type natsFlags struct {
+	url, creds, nkey, ca, cert, key string
+}
+
+func (n *natsFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&n.url, "nats-url", "", "NATS server URL; empty starts an embedded server (serve only)")
+	fs.StringVar(&n.creds, "nats-creds", "", "NATS credentials `file` (JWT and nkey)")
+	fs.StringVar(&n.nkey, "nats-nkey", "", "NATS nkey seed `file`")
+	fs.StringVar(&n.ca, "tls-ca", "", "CA certificate `file` to verify the NATS server")
+	fs.StringVar(&n.cert, "tls-cert", "", "client certificate `file` (with --tls-key)")
+	fs.StringVar(&n.key, "tls-key", "", "client key `file`")
+}
+
+func (n *natsFlags) options(name string) ([]nats.Option, error) {
+	opts := []nats.Option{nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond)}
+	if n.creds != "" {
+		opts = append(opts, nats.UserCredentials(n.creds))
+	}
+	if n.nkey != "" {
+		o, err := nats.NkeyOptionFromSeed(n.nkey)
+		if err != nil {
+			return nil, fmt.Errorf("--nats-nkey: %w", err)
+		}
+		opts = append(opts, o)
+	}
+	if n.ca != "" {
+		opts = append(opts, nats.RootCAs(n.ca))
+	}
+	if (n.cert == "") != (n.key == "") {
+		return nil, usageErrorf("--tls-cert and --tls-key go together")
+	}
+	if n.cert != "" {
+		opts = append(opts, nats.ClientCert(n.cert, n.key))
+	}
+	return opts, nil
+}
+
+func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err error) {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), serveUsage)
+		fs.PrintDefaults()
+	}
+	var nf natsFlags
+	nf.register(fs)
+	var cfg workerConfig
+	fs.StringVar(&cfg.ModelDir, "model", "", "model `directory` (config.json and safetensors)")
+	fs.StringVar(&cfg.Preset, "preset", "tiny", "random model preset when --model is not given")
+	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the random preset model")
+	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16 or nvfp4")
+	fs.StringVar(&cfg.Device, "device", "auto", "compute device: auto, cpu or cuda")
+	fs.StringVar(&cfg.ModelID, "model-id", "tiny", "model id: the refit stream and the rollout subjects (rollout.<id>.*)")
+	host, _ := os.Hostname()
+	fs.StringVar(&cfg.WorkerID, "worker-id", fmt.Sprintf("%s-%d", host, os.Getpid()), "worker id in refit statuses and replies")
+	fs.IntVar(&cfg.KVPages, "kv-pages", 2048, "KV-cache pages")
+	fs.IntVar(&cfg.PageSize, "page-size", 16, "tokens a KV page")
+	fs.IntVar(&cfg.MaxBatchTokens, "max-batch-tokens", 512, "tokens one step carries")
+	fs.IntVar(&cfg.MaxSeqs, "max-seqs", 64, "sequences one step carries")
+	fs.BoolVar(&cfg.Graphs, "graphs", true, "replay decode steps from captured graphs")
+	fs.IntVar(&cfg.Limits.MaxPromptTokens, "max-prompt-tokens", 4096, "longest prompt accepted")
+	fs.IntVar(&cfg.Limits.MaxTokens, "max-tokens", 4096, "largest max_tokens accepted")
+	fs.IntVar(&cfg.Limits.MaxN, "max-n", 64, "largest n accepted")
+	fs.IntVar(&cfg.Limits.MaxQueue, "max-queue", 256, "requests admitted at once; more are answered overloaded")
+	httpAddr := fs.String("http-addr", "127.0.0.1:9090", "address of /metrics, /healthz and /readyz (empty: none)")
+	drainTimeout := fs.Duration("drain-timeout", 30*time.Second, "how long a drain lets in-flight requests finish before aborting them")
+	logFormat := fs.String("log-format", "auto", "log format: auto (JSON unless on a terminal), json or console")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if err := envFlags(fs); err != nil {
+		return err
+	}
+	if cfg.Recipe, err = recipeFlag(*recipeName); err != nil {
+		return err
+	}
+	log, err := newLogger(stderr, *logFormat)
+	if err != nil {
+		return err
+	}
+	defer log.Sync()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	url := nf.url
+	if url == "" {
+		srv, err := natsembed.Start(natsembed.Config{})
+		if err != nil {
+			return err
+		}
+		defer srv.Shutdown()
+		url = srv.URL()
+		log.Info("embedded NATS server started (JetStream on, loopback only)", zap.String("url", url), zap.String("store", srv.StoreDir()))
+		fmt.Fprintf(stdout, "embedded NATS server: %s\n", url)
+	}
+	opts, err := nf.options("rollout-worker " + cfg.WorkerID)
+	if err != nil {
+		return err
+	}
+	nc, err := nats.Connect(url, opts...)
+	if err != nil {
+		return fmt.Errorf("connect to %s: %w", url, err)
+	}
+	defer nc.Close()
+
+	var draining atomic.Bool
+	var w *workerProc
+	if *httpAddr != "" {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		mux.HandleFunc("/healthz", func(rw http.ResponseWriter, _ *http.Request) { fmt.Fprintln(rw, "ok") })
+		mux.HandleFunc("/readyz", func(rw http.ResponseWriter, _ *http.Request) {
+			if w == nil || !w.Ready() || draining.Load() || !nc.IsConnected() {
+				http.Error(rw, "not ready", http.StatusServiceUnavailable)
+				return
+			}
+			fmt.Fprintln(rw, "ready")
+		})
+		ln, err := net.Listen("tcp", *httpAddr)
+		if err != nil {
+			return fmt.Errorf("--http-addr: %w", err)
+		}
+		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go hs.Serve(ln)
+		defer hs.Close()
+		log.Info("http listening", zap.String("addr", ln.Addr().String()))
+	}
+
+	w, err = startWorker(nc, cfg, log, reg)
+	if err != nil {
+		return err
+	}
+	log.Info("worker ready", zap.String("worker", cfg.WorkerID), zap.String("model_id", cfg.ModelID),
+		zap.String("subjects", "rollout."+cfg.ModelID+".>"))
+	fmt.Fprintf(stdout, "worker %s ready: model %s, subjects rollout.%s.*\n", cfg.WorkerID, cfg.ModelID, cfg.ModelID)
+
+	select {
+	case <-ctx.Done():
+		log.Info("draining", zap.Duration("timeout", *drainTimeout))
+	case err := <-w.Failed():
+		log.Error("worker failed; draining", zap.Error(err))
+	}
+	draining.Store(true)
+	dctx, cancel := context.WithTimeout(context.Background(), *drainTimeout)
+	defer cancel()
+	err = errors.Join(w.drain(dctx), w.close())
+	if ferr := nc.FlushTimeout(5 * time.Second); ferr != nil && !errors.Is(ferr, nats.ErrConnectionClosed) {
+		err = errors.Join(err, ferr)
+	}
+	log.Info("stopped", zap.Error(err))
+	return err
+}
