@@ -3,6 +3,7 @@ module github.com/rollout-worker/rollout-worker
 go 1.26.0
 
 require (
+	github.com/ebitengine/purego v0.11.3
 	github.com/nats-io/nats-server/v2 v2.15.3
 	github.com/nats-io/nats.go v1.56.0
 	github.com/nlpodyssey/safetensors v0.0.0-20250209183917-bfb01cc25f7c
