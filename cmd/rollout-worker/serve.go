@@ -234,9 +234,9 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	dctx, cancel := context.WithTimeout(context.Background(), *drainTimeout)
 	defer cancel()
 	err = errors.Join(w.drain(dctx), w.close())
-	if ferr := nc.FlushTimeout(5 * time.Second); ferr != nil && !errors.Is(ferr, nats.ErrConnectionClosed) {
-		err = errors.Join(err, ferr)
-	}
+	// Drain, not close: requests delivered just before the service
+	// unsubscribed still get their "draining" reply.
+	err = errors.Join(err, stopConn(nc, 5*time.Second))
 	log.Info("stopped", zap.Error(err))
 	return err
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
@@ -53,8 +54,8 @@ type workerProc struct {
 
 // startWorker loads the model and starts the engine loop, the refit
 // receiver and the rollout service on nc.
-func startWorker(nc *nats.Conn, cfg workerConfig, log *zap.Logger, reg prometheus.Registerer) (w *workerProc, err error) {
-	w = &workerProc{log: log, errs: make(chan error, 2), ready: make(chan struct{})}
+func startWorker(nc *nats.Conn, cfg workerConfig, log *zap.Logger, reg prometheus.Registerer) (_ *workerProc, err error) {
+	w := &workerProc{log: log, errs: make(chan error, 2), ready: make(chan struct{})}
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, w.close())
@@ -186,6 +187,24 @@ func (w *workerProc) close() error {
 	})
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("worker: close: %w", err)
+	}
+	return nil
+}
+
+// stopConn drains nc and waits until it is closed. Draining, not closing:
+// the micro service's Stop drains its subscriptions without waiting, so
+// requests the server delivered just before are still queued in the client;
+// nc.Drain lets the handlers answer them ("draining") before it closes.
+// Flush then Close drops them: their clients hear nothing.
+func stopConn(nc *nats.Conn, timeout time.Duration) error {
+	if err := nc.Drain(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+		return fmt.Errorf("drain connection: %w", err)
+	}
+	for end := time.Now().Add(timeout); !nc.IsClosed(); time.Sleep(time.Millisecond) {
+		if time.Now().After(end) {
+			nc.Close()
+			return fmt.Errorf("connection not drained in %v", timeout)
+		}
 	}
 	return nil
 }
