@@ -209,9 +209,6 @@ func sliceNVFP4(q kernels.NVFP4, lo, hi int) (kernels.NVFP4, error) {
 	return out, err
 }
 
-// rowsNVFP4 is the view of the first n rows of a per-row quantized buffer.
-func rowsNVFP4(q kernels.NVFP4, n int) (kernels.NVFP4, error) { return sliceNVFP4(q, 0, n) }
-
 // Forward computes out = MoE(x) for the T tokens of x (BF16 [T, H], T <=
 // MaxTokens) into out (BF16 [T, H]).
 func (l *Layer) Forward(out, x *kernels.Buffer) error {
@@ -241,15 +238,15 @@ func (l *Layer) Forward(out, x *kernels.Buffer) error {
 func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 	c := l.cfg
 	R := T * c.TopK
-	v := views{}
-	logits, ids, weights := v.rows(l.logits, T), v.rows(l.ids, T), v.rows(l.weights, T)
-	gather, slots, h, y := v.rows(l.gather, R), v.rows(l.slots, R), v.rows(l.h, R), v.rows(l.y, R)
+	v := kernels.Views{}
+	logits, ids, weights := v.Rows(l.logits, T), v.Rows(l.ids, T), v.Rows(l.weights, T)
+	gather, slots, h, y := v.Rows(l.gather, R), v.Rows(l.slots, R), v.Rows(l.h, R), v.Rows(l.y, R)
 	var xq, hq kernels.NVFP4
 	if l.spec.quantActs {
-		xq, hq = v.nvfp4(l.xq, T), v.nvfp4(l.hq, R)
+		xq, hq = v.NVFP4Rows(l.xq, T), v.NVFP4Rows(l.hq, R)
 	}
-	if v.err != nil {
-		return v.err
+	if v.Err != nil {
+		return v.Err
 	}
 
 	if err := l.be.Gemm(logits, x, l.router); err != nil {
@@ -290,27 +287,6 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 		return err
 	}
 	return l.be.Finalize(kernels.FinalizeArgs{Out: out, Rows: y, Weights: weights, Slots: slots})
-}
-
-// views makes row views of workspaces, keeping the first error.
-type views struct{ err error }
-
-func (v *views) rows(b *kernels.Buffer, n int) *kernels.Buffer {
-	if v.err != nil {
-		return nil
-	}
-	r, err := b.Rows(n)
-	v.err = err
-	return r
-}
-
-func (v *views) nvfp4(q kernels.NVFP4, n int) kernels.NVFP4 {
-	if v.err != nil {
-		return kernels.NVFP4{}
-	}
-	r, err := rowsNVFP4(q, n)
-	v.err = err
-	return r
 }
 
 // Close frees every buffer of the layer. It is idempotent.

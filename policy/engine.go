@@ -318,13 +318,19 @@ func (e *Engine) Run(ctx context.Context) error {
 	}
 }
 
-func (e *Engine) shutdown() {
+// takeInbox empties the inbox; with closing, Submit and AtBoundary refuse
+// anything new from then on.
+func (e *Engine) takeInbox(closing bool) []any {
 	e.mu.Lock()
-	e.closed = true
+	defer e.mu.Unlock()
+	e.closed = e.closed || closing
 	inbox := e.inbox
 	e.inbox = nil
-	e.mu.Unlock()
-	for _, it := range inbox {
+	return inbox
+}
+
+func (e *Engine) shutdown() {
+	for _, it := range e.takeInbox(true) {
 		switch it := it.(type) {
 		case *request:
 			e.waiting = append(e.waiting, it)
@@ -345,11 +351,7 @@ func (e *Engine) shutdown() {
 }
 
 func (e *Engine) drainInbox() {
-	e.mu.Lock()
-	inbox := e.inbox
-	e.inbox = nil
-	e.mu.Unlock()
-	for _, it := range inbox {
+	for _, it := range e.takeInbox(false) {
 		switch it := it.(type) {
 		case *request:
 			e.waiting = append(e.waiting, it)

@@ -117,6 +117,23 @@ func generate(t testing.TB, e *Engine, req Request) []Sample {
 	return collect(t, h)
 }
 
+// generateAll submits every request at once and collects their samples.
+func generateAll(t testing.TB, e *Engine, reqs []Request) [][]Sample {
+	t.Helper()
+	hs := make([]*Handle, len(reqs))
+	for i, r := range reqs {
+		var err error
+		if hs[i], err = e.Submit(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := make([][]Sample, len(hs))
+	for i, h := range hs {
+		out[i] = collect(t, h)
+	}
+	return out
+}
+
 func prompt(seed uint64, n, vocab int) []int32 {
 	r := rand.New(rand.NewPCG(seed, 11))
 	p := make([]int32, n)
@@ -442,20 +459,7 @@ func TestGraphReplayMatchesEager(t *testing.T) {
 				{ID: "b", Prompt: prompt(2, 4, cfg.VocabSize), N: 5, Params: SamplingParams{Temperature: 0.7, TopK: 20, MaxTokens: 17, Seed: 2}},
 				{ID: "c", Prompt: prompt(3, 30, cfg.VocabSize), N: 1, Params: SamplingParams{Temperature: 0, MaxTokens: 12}},
 			}
-			run := func(e *Engine) [][]Sample {
-				hs := make([]*Handle, len(reqs))
-				for i, r := range reqs {
-					var err error
-					if hs[i], err = e.Submit(r); err != nil {
-						t.Fatal(err)
-					}
-				}
-				out := make([][]Sample, len(hs))
-				for i, h := range hs {
-					out[i] = collect(t, h)
-				}
-				return out
-			}
+			run := func(e *Engine) [][]Sample { return generateAll(t, e, reqs) }
 			want, got := run(eager), run(graphed)
 			for i := range reqs {
 				if err := sameSamples(want[i], got[i]); err != nil {
@@ -521,19 +525,7 @@ func TestLongPromptsChunked(t *testing.T) {
 		{ID: "mid", Prompt: prompt(23, 17, cfg.VocabSize), N: 3, Params: SamplingParams{Temperature: 0.5, MaxTokens: 5, Seed: 3}},
 	}
 	run := func(opts ModelOptions) [][]Sample {
-		e := startEngine(t, newRandomModel(t, cfg, opts, 13), EngineConfig{})
-		hs := make([]*Handle, len(reqs))
-		for i, r := range reqs {
-			var err error
-			if hs[i], err = e.Submit(r); err != nil {
-				t.Fatal(err)
-			}
-		}
-		out := make([][]Sample, len(hs))
-		for i, h := range hs {
-			out[i] = collect(t, h)
-		}
-		return out
+		return generateAll(t, startEngine(t, newRandomModel(t, cfg, opts, 13), EngineConfig{}), reqs)
 	}
 	tight := testOptions()
 	tight.MaxTokens, tight.MaxLogitRows, tight.MaxSeqs = 16, 7, 8

@@ -1,7 +1,6 @@
 package policy
 
 import (
-	"encoding/binary"
 	"fmt"
 	"math"
 
@@ -58,18 +57,18 @@ type Shape struct{ T, S, L int }
 // sequence of ops depends on sh alone.
 func (m *Model) step(sh Shape) error {
 	c, ws, be := m.cfg, &m.ws, m.be
-	v := views{}
-	ids, pos, slots := v.rows(ws.ids, sh.T), v.rows(ws.pos, sh.T), v.rows(ws.slots, sh.T)
-	pageTable, seqLens, queryStart := v.rows(ws.pageTable, sh.S), v.rows(ws.seqLens, sh.S), v.rows(ws.queryStart, sh.S+1)
-	logitRows := v.rows(ws.logitRows, sh.L)
-	h, x, tmp := v.rows(ws.h, sh.T), v.rows(ws.x, sh.T), v.rows(ws.tmp, sh.T)
-	q, attn, k, vv := v.rows(ws.q, sh.T), v.rows(ws.attn, sh.T), v.rows(ws.k, sh.T), v.rows(ws.v, sh.T)
-	q2, attn2 := v.reshape(q, sh.T, c.Heads*c.HeadDim), v.reshape(attn, sh.T, c.Heads*c.HeadDim)
-	k2, v2 := v.reshape(k, sh.T, c.KVHeads*c.HeadDim), v.reshape(vv, sh.T, c.KVHeads*c.HeadDim)
-	qh, kh := v.reshape(q, sh.T*c.Heads, c.HeadDim), v.reshape(k, sh.T*c.KVHeads, c.HeadDim)
-	sel, logits := v.rows(ws.sel, sh.L), v.rows(ws.logits, sh.L)
-	if v.err != nil {
-		return v.err
+	v := kernels.Views{}
+	ids, pos, slots := v.Rows(ws.ids, sh.T), v.Rows(ws.pos, sh.T), v.Rows(ws.slots, sh.T)
+	pageTable, seqLens, queryStart := v.Rows(ws.pageTable, sh.S), v.Rows(ws.seqLens, sh.S), v.Rows(ws.queryStart, sh.S+1)
+	logitRows := v.Rows(ws.logitRows, sh.L)
+	h, x, tmp := v.Rows(ws.h, sh.T), v.Rows(ws.x, sh.T), v.Rows(ws.tmp, sh.T)
+	q, attn, k, vv := v.Rows(ws.q, sh.T), v.Rows(ws.attn, sh.T), v.Rows(ws.k, sh.T), v.Rows(ws.v, sh.T)
+	q2, attn2 := v.Reshape(q, sh.T, c.Heads*c.HeadDim), v.Reshape(attn, sh.T, c.Heads*c.HeadDim)
+	k2, v2 := v.Reshape(k, sh.T, c.KVHeads*c.HeadDim), v.Reshape(vv, sh.T, c.KVHeads*c.HeadDim)
+	qh, kh := v.Reshape(q, sh.T*c.Heads, c.HeadDim), v.Reshape(k, sh.T*c.KVHeads, c.HeadDim)
+	sel, logits := v.Rows(ws.sel, sh.L), v.Rows(ws.logits, sh.L)
+	if v.Err != nil {
+		return v.Err
 	}
 	eps := c.RMSNormEps
 	scale := float32(1 / math.Sqrt(float64(c.HeadDim)))
@@ -129,27 +128,6 @@ func run(fns ...func() error) error {
 	return nil
 }
 
-// views makes views of workspaces, keeping the first error.
-type views struct{ err error }
-
-func (v *views) rows(b *kernels.Buffer, n int) *kernels.Buffer {
-	if v.err != nil {
-		return nil
-	}
-	r, err := b.Rows(n)
-	v.err = err
-	return r
-}
-
-func (v *views) reshape(b *kernels.Buffer, shape ...int) *kernels.Buffer {
-	if v.err != nil {
-		return nil
-	}
-	r, err := b.Reshape(shape...)
-	v.err = err
-	return r
-}
-
 // SampleRow is the sampling setup of one logit row.
 type SampleRow struct {
 	Temperature float32
@@ -203,9 +181,9 @@ func (m *Model) Stage(in StepInput) (Shape, error) {
 		b    *kernels.Buffer
 		data []byte
 	}{
-		{m.ws.ids, i32Bytes(in.Tokens)}, {m.ws.pos, i32Bytes(in.Positions)}, {m.ws.slots, i32Bytes(in.Slots)},
-		{m.ws.seqLens, i32Bytes(in.SeqLens)}, {m.ws.queryStart, i32Bytes(in.QueryStart)}, {m.ws.pageTable, i32Bytes(table)},
-		{m.ws.logitRows, i32Bytes(in.LogitRows)},
+		{m.ws.ids, kernels.Int32Bytes(in.Tokens)}, {m.ws.pos, kernels.Int32Bytes(in.Positions)}, {m.ws.slots, kernels.Int32Bytes(in.Slots)},
+		{m.ws.seqLens, kernels.Int32Bytes(in.SeqLens)}, {m.ws.queryStart, kernels.Int32Bytes(in.QueryStart)}, {m.ws.pageTable, kernels.Int32Bytes(table)},
+		{m.ws.logitRows, kernels.Int32Bytes(in.LogitRows)},
 	}
 	if len(in.Sampling) > 0 {
 		temp, topP := make([]float32, sh.L), make([]float32, sh.L)
@@ -217,8 +195,8 @@ func (m *Model) Stage(in StepInput) (Shape, error) {
 		uploads = append(uploads, []struct {
 			b    *kernels.Buffer
 			data []byte
-		}{{m.ws.temperature, f32Bytes(temp)}, {m.ws.topP, f32Bytes(topP)}, {m.ws.topK, i32Bytes(topK)},
-			{m.ws.sampleIDs, i32Bytes(ids)}, {m.ws.samplePos, i32Bytes(pos)}, {m.ws.seeds, i32Bytes(seeds)}}...)
+		}{{m.ws.temperature, kernels.Float32Bytes(temp)}, {m.ws.topP, kernels.Float32Bytes(topP)}, {m.ws.topK, kernels.Int32Bytes(topK)},
+			{m.ws.sampleIDs, kernels.Int32Bytes(ids)}, {m.ws.samplePos, kernels.Int32Bytes(pos)}, {m.ws.seeds, kernels.Int32Bytes(seeds)}}...)
 	}
 	for _, u := range uploads {
 		if err := m.be.Upload(u.b, 0, u.data); err != nil {
@@ -241,14 +219,14 @@ func (m *Model) Forward(sh Shape, sample bool) error {
 	if !sample || sh.L == 0 {
 		return nil
 	}
-	v := views{}
+	v := kernels.Views{}
 	args := kernels.SampleArgs{
-		Logits: v.rows(m.ws.logits, sh.L), Temperature: v.rows(m.ws.temperature, sh.L), TopK: v.rows(m.ws.topK, sh.L),
-		TopP: v.rows(m.ws.topP, sh.L), Seeds: v.rows(m.ws.seeds, sh.L), SampleIDs: v.rows(m.ws.sampleIDs, sh.L),
-		Positions: v.rows(m.ws.samplePos, sh.L), Tokens: v.rows(m.ws.tokensOut, sh.L), LogProbs: v.rows(m.ws.logprobs, sh.L),
+		Logits: v.Rows(m.ws.logits, sh.L), Temperature: v.Rows(m.ws.temperature, sh.L), TopK: v.Rows(m.ws.topK, sh.L),
+		TopP: v.Rows(m.ws.topP, sh.L), Seeds: v.Rows(m.ws.seeds, sh.L), SampleIDs: v.Rows(m.ws.sampleIDs, sh.L),
+		Positions: v.Rows(m.ws.samplePos, sh.L), Tokens: v.Rows(m.ws.tokensOut, sh.L), LogProbs: v.Rows(m.ws.logprobs, sh.L),
 	}
-	if v.err != nil {
-		return v.err
+	if v.Err != nil {
+		return v.Err
 	}
 	if err := m.be.Sample(args); err != nil {
 		return fmt.Errorf("policy: sample: %w", err)
@@ -266,19 +244,19 @@ func (m *Model) Samples(n int) ([]int32, []float32, error) {
 	if err := m.be.Download(lp, m.ws.logprobs, 0); err != nil {
 		return nil, nil, err
 	}
-	return toI32(tok), toF32(lp), nil
+	return kernels.BytesInt32(tok), kernels.BytesFloat32(lp), nil
 }
 
 // ScoreRows computes log softmax(logits)[tokens[i]] for the first
 // len(tokens) logit rows of the last Forward.
 func (m *Model) ScoreRows(tokens []int32) ([]float32, error) {
 	n := len(tokens)
-	v := views{}
-	logits, tok, lp := v.rows(m.ws.logits, n), v.rows(m.ws.tokensOut, n), v.rows(m.ws.logprobs, n)
-	if v.err != nil {
-		return nil, v.err
+	v := kernels.Views{}
+	logits, tok, lp := v.Rows(m.ws.logits, n), v.Rows(m.ws.tokensOut, n), v.Rows(m.ws.logprobs, n)
+	if v.Err != nil {
+		return nil, v.Err
 	}
-	if err := m.be.Upload(tok, 0, i32Bytes(tokens)); err != nil {
+	if err := m.be.Upload(tok, 0, kernels.Int32Bytes(tokens)); err != nil {
 		return nil, err
 	}
 	if err := m.be.LogProbs(kernels.LogProbsArgs{Logits: logits, Tokens: tok, LogProbs: lp}); err != nil {
@@ -288,7 +266,7 @@ func (m *Model) ScoreRows(tokens []int32) ([]float32, error) {
 	if err := m.be.Download(out, lp, 0); err != nil {
 		return nil, err
 	}
-	return toF32(out), nil
+	return kernels.BytesFloat32(out), nil
 }
 
 // Routing downloads the expert ids every layer routed the first n tokens of
@@ -301,7 +279,7 @@ func (m *Model) Routing(n int) ([][]int32, error) {
 		if err := m.be.Download(raw, l.moe.Routing(), 0); err != nil {
 			return nil, err
 		}
-		out[i] = toI32(raw)
+		out[i] = kernels.BytesInt32(raw)
 	}
 	return out, nil
 }
@@ -325,36 +303,4 @@ func (m *Model) CopyPage(dst, src int) error {
 		}
 	}
 	return nil
-}
-
-func i32Bytes(v []int32) []byte {
-	out := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(out[4*i:], uint32(x))
-	}
-	return out
-}
-
-func f32Bytes(v []float32) []byte {
-	out := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(x))
-	}
-	return out
-}
-
-func toI32(b []byte) []int32 {
-	out := make([]int32, len(b)/4)
-	for i := range out {
-		out[i] = int32(binary.LittleEndian.Uint32(b[4*i:]))
-	}
-	return out
-}
-
-func toF32(b []byte) []float32 {
-	out := make([]float32, len(b)/4)
-	for i := range out {
-		out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
-	}
-	return out
 }

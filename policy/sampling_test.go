@@ -6,6 +6,8 @@ import (
 	"math"
 	"slices"
 	"testing"
+
+	"github.com/rollout-worker/rollout-worker/kernels"
 )
 
 // nextTokenLogits returns the model's logits after prompt, computed on the
@@ -50,7 +52,7 @@ func nextTokenLogits(t *testing.T, e *Engine, p []int32) []float32 {
 		if err := e.m.be.Download(raw, e.m.ws.logits, 0); err != nil {
 			return err
 		}
-		logits = toF32(raw)
+		logits = kernels.BytesFloat32(raw)
 		return nil
 	})
 	if err != nil {

@@ -8,28 +8,17 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
-	"github.com/rollout-worker/rollout-worker/internal/natsembed"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/rollout"
 )
 
 // TestGenerateCommand drives a worker through `rollout-worker generate`.
 func TestGenerateCommand(t *testing.T) {
-	srv, err := natsembed.Start(natsembed.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := nats.Connect(srv.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	w, err := startWorker(nc, workerConfig{Preset: "tiny", Seed: 1, Recipe: moe.RecipePerToken, Device: "cpu", ModelID: "gen",
+	url, connect := testNATS(t)
+	w, err := startWorker(connect("gen-w"), workerConfig{Preset: "tiny", Seed: 1, Recipe: moe.RecipePerToken, Device: "cpu", ModelID: "gen",
 		WorkerID: "gen-w", KVPages: 256, PageSize: 16, MaxBatchTokens: 128, MaxSeqs: 16, Limits: rollout.Limits{MaxQueue: 8}},
 		zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {
@@ -38,7 +27,7 @@ func TestGenerateCommand(t *testing.T) {
 	t.Cleanup(func() { w.close() })
 	gen := func(args ...string) (string, string, int) {
 		var stdout, stderr bytes.Buffer
-		code := run(context.Background(), append([]string{"generate", "--nats-url", srv.URL(), "--model-id", "gen"}, args...), &stdout, &stderr)
+		code := run(context.Background(), append([]string{"generate", "--nats-url", url, "--model-id", "gen"}, args...), &stdout, &stderr)
 		return stdout.String(), stderr.String(), code
 	}
 	out, errOut, code := gen("--prompt", "1,2,3", "--n", "3", "--seed", "7", "--max-tokens", "6")

@@ -10,11 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
-	"github.com/rollout-worker/rollout-worker/internal/natsembed"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
@@ -47,19 +45,7 @@ func TestLoad(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := natsembed.Start(natsembed.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	connect := func(name string) *nats.Conn {
-		nc, err := nats.Connect(srv.URL(), nats.Name(name))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(nc.Close)
-		return nc
-	}
+	_, connect := testNATS(t)
 	wnc := connect(workerID)
 	reg := prometheus.NewRegistry()
 	// Limits for 32 clients of up to n = 4: 64 requests may be admitted,

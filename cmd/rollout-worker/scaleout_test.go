@@ -17,7 +17,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
-	"github.com/rollout-worker/rollout-worker/internal/natsembed"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
@@ -201,19 +200,7 @@ func TestScaleOut(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := natsembed.Start(natsembed.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	connect := func(name string) *nats.Conn {
-		nc, err := nats.Connect(srv.URL(), nats.Name(name))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(nc.Close)
-		return nc
-	}
+	_, connect := testNATS(t)
 	start := func(id string) (*workerProc, *nats.Conn) {
 		nc := connect(id)
 		w, err := startWorker(nc, workerConfig{Preset: preset, Seed: seed, Recipe: moe.RecipePerToken, Device: "cpu",

@@ -38,7 +38,6 @@
 package kernelstest
 
 import (
-	"encoding/binary"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -112,70 +111,22 @@ func download(t *testing.T, be kernels.Backend, b *kernels.Buffer) []byte {
 func bf16Buf(t *testing.T, be kernels.Backend, vals []uint16, shape ...int) *kernels.Buffer {
 	t.Helper()
 	b := alloc(t, be, kernels.BF16, shape...)
-	upload(t, be, b, u16Bytes(vals))
+	upload(t, be, b, kernels.Uint16Bytes(vals))
 	return b
 }
 
 func f32Buf(t *testing.T, be kernels.Backend, vals []float32, shape ...int) *kernels.Buffer {
 	t.Helper()
 	b := alloc(t, be, kernels.F32, shape...)
-	upload(t, be, b, f32Bytes(vals))
+	upload(t, be, b, kernels.Float32Bytes(vals))
 	return b
 }
 
 func i32Buf(t *testing.T, be kernels.Backend, vals []int32, shape ...int) *kernels.Buffer {
 	t.Helper()
 	b := alloc(t, be, kernels.I32, shape...)
-	upload(t, be, b, i32Bytes(vals))
+	upload(t, be, b, kernels.Int32Bytes(vals))
 	return b
-}
-
-func u16Bytes(v []uint16) []byte {
-	out := make([]byte, 2*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint16(out[2*i:], x)
-	}
-	return out
-}
-
-func f32Bytes(v []float32) []byte {
-	out := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(x))
-	}
-	return out
-}
-
-func i32Bytes(v []int32) []byte {
-	out := make([]byte, 4*len(v))
-	for i, x := range v {
-		binary.LittleEndian.PutUint32(out[4*i:], uint32(x))
-	}
-	return out
-}
-
-func toU16(b []byte) []uint16 {
-	out := make([]uint16, len(b)/2)
-	for i := range out {
-		out[i] = binary.LittleEndian.Uint16(b[2*i:])
-	}
-	return out
-}
-
-func toF32(b []byte) []float32 {
-	out := make([]float32, len(b)/4)
-	for i := range out {
-		out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
-	}
-	return out
-}
-
-func toI32(b []byte) []int32 {
-	out := make([]int32, len(b)/4)
-	for i := range out {
-		out[i] = int32(binary.LittleEndian.Uint32(b[4*i:]))
-	}
-	return out
 }
 
 // randBF16 returns n BF16 values drawn from N(0, std^2).

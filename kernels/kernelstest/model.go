@@ -55,7 +55,7 @@ func testEmbed(t *testing.T, be kernels.Backend) {
 	for _, id := range ids {
 		want = append(want, table[int(id)*H:(int(id)+1)*H]...)
 	}
-	expectBytes(t, "out", download(t, be, out), u16Bytes(want), 2*H)
+	expectBytes(t, "out", download(t, be, out), kernels.Uint16Bytes(want), 2*H)
 }
 
 func testRMSNorm(t *testing.T, be kernels.Backend) {
@@ -86,7 +86,7 @@ func testRMSNorm(t *testing.T, be kernels.Backend) {
 			if err := be.RMSNorm(kernels.RMSNormArgs{Out: out, Src: src, Weight: bf16Buf(t, be, w, tc.d), Eps: eps}); err != nil {
 				t.Fatal(err)
 			}
-			got := toU16(download(t, be, out))
+			got := kernels.BytesUint16(download(t, be, out))
 			for row := range tc.rows {
 				xr := x[row*tc.d : (row+1)*tc.d]
 				var ss float64
@@ -125,12 +125,12 @@ func testAdd(t *testing.T, be kernels.Backend) {
 	if err := be.Add(kernels.AddArgs{Out: out, A: A, B: B}); err != nil {
 		t.Fatal(err)
 	}
-	expectBytes(t, "out", download(t, be, out), u16Bytes(want), 2*C)
+	expectBytes(t, "out", download(t, be, out), kernels.Uint16Bytes(want), 2*C)
 	// In place, the residual stream's form: A += B.
 	if err := be.Add(kernels.AddArgs{Out: A, A: A, B: B}); err != nil {
 		t.Fatal(err)
 	}
-	expectBytes(t, "in-place out", download(t, be, A), u16Bytes(want), 2*C)
+	expectBytes(t, "in-place out", download(t, be, A), kernels.Uint16Bytes(want), 2*C)
 }
 
 func testRoPE(t *testing.T, be kernels.Backend) {
@@ -150,7 +150,7 @@ func testRoPE(t *testing.T, be kernels.Backend) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := toU16(download(t, be, X))
+	got := kernels.BytesUint16(download(t, be, X))
 	for tok := range T {
 		for h := range heads {
 			row := x[(tok*heads+h)*D:][:D]
@@ -196,8 +196,8 @@ func testKVWrite(t *testing.T, be kernels.Backend) {
 		copy(ck[int(s)*row:], k[i*row:(i+1)*row])
 		copy(cv[int(s)*row:], v[i*row:(i+1)*row])
 	}
-	expectBytes(t, "cache.k", download(t, be, cache.K), u16Bytes(ck), 2*row)
-	expectBytes(t, "cache.v", download(t, be, cache.V), u16Bytes(cv), 2*row)
+	expectBytes(t, "cache.k", download(t, be, cache.K), kernels.Uint16Bytes(ck), 2*row)
+	expectBytes(t, "cache.v", download(t, be, cache.V), kernels.Uint16Bytes(cv), 2*row)
 }
 
 // attnSetup is a paged cache holding a few sequences on scattered pages,
@@ -255,7 +255,7 @@ func (s *attnSetup) run(t *testing.T, be kernels.Backend, seqs, nq []int) []uint
 	if err != nil {
 		t.Fatal(err)
 	}
-	return toU16(download(t, be, out))
+	return kernels.BytesUint16(download(t, be, out))
 }
 
 // ref is the float64 attention of sequence seq's query at position pos.
@@ -363,7 +363,7 @@ func runSample(t *testing.T, be kernels.Backend, rows []sampleRow) ([]int32, []f
 	if err != nil {
 		t.Fatal(err)
 	}
-	return toI32(download(t, be, tokens)), toF32(download(t, be, lps))
+	return kernels.BytesInt32(download(t, be, tokens)), kernels.BytesFloat32(download(t, be, lps))
 }
 
 // refLogSoftmax is log softmax(logits / temp) in float64 (temp 0: 1).
@@ -536,7 +536,7 @@ func testSample(t *testing.T, be kernels.Backend) {
 
 	t.Run("deterministic and batch invariant", func(t *testing.T) {
 		again, lpAgain := runSample(t, be, rows)
-		if !slices.Equal(again, tokens) || !bytes.Equal(f32Bytes(lpAgain), f32Bytes(lps)) {
+		if !slices.Equal(again, tokens) || !bytes.Equal(kernels.Float32Bytes(lpAgain), kernels.Float32Bytes(lps)) {
 			t.Fatal("the same call drew different tokens or logprobs")
 		}
 		for _, i := range []int{0, 7, len(rows) - 1} {
@@ -615,7 +615,7 @@ func testLogProbs(t *testing.T, be kernels.Backend) {
 	if err := be.LogProbs(kernels.LogProbsArgs{Logits: f32Buf(t, be, logits, S, V), Tokens: i32Buf(t, be, tokens, S), LogProbs: out}); err != nil {
 		t.Fatal(err)
 	}
-	for i, g := range toF32(download(t, be, out)) {
+	for i, g := range kernels.BytesFloat32(download(t, be, out)) {
 		checkLogProb(t, fmt.Sprintf("row %d", i), g, refLogSoftmax(logits[i*V:(i+1)*V], 1)[tokens[i]])
 	}
 }

@@ -114,7 +114,7 @@ func testQuantizeSlice(t *testing.T, be kernels.Backend) {
 		b         *kernels.Buffer
 		want      []byte
 		perExpert int
-	}{{"packed", q.Packed, packed, N * kp / 2}, {"scales", q.Scales, scales, N * kp / 16}, {"alpha", q.Scale, f32Bytes(alpha), 4}} {
+	}{{"packed", q.Packed, packed, N * kp / 2}, {"scales", q.Scales, scales, N * kp / 16}, {"alpha", q.Scale, kernels.Float32Bytes(alpha), 4}} {
 		got := download(t, be, c.b)
 		pe := c.perExpert
 		for _, e := range []int{0, 3} {

@@ -138,10 +138,10 @@ func readFloats(t *testing.T, be kernels.Backend, b *kernels.Buffer) []float32 {
 	t.Helper()
 	raw := download(t, be, b)
 	if b.DType() == kernels.F32 {
-		return toF32(raw)
+		return kernels.BytesFloat32(raw)
 	}
 	out := make([]float32, b.Len())
-	for i, h := range toU16(raw) {
+	for i, h := range kernels.BytesUint16(raw) {
 		out[i] = bf16.ToFloat32(h)
 	}
 	return out
@@ -174,7 +174,7 @@ func testRoute(t *testing.T, be kernels.Backend) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			gotIDs, gotW := toI32(download(t, be, ids)), toF32(download(t, be, w))
+			gotIDs, gotW := kernels.BytesInt32(download(t, be, ids)), kernels.BytesFloat32(download(t, be, w))
 			for tok := range T {
 				s := make([]float64, E)
 				var sum float64
@@ -276,7 +276,7 @@ func testPermute(t *testing.T, be kernels.Backend) {
 			for _, c := range []struct {
 				name      string
 				got, want []int32
-			}{{"offsets", toI32(download(t, be, O)), wo}, {"rows", toI32(download(t, be, R)), wr}, {"slots", toI32(download(t, be, S)), ws}} {
+			}{{"offsets", kernels.BytesInt32(download(t, be, O)), wo}, {"rows", kernels.BytesInt32(download(t, be, R)), wr}, {"slots", kernels.BytesInt32(download(t, be, S)), ws}} {
 				if !slices.Equal(c.got, c.want) {
 					t.Fatalf("%s = %v, want %v", c.name, c.got, c.want)
 				}
@@ -336,7 +336,7 @@ func testQuantize(t *testing.T, be kernels.Backend) {
 			}
 			expectBytes(t, "packed", download(t, be, q.Packed), packed, tc.kp/2)
 			expectBytes(t, "scales", download(t, be, q.Scales), scales, tc.kp/16)
-			expectBytes(t, "scale", download(t, be, q.Scale), f32Bytes(scale), 4)
+			expectBytes(t, "scale", download(t, be, q.Scale), kernels.Float32Bytes(scale), 4)
 		}
 	})
 	t.Run("per-matrix", func(t *testing.T) {
@@ -365,7 +365,7 @@ func testQuantize(t *testing.T, be kernels.Backend) {
 			}
 			expectBytes(t, "packed", download(t, be, q.Packed), packed, tc.kp/2)
 			expectBytes(t, "scales", download(t, be, q.Scales), scales, tc.kp/16)
-			expectBytes(t, "alpha", download(t, be, q.Scale), f32Bytes(scale), 4)
+			expectBytes(t, "alpha", download(t, be, q.Scale), kernels.Float32Bytes(scale), 4)
 		}
 	})
 }
@@ -550,7 +550,7 @@ func testFinalize(t *testing.T, be kernels.Backend) {
 			want[tok*H+c] = bf16.FromFloat32(acc)
 		}
 	}
-	expectBytes(t, "out", download(t, be, out), u16Bytes(want), 2*H)
+	expectBytes(t, "out", download(t, be, out), kernels.Uint16Bytes(want), 2*H)
 }
 
 func testErrors(t *testing.T, be kernels.Backend) {
