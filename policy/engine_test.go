@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
 )
@@ -30,10 +31,7 @@ func testOptions() ModelOptions {
 // matrices N(0, 1/fan_in), embeddings N(0, 1).
 func newRandomModel(t testing.TB, cfg Config, opts ModelOptions, seed uint64) *Model {
 	t.Helper()
-	be, err := cpu.New(cpu.Config{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	be := testBackend(t)
 	m, err := NewModel(be, cfg, opts)
 	if err != nil {
 		t.Fatal(err)
@@ -71,6 +69,18 @@ func newRandomModel(t testing.TB, cfg Config, opts ModelOptions, seed uint64) *M
 		t.Fatal(err)
 	}
 	return m
+}
+
+// testBackend returns the backend the engine tests run on: a fresh CPU
+// backend, unless a GPU test (gpu_test.go) has swapped in the CUDA one for
+// the tests it reruns.
+var testBackend = func(t testing.TB) kernels.Backend {
+	t.Helper()
+	be, err := cpu.New(cpu.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return be
 }
 
 // startEngine runs an engine over m until the test ends.

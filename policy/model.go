@@ -27,6 +27,16 @@ type ModelOptions struct {
 	MaxLogitRows int
 	// KVPages pages of PageSize token slots make each layer's KV cache.
 	KVPages, PageSize int
+	// KVMemoryFraction sizes the KV cache when KVPages is 0: that fraction
+	// of the device memory still free once the weights and workspaces are
+	// allocated, on a backend that reports its free memory (the CUDA one).
+	// The model's Options then hold the page count it chose.
+	KVMemoryFraction float64
+}
+
+// memInfo is implemented by backends that know their free memory.
+type memInfo interface {
+	MemInfo() (free, total int64, err error)
 }
 
 // MaxPagesPerSeq is the page-table width: enough pages for MaxPositions.
@@ -91,9 +101,10 @@ func NewModel(be kernels.Backend, cfg Config, opts ModelOptions) (*Model, error)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if opts.MaxTokens <= 0 || opts.MaxSeqs <= 0 || opts.KVPages <= 0 || opts.PageSize <= 0 || opts.MaxLogitRows < 0 {
-		return nil, fmt.Errorf("policy: model: max tokens %d, max sequences %d, kv pages %d and page size %d must be positive",
-			opts.MaxTokens, opts.MaxSeqs, opts.KVPages, opts.PageSize)
+	autoKV := opts.KVPages == 0 && opts.KVMemoryFraction > 0 && opts.KVMemoryFraction <= 1
+	if opts.MaxTokens <= 0 || opts.MaxSeqs <= 0 || (opts.KVPages <= 0 && !autoKV) || opts.PageSize <= 0 || opts.MaxLogitRows < 0 {
+		return nil, fmt.Errorf("policy: model: max tokens %d, max sequences %d, kv pages %d (or 0 with a kv memory fraction in (0, 1], got %v) and page size %d must be positive",
+			opts.MaxTokens, opts.MaxSeqs, opts.KVPages, opts.KVMemoryFraction, opts.PageSize)
 	}
 	if opts.MaxLogitRows == 0 {
 		opts.MaxLogitRows = opts.MaxTokens
@@ -148,6 +159,9 @@ func (m *Model) alloc() error {
 		}
 	}
 	m.ws = newWorkspace(m, buf)
+	if err == nil && m.opts.KVPages == 0 {
+		m.opts.KVPages, err = m.kvPagesFromMemory()
+	}
 	for i := range m.layers {
 		m.layers[i].kv = kernels.KVCache{K: buf(kernels.BF16, m.opts.KVPages, m.opts.PageSize, c.KVHeads, D),
 			V: buf(kernels.BF16, m.opts.KVPages, m.opts.PageSize, c.KVHeads, D)}
@@ -159,6 +173,27 @@ func (m *Model) alloc() error {
 		return err
 	}
 	return m.be.Upload(m.sin, 0, m.ropeTable(math.Sin))
+}
+
+// kvPagesFromMemory returns how many KV pages KVMemoryFraction of the
+// backend's free memory holds, for every layer's K and V.
+func (m *Model) kvPagesFromMemory() (int, error) {
+	mi, ok := m.be.(memInfo)
+	if !ok {
+		return 0, fmt.Errorf("policy: model: kv pages 0 (a fraction of free memory) needs a backend that reports its memory; %s does not", m.be.Name())
+	}
+	free, _, err := mi.MemInfo()
+	if err != nil {
+		return 0, fmt.Errorf("policy: model: free memory: %w", err)
+	}
+	c := m.cfg
+	perPage := int64(2*c.Layers) * int64(m.opts.PageSize*c.KVHeads*c.HeadDim) * 2 // K and V, BF16
+	pages := int64(float64(free)*m.opts.KVMemoryFraction) / perPage
+	if pages < 1 {
+		return 0, fmt.Errorf("policy: model: %.2f of %d free bytes holds no KV page of %d bytes", m.opts.KVMemoryFraction, free, perPage)
+	}
+	// Slots are int32 page*PageSize+offset.
+	return int(min(pages, math.MaxInt32/int64(m.opts.PageSize))), nil
 }
 
 // ropeTable returns f(position * inv_freq[i]) for every position and

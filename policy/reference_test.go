@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
 )
 
@@ -48,11 +47,7 @@ func TestHuggingFaceReference(t *testing.T) {
 			if err := json.Unmarshal(raw, &ref); err != nil {
 				t.Fatal(err)
 			}
-			be, err := cpu.New(cpu.Config{}, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			m, err := LoadModel(be, dir, ModelOptions{Recipe: moe.RecipeBF16, MaxTokens: 64, MaxSeqs: 4, MaxLogitRows: 64, KVPages: 64, PageSize: 16})
+			m, err := LoadModel(testBackend(t), dir, ModelOptions{Recipe: moe.RecipeBF16, MaxTokens: 64, MaxSeqs: 4, MaxLogitRows: 64, KVPages: 64, PageSize: 16})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -47,10 +47,11 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 	if err != nil {
 		return err
 	}
-	be, err := newBackend(*device)
+	be, closeBackend, err := newBackend(*device, nil)
 	if err != nil {
 		return err
 	}
+	defer closeBackend()
 	if *dir == "" {
 		cfg, err := policy.Preset(*preset)
 		if err != nil {

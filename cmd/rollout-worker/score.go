@@ -10,8 +10,6 @@ import (
 	"math"
 	"os"
 
-	"github.com/rollout-worker/rollout-worker/kernels"
-	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 )
@@ -34,17 +32,6 @@ func recipeFlag(name string) (moe.Recipe, error) {
 		return moe.RecipePerToken, nil
 	}
 	return "", usageErrorf("--recipe %q: want bf16 or nvfp4", name)
-}
-
-// newBackend opens the compute backend --device names.
-func newBackend(device string) (kernels.Backend, error) {
-	switch device {
-	case "auto", "cpu":
-		return cpu.New(cpu.Config{}, nil)
-	case "cuda":
-		return nil, errors.New("--device cuda: this build has no CUDA backend yet (use cpu or auto)")
-	}
-	return nil, usageErrorf("--device %q: want auto, cpu or cuda", device)
 }
 
 func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -81,10 +68,11 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if len(in.Sequences) == 0 {
 		return fmt.Errorf("%s: no sequences", *tokensPath)
 	}
-	be, err := newBackend(*device)
+	be, closeBackend, err := newBackend(*device, nil)
 	if err != nil {
 		return err
 	}
+	defer closeBackend()
 	cfg, err := policy.LoadConfig(*dir)
 	if err != nil {
 		return err

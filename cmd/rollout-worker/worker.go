@@ -31,6 +31,7 @@ type workerConfig struct {
 	Limits            rollout.Limits
 
 	KVPages, PageSize, MaxBatchTokens, MaxSeqs int
+	KVMemoryFraction                           float64 // with KVPages 0
 	Graphs                                     bool
 }
 
@@ -48,7 +49,9 @@ type workerProc struct {
 	wg     sync.WaitGroup
 	errs   chan error
 	tmpDir string
-	once   sync.Once
+	// closeBackend releases the compute device after the model.
+	closeBackend func() error
+	once         sync.Once
 	ready  chan struct{}
 }
 
@@ -61,10 +64,11 @@ func startWorker(nc *nats.Conn, cfg workerConfig, log *zap.Logger, reg prometheu
 			err = errors.Join(err, w.close())
 		}
 	}()
-	be, err := newBackend(cfg.Device)
+	be, closeBackend, err := newBackend(cfg.Device, log.Named("backend"))
 	if err != nil {
 		return nil, err
 	}
+	w.closeBackend = closeBackend
 	dir := cfg.ModelDir
 	if dir == "" {
 		pc, err := policy.Preset(cfg.Preset)
@@ -86,12 +90,20 @@ func startWorker(nc *nats.Conn, cfg workerConfig, log *zap.Logger, reg prometheu
 	maxLen := mc.MaxPositions
 	opts := policy.ModelOptions{Recipe: cfg.Recipe, MaxTokens: cfg.MaxBatchTokens, MaxSeqs: cfg.MaxSeqs,
 		MaxLogitRows: max(cfg.MaxBatchTokens, cfg.MaxSeqs), KVPages: cfg.KVPages, PageSize: cfg.PageSize}
+	if cfg.KVPages == 0 {
+		// The cache takes a fraction of what the device has left, or a
+		// fixed default where the backend cannot say (the CPU).
+		opts.KVMemoryFraction = cfg.KVMemoryFraction
+		if be.Name() == "cpu" {
+			opts.KVPages = 2048
+		}
+	}
 	if w.m, err = policy.LoadModel(be, dir, opts); err != nil {
 		return nil, err
 	}
 	log.Info("model loaded", zap.String("dir", dir), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
 		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),
-		zap.Int("kv_pages", cfg.KVPages), zap.Int("page_size", cfg.PageSize), zap.Int("context", maxLen))
+		zap.Int("kv_pages", w.m.Options().KVPages), zap.Int("page_size", cfg.PageSize), zap.Int("context", maxLen))
 	em, err := policy.NewEngineMetrics(reg)
 	if err != nil {
 		return nil, err
@@ -129,7 +141,7 @@ func startWorker(nc *nats.Conn, cfg workerConfig, log *zap.Logger, reg prometheu
 		}
 	}()
 	w.svc, err = rollout.NewService(nc, w.eng, rollout.Config{Model: cfg.ModelID, Worker: cfg.WorkerID, Limits: cfg.Limits,
-		Vocab: mc.VocabSize, Context: maxLen, KVPages: cfg.KVPages, Recipe: string(cfg.Recipe),
+		Vocab: mc.VocabSize, Context: maxLen, KVPages: w.m.Options().KVPages, Recipe: string(cfg.Recipe),
 		CurrentVersion: w.eng.Version}, log.Named("rollout"), reg)
 	if err != nil {
 		return nil, err
@@ -180,6 +192,9 @@ func (w *workerProc) close() error {
 		}
 		if w.m != nil {
 			errs = append(errs, w.m.Close())
+		}
+		if w.closeBackend != nil {
+			errs = append(errs, w.closeBackend())
 		}
 		if w.tmpDir != "" {
 			errs = append(errs, os.RemoveAll(w.tmpDir))

@@ -147,6 +147,19 @@ func (c *Ctx) Alloc(n int) (DevicePtr, error) {
 	return DevicePtr(p), nil
 }
 
+// MemInfo returns the free and total device memory in bytes
+// (cuMemGetInfo_v2).
+func (c *Ctx) MemInfo() (free, total int64, err error) {
+	if err := c.check(); err != nil {
+		return 0, 0, err
+	}
+	var f, t uint64
+	if r := ccall(c.drv.cuMemGetInfo, uintptr(unsafe.Pointer(&f)), uintptr(unsafe.Pointer(&t))); r != Success {
+		return 0, 0, c.drv.err("cuMemGetInfo_v2", r)
+	}
+	return int64(f), int64(t), nil
+}
+
 // Free releases memory from Alloc (cuMemFree_v2). It waits for work using it.
 func (c *Ctx) Free(p DevicePtr) error {
 	if err := c.checkSync(); err != nil {
@@ -626,6 +639,32 @@ type RawArg []byte
 // Launch errors that depend on the kernel's execution appear at the next
 // synchronisation.
 func (f *Function) Launch(grid, block Dim3, shared int, s *Stream, args ...any) error {
+	return f.launch(false, grid, block, shared, s, args)
+}
+
+// LaunchCooperative is Launch through cuLaunchCooperativeKernel: every
+// block of the grid is resident at once, so blocks may wait for each other
+// (grid-wide barriers). The grid must fit the device (see
+// MaxActiveBlocksPerSM). It may be captured into a graph.
+func (f *Function) LaunchCooperative(grid, block Dim3, shared int, s *Stream, args ...any) error {
+	return f.launch(true, grid, block, shared, s, args)
+}
+
+// MaxActiveBlocksPerSM returns how many blocks of f with block threads and
+// shared bytes of dynamic shared memory fit on one multiprocessor
+// (cuOccupancyMaxActiveBlocksPerMultiprocessor).
+func (f *Function) MaxActiveBlocksPerSM(block, shared int) (int, error) {
+	if err := f.c.check(); err != nil {
+		return 0, err
+	}
+	var n int32
+	if r := ccall(f.c.drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, uintptr(unsafe.Pointer(&n)), f.h, uintptr(block), uintptr(shared)); r != Success {
+		return 0, f.c.drv.err("cuOccupancyMaxActiveBlocksPerMultiprocessor", r, f.name, block, shared)
+	}
+	return int(n), nil
+}
+
+func (f *Function) launch(coop bool, grid, block Dim3, shared int, s *Stream, args []any) error {
 	c := f.c
 	if err := c.check(); err != nil {
 		return err
@@ -654,6 +693,12 @@ func (f *Function) Launch(grid, block Dim3, shared int, s *Stream, args ...any) 
 		pin.Pin(&storage[0])
 		pin.Pin(&ptrs[0])
 		params = uintptr(unsafe.Pointer(&ptrs[0]))
+	}
+	if coop {
+		if r := ccall(c.drv.cuLaunchCooperativeKernel, f.h, gx, gy, gz, bx, by, bz, uintptr(shared), h, params); r != Success {
+			return c.drv.err("cuLaunchCooperativeKernel", r, f.name, fmt.Sprintf("grid=%v block=%v shared=%d", grid, block, shared))
+		}
+		return nil
 	}
 	if r := ccall(c.drv.cuLaunchKernel, f.h, gx, gy, gz, bx, by, bz, uintptr(shared), h, params, 0); r != Success {
 		return c.drv.err("cuLaunchKernel", r, f.name, fmt.Sprintf("grid=%v block=%v shared=%d", grid, block, shared))

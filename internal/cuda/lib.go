@@ -69,20 +69,20 @@ func cString(s string) []byte {
 type driver struct {
 	path string
 
-	cuInit, cuDriverGetVersion, cuGetErrorName, cuGetErrorString                    uintptr
-	cuDeviceGet, cuDeviceGetCount, cuDeviceGetName, cuDeviceGetAttribute            uintptr
-	cuDeviceTotalMem                                                                uintptr
-	cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRelease, cuCtxSetCurrent            uintptr
-	cuCtxSynchronize                                                                uintptr
-	cuMemAlloc, cuMemFree, cuMemcpyHtoD, cuMemcpyDtoH, cuMemcpyDtoD                 uintptr
-	cuMemcpyHtoDAsync, cuMemcpyDtoHAsync, cuMemsetD8, cuMemHostAlloc, cuMemFreeHost uintptr
-	cuStreamCreate, cuStreamDestroy, cuStreamSynchronize                            uintptr
-	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime            uintptr
-	cuEventDestroy                                                                  uintptr
-	cuModuleLoadData, cuModuleGetFunction, cuModuleUnload, cuFuncSetAttribute       uintptr
-	cuLaunchKernel                                                                  uintptr
-	cuStreamBeginCapture, cuStreamEndCapture, cuGraphInstantiateWithFlags           uintptr
-	cuGraphLaunch, cuGraphExecDestroy, cuGraphDestroy                               uintptr
+	cuInit, cuDriverGetVersion, cuGetErrorName, cuGetErrorString                           uintptr
+	cuDeviceGet, cuDeviceGetCount, cuDeviceGetName, cuDeviceGetAttribute                   uintptr
+	cuDeviceTotalMem, cuMemGetInfo                                                         uintptr
+	cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRelease, cuCtxSetCurrent                   uintptr
+	cuCtxSynchronize                                                                       uintptr
+	cuMemAlloc, cuMemFree, cuMemcpyHtoD, cuMemcpyDtoH, cuMemcpyDtoD                        uintptr
+	cuMemcpyHtoDAsync, cuMemcpyDtoHAsync, cuMemsetD8, cuMemHostAlloc, cuMemFreeHost        uintptr
+	cuStreamCreate, cuStreamDestroy, cuStreamSynchronize                                   uintptr
+	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime                   uintptr
+	cuEventDestroy                                                                         uintptr
+	cuModuleLoadData, cuModuleGetFunction, cuModuleUnload, cuFuncSetAttribute              uintptr
+	cuLaunchKernel, cuLaunchCooperativeKernel, cuOccupancyMaxActiveBlocksPerMultiprocessor uintptr
+	cuStreamBeginCapture, cuStreamEndCapture, cuGraphInstantiateWithFlags                  uintptr
+	cuGraphLaunch, cuGraphExecDestroy, cuGraphDestroy                                      uintptr
 }
 
 var (
@@ -113,6 +113,7 @@ func loadDriver(path string) (*driver, error) {
 		{p: &d.cuDeviceGetName, name: "cuDeviceGetName"},
 		{p: &d.cuDeviceGetAttribute, name: "cuDeviceGetAttribute"},
 		{p: &d.cuDeviceTotalMem, name: "cuDeviceTotalMem_v2"},
+		{p: &d.cuMemGetInfo, name: "cuMemGetInfo_v2"},
 		{p: &d.cuDevicePrimaryCtxRetain, name: "cuDevicePrimaryCtxRetain"},
 		{p: &d.cuDevicePrimaryCtxRelease, name: "cuDevicePrimaryCtxRelease_v2", alt: "cuDevicePrimaryCtxRelease"},
 		{p: &d.cuCtxSetCurrent, name: "cuCtxSetCurrent"},
@@ -144,6 +145,8 @@ func loadDriver(path string) (*driver, error) {
 		{p: &d.cuModuleUnload, name: "cuModuleUnload"},
 		{p: &d.cuFuncSetAttribute, name: "cuFuncSetAttribute"},
 		{p: &d.cuLaunchKernel, name: "cuLaunchKernel"},
+		{p: &d.cuLaunchCooperativeKernel, name: "cuLaunchCooperativeKernel"},
+		{p: &d.cuOccupancyMaxActiveBlocksPerMultiprocessor, name: "cuOccupancyMaxActiveBlocksPerMultiprocessor"},
 		{p: &d.cuStreamBeginCapture, name: "cuStreamBeginCapture_v2"},
 		{p: &d.cuStreamEndCapture, name: "cuStreamEndCapture"},
 		{p: &d.cuGraphInstantiateWithFlags, name: "cuGraphInstantiateWithFlags"},

@@ -3,7 +3,6 @@ package cpu
 import (
 	"errors"
 	"fmt"
-	"reflect"
 	"slices"
 	"weak"
 
@@ -126,36 +125,9 @@ func (be *Backend) EndCapture() (kernels.Graph, error) {
 	g := &graph{be: be, ops: rec.ops}
 	seen := make(map[*kernels.Buffer]bool)
 	for _, op := range rec.ops {
-		g.bufs = appendBuffers(g.bufs, seen, reflect.ValueOf(op.args))
+		g.bufs = kernels.AppendBuffers(g.bufs, seen, op.args)
 	}
 	return g, nil
-}
-
-var bufferType = reflect.TypeFor[*kernels.Buffer]()
-
-// appendBuffers appends every *kernels.Buffer reachable from v through
-// exported struct fields, arrays and slices (the op argument structs, and
-// the NVFP4, Operand and KVCache values they nest), once each, in order.
-// It runs at EndCapture only.
-func appendBuffers(out []*kernels.Buffer, seen map[*kernels.Buffer]bool, v reflect.Value) []*kernels.Buffer {
-	switch {
-	case v.Type() == bufferType:
-		if b := v.Interface().(*kernels.Buffer); b != nil && !seen[b] {
-			seen[b] = true
-			out = append(out, b)
-		}
-	case v.Kind() == reflect.Struct:
-		for i := range v.NumField() {
-			if v.Type().Field(i).IsExported() {
-				out = appendBuffers(out, seen, v.Field(i))
-			}
-		}
-	case v.Kind() == reflect.Slice || v.Kind() == reflect.Array:
-		for i := range v.Len() {
-			out = appendBuffers(out, seen, v.Index(i))
-		}
-	}
-	return out
 }
 
 // graph is a captured op sequence of the CPU backend.

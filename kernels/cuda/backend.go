@@ -1,0 +1,501 @@
+package cuda
+
+import (
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels"
+)
+
+//go:embed src/*.cuh src/*.cu
+var sources embed.FS
+
+// Config configures the CUDA backend.
+type Config struct {
+	// Driver says where the CUDA libraries and headers are and which device
+	// to open (see internal/cuda.Config; empty fields take their
+	// environment variables, then the defaults).
+	Driver drv.Config
+	// StagingBytes is the size of each of the two pinned host buffers that
+	// Stage streams through (default 8 MiB).
+	StagingBytes int
+}
+
+// Backend is the CUDA implementation of kernels.Backend, with
+// kernels.Capturer (CUDA graphs), kernels.Liveness and kernels.Stager.
+//
+// Every driver call runs on the device's owner thread through Device.Do;
+// the mutable state below is touched only there, so Do's serialisation is
+// its lock.
+type Backend struct {
+	dev     *drv.Device
+	log     *zap.Logger
+	info    drv.Info
+	staging int
+
+	closeOnce sync.Once
+	closeErr  error
+	stageMu   sync.Mutex // one Stage at a time: they share the pinned buffers
+
+	// Owner-thread state.
+	stream *drv.Stream // every op and graph launch
+	copyS  *drv.Stream // Stage's host-to-device copies, overlapping the ops
+	mod    *drv.Module
+	fns    map[string]*drv.Function
+	errw   drv.DevicePtr // the device error word (see errors.go)
+	arrive drv.DevicePtr // grid-barrier counters of quant_stack, arriveWords of them
+	coop   int           // quant_stack blocks per launch (all resident at once)
+	// unfusedQuant makes per-matrix Quantize take the three-kernel path
+	// (amax, rows, scales) instead of quant_stack: tests compare the two.
+	unfusedQuant bool
+	pinned [2][]byte
+	events [2]*drv.Event
+	busy   [2]bool // a copy from pinned[i] may still be in flight
+	cap    *capture
+}
+
+var (
+	_ kernels.Backend  = (*Backend)(nil)
+	_ kernels.Capturer = (*Backend)(nil)
+	_ kernels.Liveness = (*Backend)(nil)
+	_ kernels.Stager   = (*Backend)(nil)
+)
+
+// allocation owns one root buffer's device memory. Every buffer, root or
+// view, carries its root's allocation as its kernels owner, so ownership,
+// liveness and aliasing are exact: views of one allocation are compared
+// with each other, views of different allocations never overlap.
+type allocation struct {
+	be    *Backend
+	ptr   drv.DevicePtr
+	size  int
+	freed bool // set on the owner thread by Free; read there too
+}
+
+// New opens the device, compiles the embedded kernels with NVRTC for its
+// architecture (or takes them from the cubin cache) and loads them. An error
+// that means no usable GPU matches internal/cuda.ErrNoDevice. A nil logger
+// discards logs.
+func New(cfg Config, log *zap.Logger) (*Backend, error) {
+	if log == nil {
+		log = zap.NewNop()
+	}
+	if cfg.StagingBytes == 0 {
+		cfg.StagingBytes = 8 << 20
+	}
+	if cfg.StagingBytes < 1<<16 {
+		return nil, fmt.Errorf("cuda backend: staging buffers of %d bytes: want at least 64 KiB", cfg.StagingBytes)
+	}
+	src, err := Source()
+	if err != nil {
+		return nil, err
+	}
+	dev, err := drv.Open(cfg.Driver)
+	if err != nil {
+		return nil, err
+	}
+	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function)}
+	start := time.Now()
+	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
+	if err != nil {
+		dev.Close()
+		return nil, fmt.Errorf("cuda backend: %w", err)
+	}
+	compiled := time.Since(start)
+	err = dev.Do(func(c *drv.Ctx) error {
+		var err error
+		if be.mod, err = c.LoadModule(out.Cubin); err != nil {
+			return err
+		}
+		if be.stream, err = c.NewStream(); err != nil {
+			return err
+		}
+		if be.copyS, err = c.NewStream(); err != nil {
+			return err
+		}
+		if be.errw, err = c.Alloc(errWordBytes); err != nil {
+			return err
+		}
+		if err := c.Memset8(be.errw, 0, errWordBytes); err != nil {
+			return err
+		}
+		if be.arrive, err = c.Alloc(4 * arriveWords); err != nil {
+			return err
+		}
+		f, err := be.function("quant_stack")
+		if err != nil {
+			return err
+		}
+		perSM, err := f.MaxActiveBlocksPerSM(quantStackThreads, 0)
+		if err != nil {
+			return err
+		}
+		be.coop = max(1, perSM) * be.info.SMs
+		for i := range be.pinned {
+			if be.pinned[i], err = c.HostAlloc(cfg.StagingBytes); err != nil {
+				return err
+			}
+			if be.events[i], err = c.NewEvent(); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		dev.Close()
+		return nil, fmt.Errorf("cuda backend: %w", err)
+	}
+	log.Info("cuda backend ready", zap.String("device", be.info.Name), zap.String("arch", be.info.Arch),
+		zap.Int("sms", be.info.SMs), zap.Duration("compile", compiled), zap.Bool("cubin_cached", out.Cached))
+	return be, nil
+}
+
+// Source returns the CUDA C++ source of every kernel, as NVRTC compiles it:
+// the header, then each .cu file in name order.
+func Source() (string, error) {
+	var b strings.Builder
+	for _, pat := range []string{"src/*.cuh", "src/*.cu"} {
+		names, err := fs.Glob(sources, pat)
+		if err != nil {
+			return "", err
+		}
+		slices.Sort(names)
+		for _, n := range names {
+			data, err := sources.ReadFile(n)
+			if err != nil {
+				return "", err
+			}
+			fmt.Fprintf(&b, "// ---- %s\n", n)
+			b.Write(data)
+			b.WriteString("\n")
+		}
+	}
+	return b.String(), nil
+}
+
+// Close waits for outstanding work and releases the device (every buffer,
+// graph and module with it). It is idempotent.
+func (be *Backend) Close() error {
+	be.closeOnce.Do(func() { be.closeErr = be.dev.Close() })
+	return be.closeErr
+}
+
+// Name returns "cuda".
+func (be *Backend) Name() string { return "cuda" }
+
+// Info describes the device.
+func (be *Backend) Info() drv.Info { return be.info }
+
+// MemInfo returns the device's free and total memory in bytes.
+func (be *Backend) MemInfo() (free, total int64, err error) {
+	err = be.dev.Do(func(c *drv.Ctx) error {
+		free, total, err = c.MemInfo()
+		return err
+	})
+	return free, total, err
+}
+
+// ptr returns b's device address (0 for a nil buffer).
+func ptr(b *kernels.Buffer) drv.DevicePtr {
+	if b == nil {
+		return 0
+	}
+	return drv.DevicePtr(b.Addr())
+}
+
+// own checks that b is a live buffer of this backend; name is for the error.
+func (be *Backend) own(op, name string, b *kernels.Buffer) error {
+	if b == nil {
+		return fmt.Errorf("cuda: %s: %s is missing", op, name)
+	}
+	a, ok := b.Owner().(*allocation)
+	if !ok || a.be != be {
+		return fmt.Errorf("cuda: %s: %s %v: %w", op, name, b, kernels.ErrForeignBuffer)
+	}
+	if a.freed {
+		return fmt.Errorf("cuda: %s: %s %v was freed", op, name, b)
+	}
+	return nil
+}
+
+// Alloc returns a zeroed buffer of its own device allocation.
+func (be *Backend) Alloc(dt kernels.DType, shape ...int) (*kernels.Buffer, error) {
+	size, err := kernels.SizeOf(dt, shape)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: alloc: %w", err)
+	}
+	var b *kernels.Buffer
+	err = be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("alloc"); err != nil {
+			return err
+		}
+		p, err := c.Alloc(max(size, 1)) // every buffer has an address
+		if err != nil {
+			return err
+		}
+		if err := c.Memset8(p, 0, max(size, 1)); err != nil {
+			c.Free(p)
+			return err
+		}
+		a := &allocation{be: be, ptr: p, size: size}
+		if b, err = kernels.NewDeviceBuffer(a, dt, shape, uintptr(p)); err != nil {
+			c.Free(p)
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("cuda: alloc %s%v: %w", dt, shape, err)
+	}
+	return b, nil
+}
+
+// Free releases a buffer from Alloc. Views cannot be freed.
+func (be *Backend) Free(b *kernels.Buffer) error {
+	return be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("free"); err != nil {
+			return err
+		}
+		if err := be.own("free", "buffer", b); err != nil {
+			return err
+		}
+		a := b.Owner().(*allocation)
+		if drv.DevicePtr(b.Addr()) != a.ptr || b.Size() != a.size {
+			return fmt.Errorf("cuda: free %v: a view, not a buffer from Alloc", b)
+		}
+		if err := c.Free(a.ptr); err != nil {
+			return fmt.Errorf("cuda: free %v: %w", b, err)
+		}
+		a.freed = true
+		return nil
+	})
+}
+
+// Live reports whether b is a buffer, or a view of one, of this backend
+// whose allocation has not been freed.
+func (be *Backend) Live(b *kernels.Buffer) bool {
+	if b == nil {
+		return false
+	}
+	a, ok := b.Owner().(*allocation)
+	if !ok || a.be != be {
+		return false
+	}
+	live := false
+	be.dev.Do(func(*drv.Ctx) error { live = !a.freed; return nil })
+	return live
+}
+
+// span checks that [off, off+n) lies inside b.
+func span(op string, b *kernels.Buffer, off, n int) error {
+	if off < 0 || n < 0 || off+n > b.Size() {
+		return fmt.Errorf("cuda: %s: %d bytes at offset %d of %v (%d bytes)", op, n, off, b, b.Size())
+	}
+	return nil
+}
+
+// Upload copies src into dst at byte offset off. It is ordered after every
+// op issued before it.
+func (be *Backend) Upload(dst *kernels.Buffer, off int, src []byte) error {
+	return be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("upload"); err != nil {
+			return err
+		}
+		if err := be.own("upload", "dst", dst); err != nil {
+			return err
+		}
+		if err := span("upload", dst, off, len(src)); err != nil {
+			return err
+		}
+		return c.HtoD(ptr(dst).Add(off), src)
+	})
+}
+
+// Download copies len(dst) bytes of src from byte offset off, after every
+// op issued before it has finished.
+func (be *Backend) Download(dst []byte, src *kernels.Buffer, off int) error {
+	return be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("download"); err != nil {
+			return err
+		}
+		if err := be.own("download", "src", src); err != nil {
+			return err
+		}
+		if err := span("download", src, off, len(dst)); err != nil {
+			return err
+		}
+		return c.DtoH(dst, ptr(src).Add(off))
+	})
+}
+
+// Copy copies src into dst; both must have the same size in bytes.
+func (be *Backend) Copy(dst, src *kernels.Buffer) error {
+	return be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("copy"); err != nil {
+			return err
+		}
+		if err := be.own("copy", "dst", dst); err != nil {
+			return err
+		}
+		if err := be.own("copy", "src", src); err != nil {
+			return err
+		}
+		if dst.Size() != src.Size() {
+			return fmt.Errorf("cuda: copy: %v (%d bytes) into %v (%d bytes)", src, src.Size(), dst, dst.Size())
+		}
+		return c.DtoD(ptr(dst), ptr(src), dst.Size())
+	})
+}
+
+// Zero clears dst.
+func (be *Backend) Zero(dst *kernels.Buffer) error {
+	return be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("zero"); err != nil {
+			return err
+		}
+		if err := be.own("zero", "dst", dst); err != nil {
+			return err
+		}
+		return c.Memset8(ptr(dst), 0, dst.Size())
+	})
+}
+
+// Sync waits for every enqueued op and reports (and clears) the first index
+// error a kernel recorded since the last Sync.
+func (be *Backend) Sync() error {
+	return be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("sync"); err != nil {
+			return err
+		}
+		if err := be.stream.Sync(); err != nil {
+			return err
+		}
+		return be.takeError(c)
+	})
+}
+
+// Stage copies src into dst at byte offset off through the pinned staging
+// buffers on the copy stream, so the transfer overlaps the ops on the
+// compute stream. It may be called from any goroutine, is never captured,
+// and returns once the bytes are on the device.
+func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
+	be.stageMu.Lock()
+	defer be.stageMu.Unlock()
+	if dst == nil {
+		return errors.New("cuda: stage: dst is missing")
+	}
+	if a, ok := dst.Owner().(*allocation); !ok || a.be != be {
+		return fmt.Errorf("cuda: stage: dst %v: %w", dst, kernels.ErrForeignBuffer)
+	}
+	if err := span("stage", dst, off, len(src)); err != nil {
+		return err
+	}
+	i := 0
+	for len(src) > 0 {
+		n := min(len(src), be.staging)
+		// Wait until the pinned buffer's previous copy has left it; the
+		// other buffer's copy keeps the link busy meanwhile.
+		if err := be.dev.Do(func(*drv.Ctx) error {
+			if be.busy[i] {
+				be.busy[i] = false
+				return be.events[i].Sync()
+			}
+			return nil
+		}); err != nil {
+			return fmt.Errorf("cuda: stage: %w", err)
+		}
+		copy(be.pinned[i], src[:n]) // the owner thread never reads pinned[i] while not busy
+		to := ptr(dst).Add(off)
+		if err := be.dev.Do(func(c *drv.Ctx) error {
+			if err := be.own("stage", "dst", dst); err != nil {
+				return err
+			}
+			if err := c.HtoDAsync(to, be.pinned[i][:n], be.copyS); err != nil {
+				return err
+			}
+			be.busy[i] = true
+			return be.events[i].Record(be.copyS)
+		}); err != nil {
+			return fmt.Errorf("cuda: stage: %w", err)
+		}
+		src, off, i = src[n:], off+n, 1-i
+	}
+	return be.dev.Do(func(*drv.Ctx) error {
+		for j := range be.busy {
+			if be.busy[j] {
+				be.busy[j] = false
+				if err := be.events[j].Sync(); err != nil {
+					return fmt.Errorf("cuda: stage: %w", err)
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// function returns the kernel called name, looked up once (owner thread).
+func (be *Backend) function(name string) (*drv.Function, error) {
+	if f := be.fns[name]; f != nil {
+		return f, nil
+	}
+	f, err := be.mod.Function(name)
+	if err != nil {
+		return nil, err
+	}
+	be.fns[name] = f
+	return f, nil
+}
+
+// Time enqueues fn's work n times between two events on the compute stream
+// and returns the device time per call, measured by the events (no host
+// gaps counted). fn must only issue ops or launch graphs on this backend.
+func (be *Backend) Time(n int, fn func() error) (time.Duration, error) {
+	if n < 1 {
+		return 0, fmt.Errorf("cuda: time: %d calls", n)
+	}
+	var start, end *drv.Event
+	err := be.dev.Do(func(c *drv.Ctx) error {
+		var err error
+		if start, err = c.NewEvent(); err != nil {
+			return err
+		}
+		if end, err = c.NewEvent(); err != nil {
+			return err
+		}
+		return start.Record(be.stream)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("cuda: time: %w", err)
+	}
+	defer be.dev.Do(func(*drv.Ctx) error { return errors.Join(start.Destroy(), end.Destroy()) })
+	for range n {
+		if err := fn(); err != nil {
+			return 0, err
+		}
+	}
+	var d time.Duration
+	err = be.dev.Do(func(c *drv.Ctx) error {
+		if err := end.Record(be.stream); err != nil {
+			return err
+		}
+		if err := end.Sync(); err != nil {
+			return err
+		}
+		var err error
+		d, err = c.Elapsed(start, end)
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("cuda: time: %w", err)
+	}
+	return d / time.Duration(n), nil
+}

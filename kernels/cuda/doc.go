@@ -1,0 +1,26 @@
+// Package cuda is the CUDA implementation of the kernels op set.
+//
+// The kernels are CUDA C++ embedded from src/ (go:embed), compiled by NVRTC
+// at New for the device's architecture (sm_90a on Hopper) and cached on disk
+// by source, options, architecture and NVRTC version (internal/cuda). No
+// cgo: the driver and NVRTC are loaded at run time, so the package builds
+// with CGO_ENABLED=0 everywhere and New returns an error matching
+// internal/cuda.ErrNoDevice where there is no GPU.
+//
+// Numerics follow the op contracts of package kernels: the NVFP4 quantizers
+// are bit-exact ports of internal/nvfp4 (every step one IEEE binary32
+// operation, __fmul_rn and friends, no fast math); GEMMs dequantize NVFP4
+// operands to BF16 exactly and run BF16 tensor-core MMA with FP32
+// accumulation, each output's reduction order fixed by K alone, so a row
+// never depends on the batch; every other reduction is a fixed tree per row.
+//
+// Ownership and concurrency: one goroutine, locked to its OS thread
+// (internal/cuda.Device), owns the CUDA context; every method reaches it
+// through Device.Do, which serialises callers. Ops are enqueued on one
+// compute stream and run asynchronously; Upload, Download, Copy and Zero
+// are ordered with them (blocking streams), Sync waits and reports the
+// first index error a kernel recorded in the device error word. Stage, used
+// by the refit path from its own goroutine, copies through two pinned host
+// buffers on a second stream, overlapping the ops. Every buffer carries its
+// root allocation as its owner, so liveness and aliasing checks are exact.
+package cuda

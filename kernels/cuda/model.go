@@ -1,0 +1,183 @@
+package cuda
+
+import (
+	"fmt"
+
+	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels"
+)
+
+// The dense model's ops (kernels.ModelOps). Launch geometry lives here; the
+// kernels are in src/model.cu. Every kernel that follows an index read from
+// a buffer takes the device error word first, skips the affected row and
+// reports it (errors.go).
+
+// Block sizes. Each is fixed (or a function of a shape only), so every
+// reduction order depends on the row's own shape, never on the batch.
+const (
+	copyThreads     = 128  // embed, kv write, rope: one block per token
+	normMaxThreads  = 256  // rmsnorm: one block per row
+	addThreads      = 256  // add: grid-stride
+	addMaxBlocks    = 4096 //
+	attTile         = 64   // attention: positions per shared-memory tile (MODEL_ATT_TILE)
+	attThreads      = 256  // attention: threads per (query row, kv head) (MODEL_ATT_THREADS)
+	sampleThreads   = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
+	logprobsThreads = 512  // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
+)
+
+// Embed gathers table rows: one block per token.
+func (be *Backend) Embed(a kernels.EmbedArgs) error {
+	var t, h, v int
+	validate := func() (err error) {
+		t, h, v, err = a.Validate()
+		return err
+	}
+	return be.issue("embed", a, validate, func(*drv.Ctx) error {
+		if t == 0 || h == 0 {
+			return nil
+		}
+		return be.launch("model_embed", drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
+			be.errw, ptr(a.Out), ptr(a.Table), ptr(a.IDs), int32(h), int32(v))
+	})
+}
+
+// RMSNorm normalises rows: one block per row, its size a function of the
+// width alone (a multiple of 32, at most normMaxThreads).
+func (be *Backend) RMSNorm(a kernels.RMSNormArgs) error {
+	var rows, d int
+	validate := func() (err error) {
+		rows, d, err = a.Validate()
+		return err
+	}
+	return be.issue("rmsnorm", a, validate, func(*drv.Ctx) error {
+		if rows == 0 || d == 0 {
+			return nil
+		}
+		threads := min(normMaxThreads, (d+31)/32*32)
+		return be.launch("model_rmsnorm", drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
+			ptr(a.Out), ptr(a.Src), ptr(a.Weight), int32(d), a.Eps)
+	})
+}
+
+// Add is the residual add, element-wise (grid-stride, 8 elements a thread
+// when the buffers allow 16-byte accesses).
+func (be *Backend) Add(a kernels.AddArgs) error {
+	var n int
+	validate := func() (err error) {
+		n, err = a.Validate()
+		return err
+	}
+	return be.issue("add", a, validate, func(*drv.Ctx) error {
+		if n == 0 {
+			return nil
+		}
+		blocks := min(addMaxBlocks, (n+8*addThreads-1)/(8*addThreads))
+		return be.launch("model_add", drv.Dim3{X: blocks}, drv.Dim3{X: addThreads}, 0,
+			ptr(a.Out), ptr(a.A), ptr(a.B), int64(n))
+	})
+}
+
+// RoPE rotates X in place: one block per token.
+func (be *Backend) RoPE(a kernels.RoPEArgs) error {
+	var t, heads, d, maxPos int
+	validate := func() (err error) {
+		t, heads, d, maxPos, err = a.Validate()
+		return err
+	}
+	return be.issue("rope", a, validate, func(*drv.Ctx) error {
+		if t == 0 || heads == 0 || d == 0 {
+			return nil
+		}
+		return be.launch("model_rope", drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
+			be.errw, ptr(a.X), ptr(a.Positions), ptr(a.Cos), ptr(a.Sin), int32(heads), int32(d), int32(maxPos))
+	})
+}
+
+// KVWrite scatters keys and values into their cache slots: one block per
+// token; negative slots are skipped. Duplicate slots cannot be detected on
+// the device (see model_kv_write).
+func (be *Backend) KVWrite(a kernels.KVWriteArgs) error {
+	var t int
+	var cs kernels.CacheShape
+	validate := func() (err error) {
+		t, cs, err = a.Validate()
+		return err
+	}
+	return be.issue("kv write", a, validate, func(*drv.Ctx) error {
+		if t == 0 {
+			return nil
+		}
+		return be.launch("model_kv_write", drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
+			be.errw, ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.K), ptr(a.V), ptr(a.Slots),
+			int32(cs.KVHeads*cs.D), int64(cs.Pages)*int64(cs.PageSize))
+	})
+}
+
+// attentionShared is the dynamic shared memory of model_attention for a
+// group of query heads per KV head and head dim d: the K and V tiles (rows
+// padded by 8 elements), the tile's row offsets, then FP32 q, accumulators,
+// scores and three per-head values.
+func attentionShared(group, d int) int {
+	return 2*attTile*(d+8)*2 + attTile*8 + (2*group*d+group*attTile+3*group)*4
+}
+
+// Attention is causal GQA over the paged cache: one block per (query row,
+// KV head), serving the KV head's group of query heads.
+func (be *Backend) Attention(a kernels.AttentionArgs) error {
+	var s kernels.AttentionShape
+	var shared int
+	validate := func() (err error) {
+		if s, err = a.Validate(); err != nil {
+			return err
+		}
+		shared = attentionShared(s.QHeads/s.Cache.KVHeads, s.Cache.D)
+		if shared > be.info.SharedOptin {
+			return fmt.Errorf("cuda: attention: %d query heads per kv head of dim %d need %d bytes of shared memory, the device has %d",
+				s.QHeads/s.Cache.KVHeads, s.Cache.D, shared, be.info.SharedOptin)
+		}
+		return nil
+	}
+	return be.issue("attention", a, validate, func(*drv.Ctx) error {
+		if s.Tq == 0 || s.QHeads == 0 || s.S == 0 {
+			return nil
+		}
+		cs := s.Cache
+		return be.launch("model_attention", drv.Dim3{X: s.Tq, Y: cs.KVHeads}, drv.Dim3{X: attThreads}, shared,
+			be.errw, ptr(a.Out), ptr(a.Q), ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.PageTable), ptr(a.SeqLens), ptr(a.QueryStart),
+			int32(s.Tq), int32(s.QHeads), int32(cs.KVHeads), int32(cs.D), int32(cs.PageSize), int32(cs.Pages),
+			int32(s.S), int32(s.MaxPages), a.Scale)
+	})
+}
+
+// Sample draws one token per row: one block of sampleThreads per row.
+func (be *Backend) Sample(a kernels.SampleArgs) error {
+	var rows, v int
+	validate := func() (err error) {
+		rows, v, err = a.Validate()
+		return err
+	}
+	return be.issue("sample", a, validate, func(*drv.Ctx) error {
+		if rows == 0 {
+			return nil
+		}
+		return be.launch("model_sample", drv.Dim3{X: rows}, drv.Dim3{X: sampleThreads}, 0,
+			be.errw, ptr(a.Logits), ptr(a.Temperature), ptr(a.TopK), ptr(a.TopP), ptr(a.Seeds),
+			ptr(a.SampleIDs), ptr(a.Positions), ptr(a.Tokens), ptr(a.LogProbs), int32(v))
+	})
+}
+
+// LogProbs scores given tokens: one block of logprobsThreads per row.
+func (be *Backend) LogProbs(a kernels.LogProbsArgs) error {
+	var rows, v int
+	validate := func() (err error) {
+		rows, v, err = a.Validate()
+		return err
+	}
+	return be.issue("logprobs", a, validate, func(*drv.Ctx) error {
+		if rows == 0 {
+			return nil
+		}
+		return be.launch("model_logprobs", drv.Dim3{X: rows}, drv.Dim3{X: logprobsThreads}, 0,
+			be.errw, ptr(a.Logits), ptr(a.Tokens), ptr(a.LogProbs), int32(v))
+	})
+}

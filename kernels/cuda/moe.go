@@ -1,0 +1,264 @@
+package cuda
+
+import (
+	"fmt"
+
+	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels"
+)
+
+// The MoE ops and the dense GEMM. Launch geometry lives here; the kernels
+// are in src/moe.cu.
+
+// GEMM tile: BM sorted rows by BN output columns per block of 128 threads.
+const (
+	gemmBM      = 64
+	gemmBN      = 64
+	gemmThreads = 128
+)
+
+// Operand formats of the GEMM kernel.
+const (
+	fmtBF16 int32 = 0
+	fmtFP4  int32 = 1
+)
+
+// Output types of the GEMM kernel.
+const (
+	outBF16 int32 = 0
+	outF32  int32 = 1
+)
+
+// aligned16 reports whether a BF16 matrix of row length k at b can be read
+// 16 bytes at a time.
+func aligned16(b *kernels.Buffer, k int) int32 {
+	if b != nil && b.Addr()%16 == 0 && k%8 == 0 {
+		return 1
+	}
+	return 0
+}
+
+// gemmLaunch holds the GEMM kernel's arguments.
+type gemmLaunch struct {
+	aFmt, wFmt         int32
+	a, aPacked, aSF    drv.DevicePtr
+	aScale             drv.DevicePtr
+	aK, aVec           int32
+	gather             drv.DevicePtr
+	ta                 int32
+	w, wPacked, wSF    drv.DevicePtr
+	wScale             drv.DevicePtr
+	wK, wVec           int32
+	n                  int32 // W rows per expert
+	offsets            drv.DevicePtr
+	e, r               int32 // experts; rows of out (sorted rows, or M)
+	kp                 int32 // reduction length (the padded K)
+	act                int32
+	out                drv.DevicePtr
+	outN, outFmt       int32
+	maxTiles, colTiles int
+}
+
+func (g gemmLaunch) run(be *Backend) error {
+	return be.launch("grouped_gemm", drv.Dim3{X: g.maxTiles, Y: g.colTiles}, drv.Dim3{X: gemmThreads}, 0,
+		be.errw, g.aFmt, g.a, g.aPacked, g.aSF, g.aScale, g.aK, g.aVec, g.gather, g.ta,
+		g.wFmt, g.w, g.wPacked, g.wSF, g.wScale, g.wK, g.wVec, g.n,
+		g.offsets, g.e, g.r, g.kp, g.act, g.out, g.outN, g.outFmt)
+}
+
+// Gemm computes dst = a * w^T (BF16 tensor cores, FP32 accumulation).
+func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
+	var m, n, k int
+	validate := func() (err error) {
+		m, n, k, err = kernels.ValidateGemm(dst, a, w)
+		return err
+	}
+	args := struct{ Dst, A, W *kernels.Buffer }{dst, a, w}
+	return be.issue("gemm", args, validate, func(*drv.Ctx) error {
+		if m == 0 || n == 0 {
+			return nil
+		}
+		g := gemmLaunch{aFmt: fmtBF16, a: ptr(a), aK: int32(k), aVec: aligned16(a, k), ta: int32(m),
+			wFmt: fmtBF16, w: ptr(w), wK: int32(k), wVec: aligned16(w, k), n: int32(n),
+			e: 1, r: int32(m), kp: int32(k), act: int32(kernels.Identity), out: ptr(dst), outN: int32(n),
+			maxTiles: (m + gemmBM - 1) / gemmBM, colTiles: (n + gemmBN - 1) / gemmBN}
+		if dst.DType() == kernels.F32 {
+			g.outFmt = outF32
+		}
+		return g.run(be)
+	})
+}
+
+// GroupedGemm runs the per-expert GEMMs over expert-sorted rows with the
+// activation fused into the epilogue.
+func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
+	var s kernels.GroupedGemmShape
+	validate := func() (err error) {
+		s, err = a.Validate()
+		return err
+	}
+	return be.issue("grouped gemm", a, validate, func(*drv.Ctx) error {
+		if s.R == 0 || s.OutN == 0 {
+			return nil
+		}
+		g := gemmLaunch{ta: int32(s.Ta), gather: ptr(a.Gather), n: int32(s.N), offsets: ptr(a.Offsets),
+			e: int32(s.E), r: int32(s.R), kp: int32(s.Kp), act: int32(a.Act), out: ptr(a.Out), outN: int32(s.OutN), outFmt: outBF16,
+			// Each expert adds at most one partial tile to the R/BM full ones.
+			maxTiles: s.R/gemmBM + min(s.E, s.R), colTiles: (s.OutN + gemmBN - 1) / gemmBN}
+		if a.A.Quantized() {
+			g.aFmt, g.aPacked, g.aSF, g.aScale, g.aK = fmtFP4, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(2*a.A.Q.Packed.Dim(1))
+		} else {
+			g.aFmt, g.a, g.aK, g.aVec = fmtBF16, ptr(a.A.BF16), int32(a.A.BF16.Dim(1)), aligned16(a.A.BF16, a.A.BF16.Dim(1))
+		}
+		if a.W.Quantized() {
+			g.wFmt, g.wPacked, g.wSF, g.wScale, g.wK = fmtFP4, ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(2*a.W.Q.Packed.Dim(2))
+		} else {
+			g.wFmt, g.w, g.wK, g.wVec = fmtBF16, ptr(a.W.BF16), int32(a.W.BF16.Dim(2)), aligned16(a.W.BF16, a.W.BF16.Dim(2))
+		}
+		return g.run(be)
+	})
+}
+
+// Route computes the router's scores and top-k, one warp per token.
+func (be *Backend) Route(a kernels.RouteArgs) error {
+	var t, e, k int
+	validate := func() (err error) {
+		t, e, k, err = a.Validate()
+		return err
+	}
+	return be.issue("route", a, validate, func(*drv.Ctx) error {
+		if t == 0 {
+			return nil
+		}
+		const warps = 4
+		renorm := int32(0)
+		if a.Renormalize {
+			renorm = 1
+		}
+		// Shared memory: each warp's scores and taken flags.
+		shared := warps * e * 5
+		if shared > int(be.info.SharedOptin) {
+			return fmt.Errorf("cuda: route: %d experts need %d bytes of shared memory, the device has %d", e, shared, be.info.SharedOptin)
+		}
+		return be.launch("route", drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, shared,
+			ptr(a.Logits), ptr(a.IDs), ptr(a.Weights), int32(t), int32(e), int32(k), int32(a.Scoring), renorm, a.Scale)
+	})
+}
+
+// permuteMaxExperts bounds E for the one-block counting sort, whose shared
+// memory holds 32 per-warp counters per expert.
+const permuteMaxExperts = 1024
+
+// Permute sorts the assignments by expert: a stable counting sort in one
+// block of 32 warps, each owning a contiguous segment of assignments.
+func (be *Backend) Permute(a kernels.PermuteArgs) error {
+	var t, k, e int
+	validate := func() (err error) {
+		if t, k, e, err = a.Validate(); err != nil {
+			return err
+		}
+		if e > permuteMaxExperts {
+			return fmt.Errorf("cuda: permute: %d experts; this backend sorts at most %d", e, permuteMaxExperts)
+		}
+		return nil
+	}
+	return be.issue("permute", a, validate, func(*drv.Ctx) error {
+		shared := (32*e + e + 1) * 4
+		return be.launch("permute", drv.Dim3{X: 1}, drv.Dim3{X: 1024}, shared,
+			be.errw, ptr(a.IDs), ptr(a.Offsets), ptr(a.Rows), ptr(a.Slots), int32(t*k), int32(k), int32(e))
+	})
+}
+
+// Quantize runs the NVFP4 codec: one warp per row. PerMatrix mode first
+// takes each matrix's amax into Scale (as FP32 bits, with an order-free
+// atomic max), then quantizes, then turns each amax into S_dec, all on the
+// stream with no host synchronisation.
+func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
+	var s kernels.QuantizeShape
+	validate := func() (err error) {
+		s, err = a.Validate()
+		return err
+	}
+	return be.issue("quantize", a, validate, func(*drv.Ctx) error {
+		rows := s.Mats * s.Rows
+		if rows == 0 {
+			return nil
+		}
+		const warps = 8
+		vec := aligned16(a.Src, s.K)
+		perRow := int32(0)
+		if a.Mode == kernels.PerRow {
+			perRow = 1
+		} else {
+			if err := be.launch("fill_u32", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
+				ptr(a.Dst.Scale), int32(s.Mats), uint32(0)); err != nil {
+				return err
+			}
+			if s.Mats <= arriveWords && !be.unfusedQuant {
+				return be.quantStack(a, s, vec)
+			}
+			per := s.Rows * s.K
+			blocks := min((per+256*16-1)/(256*16), 1024)
+			if err := be.launch("quant_amax", drv.Dim3{X: blocks, Y: s.Mats}, drv.Dim3{X: 256}, 0,
+				ptr(a.Src), ptr(a.Dst.Scale), int64(per)); err != nil {
+				return err
+			}
+		}
+		if err := be.launch("quant_rows", drv.Dim3{X: (rows + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
+			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), perRow,
+			int32(rows), int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
+			return err
+		}
+		if perRow == 0 {
+			return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
+				ptr(a.Dst.Scale), int32(s.Mats))
+		}
+		return nil
+	})
+}
+
+// arriveWords is the number of grid-barrier counters quant_stack has: the
+// most matrices one Quantize call fuses (more fall back to three kernels).
+const arriveWords = 16384
+
+// quantStackThreads is quant_stack's block size.
+const quantStackThreads = 512
+
+// quantStack is Quantize's per-matrix path in one cooperative kernel
+// (src/moe.cu quant_stack); Scale has been zeroed (owner thread).
+func (be *Backend) quantStack(a kernels.QuantizeArgs, s kernels.QuantizeShape, vec int32) error {
+	if err := be.launch("fill_u32", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
+		be.arrive, int32(s.Mats), uint32(0)); err != nil {
+		return err
+	}
+	f, err := be.function("quant_stack")
+	if err != nil {
+		return err
+	}
+	// No more blocks than there is work for: each thread takes a block of 16.
+	work := (s.Rows*s.Kp/16 + quantStackThreads - 1) / quantStackThreads
+	grid := max(1, min(be.coop, work))
+	if err := f.LaunchCooperative(drv.Dim3{X: grid}, drv.Dim3{X: quantStackThreads}, 0, be.stream,
+		ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), be.arrive,
+		int32(s.Mats), int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
+		return err
+	}
+	return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0, ptr(a.Dst.Scale), int32(s.Mats))
+}
+
+// Finalize sums each token's weighted expert rows in fixed k order.
+func (be *Backend) Finalize(a kernels.FinalizeArgs) error {
+	var t, h, k int
+	validate := func() (err error) {
+		t, h, k, err = a.Validate()
+		return err
+	}
+	return be.issue("finalize", a, validate, func(*drv.Ctx) error {
+		if t == 0 || h == 0 {
+			return nil
+		}
+		threads := 256
+		return be.launch("finalize", drv.Dim3{X: t, Y: (h + 2*threads - 1) / (2 * threads)}, drv.Dim3{X: threads}, 0,
+			be.errw, ptr(a.Out), ptr(a.Rows), ptr(a.Weights), ptr(a.Slots), int32(h), int32(k), int32(a.Rows.Dim(0)))
+	})
+}

@@ -1,0 +1,187 @@
+// Shared device code of the CUDA backend: BF16 and NVFP4 conversions and the
+// device error word. Every arithmetic step of the NVFP4 codec is one IEEE
+// binary32 operation rounded to nearest-even (__fmul_rn, __fdiv_rn), so it
+// matches internal/nvfp4 bit for bit; nothing here may use fast math.
+#include <cuda_bf16.h>
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fc00000)
+#endif
+
+typedef unsigned short bf16_t; // BF16 bit pattern, as stored in buffers
+
+// Error codes of the device error word (kernels/cuda/errors.go formats them).
+#define E_PERMUTE_EXPERT 1
+#define E_GG_OFFSETS 2
+#define E_GG_GATHER 3
+#define E_GG_DECREASE 4
+#define E_FIN_SLOT 5
+#define E_EMBED_ID 6
+#define E_ROPE_POS 7
+#define E_KV_SLOT 8
+#define E_ATT_QSTART 9
+#define E_ATT_QUERIES 10
+#define E_ATT_LEN 11
+#define E_ATT_PAGE 12
+#define E_SAMPLE_TEMP 13
+#define E_SAMPLE_TOPP 14
+#define E_SAMPLE_TOPK 15
+#define E_SAMPLE_LOGIT 16
+#define E_SAMPLE_ALLNEG 17
+#define E_SAMPLE_OVERFLOW 18
+#define E_LOGPROBS_TOKEN 19
+#define E_LOGPROBS_LOGIT 20
+#define E_LOGPROBS_ALLNEG 21
+#define E_ATT_DECREASE 22
+
+// report records the first error since the last Sync: err[0] = code, then
+// three values. Later errors are dropped.
+__device__ __forceinline__ void report(int *err, int code, int a, int b, int c) {
+    if (atomicCAS(err, 0, code) == 0) {
+        err[1] = a;
+        err[2] = b;
+        err[3] = c;
+        __threadfence();
+    }
+}
+
+__device__ __forceinline__ float bf2f(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
+
+// f2bf rounds to nearest-even; NaN stays NaN (cuda_bf16's conversion, which
+// matches internal/bf16 bit for bit, checked in internal/cuda's tests).
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    __nv_bfloat16 b = __float2bfloat16_rn(f);
+    return *reinterpret_cast<bf16_t *>(&b);
+}
+
+// bfround is bf2f(f2bf(x)).
+__device__ __forceinline__ float bfround(float x) { return bf2f(f2bf(x)); }
+
+// ---- NVFP4 (shared/NVFP4.md) ----
+
+#define NVFP4_G 2688.0f
+#define NVFP4_INV6 __uint_as_float(0x3E2AAAABu)
+#define FLT_MAX_F __uint_as_float(0x7f7fffffu)
+
+// min32 keeps a when a is NaN (like internal/nvfp4's min32).
+__device__ __forceinline__ float min32(float a, float b) { return b < a ? b : a; }
+
+// e2m1_encode rounds to the nearest E2M1 code, ties to even, saturating; the
+// sign is kept (-0 is code 8). NaN gives +-6.
+__device__ __forceinline__ unsigned e2m1_encode(float x) {
+    float a = fabsf(x);
+    unsigned c;
+    if (a <= 0.25f) c = 0;
+    else if (a < 0.75f) c = 1;
+    else if (a <= 1.25f) c = 2;
+    else if (a < 1.75f) c = 3;
+    else if (a <= 2.5f) c = 4;
+    else if (a < 3.5f) c = 5;
+    else if (a <= 5.0f) c = 6;
+    else c = 7; // > 5, Inf and NaN
+    if (__float_as_uint(x) >> 31) c |= 8;
+    return c;
+}
+
+__device__ __forceinline__ float e2m1_decode(unsigned c) {
+    const float v[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    float m = v[c & 7];
+    return (c & 8) ? -m : m;
+}
+
+// e4m3_decode returns the value of a float8_e4m3fn byte (0x7F/0xFF: NaN).
+__device__ __forceinline__ float e4m3_decode(unsigned b) {
+    unsigned e = (b >> 3) & 0xf, m = b & 7;
+    float v;
+    if ((b & 0x7f) == 0x7f) return __uint_as_float(0x7fc00000u);
+    if (e == 0) v = (float)m * (1.0f / 512.0f);
+    else v = __uint_as_float(((e + 120u) << 23) | (m << 20)); // (1 + m/8) * 2^(e-7)
+    return (b & 0x80) ? -v : v;
+}
+
+// e4m3_encode converts with round-to-nearest-even, saturating at +-448;
+// magnitudes at or below 2^-10 become zero; NaN gives 0x7F with its sign.
+__device__ __forceinline__ unsigned e4m3_encode(float x) {
+    unsigned bits = __float_as_uint(x);
+    unsigned sign = (bits >> 24) & 0x80;
+    unsigned a = bits & 0x7fffffff;
+    if (a > 0x7f800000u) return sign | 0x7f;
+    float f = __uint_as_float(a);
+    if (f >= 448.0f) return sign | 0x7e;
+    if (f < 1.0f / 64.0f) {
+        // f*512 is exact; rint rounds half to even.
+        return sign | (unsigned)rintf(f * 512.0f);
+    }
+    int e = (int)(a >> 23) - 127;
+    unsigned m = a & 0x7fffff;
+    unsigned q = m >> 20;
+    unsigned rem = m & 0xfffff, half = 1u << 19;
+    if (rem > half || (rem == half && (q & 1))) q++;
+    if (q == 8) { q = 0; e++; }
+    unsigned code = ((unsigned)(e + 7) << 3) | q;
+    if (code > 0x7e) code = 0x7e;
+    return sign | code;
+}
+
+// encode_scale: S_enc = amax == 0 ? 1 : min(RN(G/amax), FLT_MAX), 1 if that
+// is 0; S_dec = RN(1/S_enc).
+__device__ __forceinline__ void encode_scale(float amax, float *senc, float *sdec) {
+    float s = 1.0f;
+    if (amax != 0.0f) {
+        s = min32(__fdiv_rn(NVFP4_G, amax), FLT_MAX_F);
+        if (s == 0.0f) s = 1.0f;
+    }
+    *senc = s;
+    *sdec = __fdiv_rn(1.0f, s);
+}
+
+// quant_block quantizes 16 BF16 values (x, zero-padded by the caller) with
+// RN(S_enc*INV6) = sencinv6 and S_dec: it returns the scale byte and writes
+// 8 packed bytes as two 32-bit words.
+__device__ __forceinline__ unsigned quant_block(const bf16_t x[16], float sencinv6, float sdec, unsigned *lo, unsigned *hi) {
+    unsigned vm = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++) vm = max(vm, (unsigned)(x[i] & 0x7fff));
+    float sdb = min32(__fmul_rn(bf2f((bf16_t)vm), sencinv6), FLT_MAX_F);
+    unsigned sf = e4m3_encode(sdb);
+    float enc = min32(__fdiv_rn(1.0f, __fmul_rn(e4m3_decode(sf), sdec)), FLT_MAX_F);
+    unsigned w[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        unsigned c = e2m1_encode(__fmul_rn(bf2f(x[i]), enc));
+        w[i / 8] |= c << (4 * (i % 8));
+    }
+    *lo = w[0];
+    *hi = w[1];
+    return sf;
+}
+
+// Block-wide reductions over blockDim.x threads (a multiple of 32, at most
+// 1024) in a fixed tree, so the result never depends on timing. scratch
+// holds 32 values. Every thread gets the result.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T *scratch, Op op) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads(); // scratch may still be read by a previous reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        T acc = scratch[0];
+        for (int i = 1; i < nw; i++) acc = op(acc, scratch[i]);
+        scratch[0] = acc;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+struct OpAdd {
+    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct OpMax {
+    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; }
+};

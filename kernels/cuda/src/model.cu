@@ -1,0 +1,772 @@
+// The dense model's ops (kernels/model.go): embedding, RMSNorm, residual
+// add, RoPE, KV-cache write, paged attention, sampling and log-probs. The
+// numerics follow the CPU reference (kernels/cpu/model.go) step by step:
+// every FP32 operation the CPU rounds on its own is one __fmul_rn /
+// __fadd_rn / __fdiv_rn here (nvcc would otherwise fuse products into FMAs),
+// float64 stays float64, and every reduction is a fixed tree per row, so a
+// row's result never depends on the rest of the batch. A bad index read
+// from a buffer skips its row (nothing is written for it) and is reported
+// through the device error word (report, common.cuh).
+//
+// Concatenated after common.cuh and moe.cu: file-local names start with
+// model_.
+
+#define MODEL_FULL 0xffffffffu
+#define MODEL_INF __int_as_float(0x7f800000)
+
+struct model_OpMin {
+    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return b < a ? b : a; }
+};
+
+// model_copy_row copies n BF16 values with the threads of the block, 16
+// bytes at a time when both rows allow it (a bit-exact copy either way).
+__device__ __forceinline__ void model_copy_row(bf16_t *dst, const bf16_t *src, int n) {
+    if ((n & 7) == 0 && (((unsigned long long)dst | (unsigned long long)src) & 15) == 0) {
+        uint4 *d = reinterpret_cast<uint4 *>(dst);
+        const uint4 *s = reinterpret_cast<const uint4 *>(src);
+        for (int i = threadIdx.x; i < (n >> 3); i += blockDim.x) d[i] = s[i];
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+// ---- Embed: one block per token. ----
+
+extern "C" __global__ void model_embed(int *err, bf16_t *out, const bf16_t *table, const int *ids, int h, int v) {
+    const int t = blockIdx.x;
+    const int id = ids[t];
+    if (id < 0 || id >= v) {
+        if (threadIdx.x == 0) report(err, E_EMBED_ID, t, id, v);
+        return;
+    }
+    model_copy_row(out + (size_t)t * h, table + (size_t)id * h, h);
+}
+
+// ---- RMSNorm: one block per row (blockDim a multiple of 32). ----
+//
+// Src and Out may be the same buffer: the first pass reads the whole row,
+// the reduction's __syncthreads orders those reads before any write, and in
+// the second pass each element is read by the thread that then writes it.
+// So neither pointer is __restrict__.
+extern "C" __global__ void model_rmsnorm(bf16_t *out, const bf16_t *src, const bf16_t *w, int d, float eps) {
+    __shared__ float scratch[32];
+    const bf16_t *x = src + (size_t)blockIdx.x * d;
+    bf16_t *o = out + (size_t)blockIdx.x * d;
+    // Each square of a BF16 value is exact in FP32; the sum is FP32 in a
+    // fixed order (per-thread strided partials, then block_reduce's tree).
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = bf2f(x[i]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+    ss = block_reduce(ss, scratch, OpAdd());
+    const float mean = __fdiv_rn(ss, (float)d);
+    // A correctly rounded 1/sqrt, as the CPU computes it (float64, one
+    // rounding to FP32); double sqrt and division are IEEE here.
+    const float r = (float)(1.0 / sqrt((double)__fadd_rn(mean, eps)));
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float y = bfround(__fmul_rn(bf2f(x[i]), r));
+        o[i] = f2bf(__fmul_rn(bf2f(w[i]), y));
+    }
+}
+
+// ---- Add: element-wise, grid-stride. Out may alias A or B (each element
+// is read before it is written, by the same thread). ----
+
+__device__ __forceinline__ unsigned model_add2(unsigned a, unsigned b) {
+    unsigned lo = f2bf(__fadd_rn(__uint_as_float(a << 16), __uint_as_float(b << 16)));
+    unsigned hi = f2bf(__fadd_rn(__uint_as_float(a & 0xffff0000u), __uint_as_float(b & 0xffff0000u)));
+    return lo | (hi << 16);
+}
+
+extern "C" __global__ void model_add(bf16_t *out, const bf16_t *a, const bf16_t *b, long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((n & 7) == 0 && (((unsigned long long)out | (unsigned long long)a | (unsigned long long)b) & 15) == 0) {
+        uint4 *o = reinterpret_cast<uint4 *>(out);
+        const uint4 *x = reinterpret_cast<const uint4 *>(a);
+        const uint4 *y = reinterpret_cast<const uint4 *>(b);
+        for (long long i = first; i < (n >> 3); i += stride) {
+            uint4 u = x[i], v = y[i], r;
+            r.x = model_add2(u.x, v.x);
+            r.y = model_add2(u.y, v.y);
+            r.z = model_add2(u.z, v.z);
+            r.w = model_add2(u.w, v.w);
+            o[i] = r;
+        }
+    } else {
+        for (long long i = first; i < n; i += stride) out[i] = f2bf(__fadd_rn(bf2f(a[i]), bf2f(b[i])));
+    }
+}
+
+// ---- RoPE: one block per token, in place, rotate-half layout. ----
+
+extern "C" __global__ void model_rope(int *err, bf16_t *x, const int *positions, const bf16_t *cosT, const bf16_t *sinT,
+                                      int heads, int d, int maxPos) {
+    const int t = blockIdx.x;
+    const int p = positions[t];
+    if (p < 0 || p >= maxPos) {
+        if (threadIdx.x == 0) report(err, E_ROPE_POS, t, p, maxPos);
+        return;
+    }
+    const int half = d / 2;
+    const bf16_t *c = cosT + (size_t)p * half;
+    const bf16_t *s = sinT + (size_t)p * half;
+    bf16_t *tok = x + (size_t)t * heads * d;
+    for (int k = threadIdx.x; k < heads * half; k += blockDim.x) {
+        const int h = k / half, i = k - h * half;
+        bf16_t *row = tok + (size_t)h * d;
+        const float x1 = bf2f(row[i]), x2 = bf2f(row[i + half]);
+        const float ci = bf2f(c[i]), si = bf2f(s[i]);
+        row[i] = f2bf(__fsub_rn(bfround(__fmul_rn(x1, ci)), bfround(__fmul_rn(x2, si))));
+        row[i + half] = f2bf(__fadd_rn(bfround(__fmul_rn(x2, ci)), bfround(__fmul_rn(x1, si))));
+    }
+}
+
+// ---- KVWrite: one block per token. ----
+//
+// A negative slot is padding and writes nothing. Two tokens naming the same
+// slot break the contract; the device cannot detect it cheaply (it would
+// need a pass over all tokens per token, or a scratch map), so their writes
+// race and the slot holds one of them, possibly mixed per 16-byte chunk.
+extern "C" __global__ void model_kv_write(int *err, bf16_t *ck, bf16_t *cv, const bf16_t *k, const bf16_t *v,
+                                          const int *slots, int row, long long nslots) {
+    const int t = blockIdx.x;
+    const int s = slots[t];
+    if (s < 0) return;
+    if ((long long)s >= nslots) {
+        if (threadIdx.x == 0) report(err, E_KV_SLOT, t, s, (int)min(nslots, 2147483647LL));
+        return;
+    }
+    model_copy_row(ck + (size_t)s * row, k + (size_t)t * row, row);
+    model_copy_row(cv + (size_t)s * row, v + (size_t)t * row, row);
+}
+
+// ---- Attention: one block per (query row, KV head). ----
+//
+// The block handles the group of query heads that share the KV head, so
+// each K/V row is read once for all of them. Positions 0..pos are walked in
+// tiles of MODEL_ATT_TILE: the tile's K and V rows are staged in shared
+// memory (rows padded by 8 elements, so 16-byte reads of 8 different rows
+// hit distinct banks), each (head, position) score is one thread's
+// sequential FP32 dot product, and an online softmax per head (one warp per
+// head, fixed shuffle trees) rescales the FP32 accumulators, each output
+// element owned by one thread and summed in position order. Every order is
+// fixed by the row's own length and the head geometry, so the result is
+// bitwise the same alone or in any batch.
+#define MODEL_ATT_TILE 64
+#define MODEL_ATT_THREADS 256
+
+__device__ __forceinline__ float model_bf_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float model_bf_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+extern "C" __global__ void __launch_bounds__(MODEL_ATT_THREADS)
+model_attention(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *cv, const int *pageTable,
+                const int *seqLens, const int *queryStart, int tq, int qHeads, int kvHeads, int d, int pageSize,
+                int pages, int nseq, int maxPages, float scale) {
+    extern __shared__ float4 model_att_smem[];
+    const int row = blockIdx.x, kvh = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int group = qHeads / kvHeads;
+    const bool reporter = blockIdx.x == 0 && blockIdx.y == 0;
+
+    // QueryStart must lie in [0, tq] and not decrease. Every block checks
+    // it (it is short); block (0, 0) reports.
+    int bad = 0;
+    for (int s = tid; s <= nseq; s += blockDim.x) {
+        const int a = queryStart[s];
+        if (a < 0 || a > tq) {
+            bad = 1;
+            if (reporter) report(err, E_ATT_QSTART, s, a, tq);
+        } else if (s < nseq && queryStart[s + 1] < a) {
+            bad = 1;
+            if (reporter) report(err, E_ATT_DECREASE, s, a, queryStart[s + 1]);
+        }
+    }
+    if (__syncthreads_or(bad)) return;
+
+    // This row's sequence: the first k in [0, nseq] with queryStart[k] > row
+    // is one past it; rows before queryStart[0] or from queryStart[nseq] on
+    // are padding and left untouched. (Block-uniform.)
+    int lo = 0, hi = nseq + 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (queryStart[mid] > row) hi = mid;
+        else lo = mid + 1;
+    }
+    const int seq = lo - 1;
+    if (seq < 0 || seq >= nseq) return;
+    const int q0 = queryStart[seq], nq = queryStart[seq + 1] - q0;
+    const int len = seqLens[seq];
+    // Sequence errors are reported by the block of its first query row.
+    const bool first = row == q0 && kvh == 0 && tid == 0;
+    if (len < nq) {
+        if (first) report(err, E_ATT_QUERIES, seq, nq, len);
+        return;
+    }
+    const long long room = (long long)maxPages * pageSize;
+    if ((long long)len > room) {
+        if (first) report(err, E_ATT_LEN, seq, len, (int)min(room, 2147483647LL));
+        return;
+    }
+    const int npages = (int)(((long long)len + pageSize - 1) / pageSize);
+    const int *pt = pageTable + (size_t)seq * maxPages;
+    bad = 0;
+    for (int j = tid; j < npages; j += blockDim.x) {
+        const int p = pt[j];
+        if (p < 0 || p >= pages) {
+            bad = 1;
+            if (row == q0 && kvh == 0) report(err, E_ATT_PAGE, seq, j, p);
+        }
+    }
+    if (__syncthreads_or(bad)) return;
+
+    const int count = len - nq + (row - q0) + 1; // this query sees positions 0 .. count-1
+
+    // Shared memory (model.go's attentionShared computes the same size).
+    const int ks = d + 8; // padded row stride of the K and V tiles, in elements
+    bf16_t *kS = reinterpret_cast<bf16_t *>(model_att_smem);
+    bf16_t *vS = kS + MODEL_ATT_TILE * ks;
+    long long *offS = reinterpret_cast<long long *>(vS + MODEL_ATT_TILE * ks); // element offset of each tile row
+    float *qS = reinterpret_cast<float *>(offS + MODEL_ATT_TILE);              // [group][d]
+    float *accS = qS + group * d;                                              // [group][d]
+    float *sS = accS + group * d;                                              // [group][TILE] scores / weights
+    float *mS = sS + group * MODEL_ATT_TILE;                                   // running max per head
+    float *lS = mS + group;                                                    // running sum per head
+    float *aS = lS + group;                                                    // this tile's rescale per head
+
+    const bf16_t *qrow = q + ((size_t)row * qHeads + (size_t)kvh * group) * d; // the group's heads are adjacent
+    for (int k = tid; k < group * d; k += blockDim.x) {
+        qS[k] = bf2f(qrow[k]);
+        accS[k] = 0.0f;
+    }
+    for (int g = tid; g < group; g += blockDim.x) {
+        mS[g] = -MODEL_INF;
+        lS[g] = 0.0f;
+    }
+    const bool vec = (d & 7) == 0 && (((unsigned long long)ck | (unsigned long long)cv) & 15) == 0;
+
+    for (int t0 = 0; t0 < count; t0 += MODEL_ATT_TILE) {
+        const int n = min(MODEL_ATT_TILE, count - t0);
+        __syncthreads(); // the previous tile is fully consumed (and the init above is visible)
+        if (tid < n) {
+            const int p = t0 + tid;
+            const long long slot = (long long)pt[p / pageSize] * pageSize + p % pageSize;
+            offS[tid] = (slot * kvHeads + kvh) * d;
+        }
+        __syncthreads();
+        if (vec) {
+            const int cpr = d >> 3; // 16-byte chunks per row
+            for (int c = tid; c < n * cpr; c += blockDim.x) {
+                const int j = c / cpr, cc = c - j * cpr;
+                const long long off = offS[j] + cc * 8;
+                *reinterpret_cast<uint4 *>(kS + j * ks + cc * 8) = *reinterpret_cast<const uint4 *>(ck + off);
+                *reinterpret_cast<uint4 *>(vS + j * ks + cc * 8) = *reinterpret_cast<const uint4 *>(cv + off);
+            }
+        } else {
+            for (int c = tid; c < n * d; c += blockDim.x) {
+                const int j = c / d, i = c - j * d;
+                kS[j * ks + i] = ck[offS[j] + i];
+                vS[j * ks + i] = cv[offS[j] + i];
+            }
+        }
+        __syncthreads();
+
+        // Scores: item (g, j) -> one thread; the 32 lanes of a warp share g
+        // (TILE is a multiple of 32), so q reads are broadcasts. Both paths
+        // accumulate in element order with fmaf, so they agree bitwise.
+        for (int it = tid; it < group * MODEL_ATT_TILE; it += blockDim.x) {
+            const int g = it / MODEL_ATT_TILE, j = it - g * MODEL_ATT_TILE;
+            if (j >= n) continue;
+            const float *qg = qS + g * d;
+            const bf16_t *kr = kS + j * ks;
+            float dot = 0.0f;
+            if (vec) {
+                for (int c = 0; c < d; c += 8) {
+                    const uint4 u = *reinterpret_cast<const uint4 *>(kr + c);
+                    dot = fmaf(qg[c + 0], model_bf_lo(u.x), dot);
+                    dot = fmaf(qg[c + 1], model_bf_hi(u.x), dot);
+                    dot = fmaf(qg[c + 2], model_bf_lo(u.y), dot);
+                    dot = fmaf(qg[c + 3], model_bf_hi(u.y), dot);
+                    dot = fmaf(qg[c + 4], model_bf_lo(u.z), dot);
+                    dot = fmaf(qg[c + 5], model_bf_hi(u.z), dot);
+                    dot = fmaf(qg[c + 6], model_bf_lo(u.w), dot);
+                    dot = fmaf(qg[c + 7], model_bf_hi(u.w), dot);
+                }
+            } else {
+                for (int i = 0; i < d; i++) dot = fmaf(qg[i], bf2f(kr[i]), dot);
+            }
+            sS[it] = __fmul_rn(dot, scale);
+        }
+        __syncthreads();
+
+        // Online softmax, one warp per head: the tile's max and sum by fixed
+        // shuffle trees; scores become exp(score - running max).
+        for (int g = warp; g < group; g += nwarps) {
+            float *sg = sS + g * MODEL_ATT_TILE;
+            float tmax = -MODEL_INF;
+            for (int j = lane; j < n; j += 32) tmax = fmaxf(tmax, sg[j]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(MODEL_FULL, tmax, o));
+            const float mOld = mS[g];
+            const float mNew = fmaxf(mOld, tmax);
+            float tsum = 0.0f;
+            for (int j = lane; j < n; j += 32) {
+                const float e = expf(__fsub_rn(sg[j], mNew));
+                sg[j] = e;
+                tsum = __fadd_rn(tsum, e);
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) tsum = __fadd_rn(tsum, __shfl_xor_sync(MODEL_FULL, tsum, o));
+            if (lane == 0) {
+                const float alpha = expf(__fsub_rn(mOld, mNew)); // 0 on the first tile
+                aS[g] = alpha;
+                lS[g] = fmaf(lS[g], alpha, tsum);
+                mS[g] = mNew;
+            }
+        }
+        __syncthreads();
+
+        // Weighted sum of values: output (g, i) -> one thread, positions in
+        // order; V reads of a warp are consecutive elements of one row.
+        for (int o = tid; o < group * d; o += blockDim.x) {
+            const int g = o / d, i = o - g * d;
+            const float *pg = sS + g * MODEL_ATT_TILE;
+            float acc = __fmul_rn(accS[o], aS[g]);
+            for (int j = 0; j < n; j++) acc = fmaf(pg[j], bf2f(vS[j * ks + i]), acc);
+            accS[o] = acc;
+        }
+    }
+    __syncthreads();
+    bf16_t *orow = out + ((size_t)row * qHeads + (size_t)kvh * group) * d;
+    for (int o = tid; o < group * d; o += blockDim.x) orow[o] = f2bf(__fdiv_rn(accS[o], lS[o / d]));
+}
+
+// ---- Sampling and log-probs: one block per row. ----
+
+// model_philox_uniform is internal/philox.Uniform, bit for bit:
+// Philox4x32-10 of counter {position, sampleID, 0, 0} under the seed, then
+// the top 53 bits of x0:x1 scaled by 2^-53 (both steps exact).
+__device__ __forceinline__ double model_philox_uniform(unsigned long long seed, unsigned sampleID, unsigned position) {
+    unsigned c0 = position, c1 = sampleID, c2 = 0u, c3 = 0u;
+    unsigned k0 = (unsigned)seed, k1 = (unsigned)(seed >> 32);
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        if (r > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        const unsigned n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    const unsigned long long x = ((((unsigned long long)c0) << 32) | (unsigned long long)c1) >> 11;
+    return (double)x * 0x1p-53;
+}
+
+// model_key maps a scaled logit (never NaN) to a uint32 that orders like the
+// value: the sampling order "descending probability" is descending key
+// (the probability is exp(s - max) / z, increasing in s). -0 is keyed as +0,
+// since both have the same probability. The smallest key, that of -Inf, is
+// 0x007fffff, so key 0 is below every token.
+__device__ __forceinline__ unsigned model_key(float s) {
+    const unsigned b = __float_as_uint(s == 0.0f ? 0.0f : s);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// model_unkey inverts model_key.
+__device__ __forceinline__ float model_unkey(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Probabilities are summed for top-p as 2^-62 fixed point in uint64: integer
+// sums are exact in any order, so shared-memory atomics stay deterministic,
+// and 2^-62 per token is far below any float64 rounding that matters here.
+__device__ __forceinline__ unsigned long long model_fix(double p) { return __double2ull_rn(p * 0x1p62); }
+
+// model_prefix_match reports whether key agrees with prefix above bit
+// shift+8 (the digits a radix pass at shift has already chosen).
+__device__ __forceinline__ bool model_prefix_match(unsigned key, unsigned prefix, int shift) {
+    return shift >= 24 || ((key ^ prefix) >> (shift + 8)) == 0u;
+}
+
+// model_block_exscan returns the exclusive prefix sum of v over the threads
+// of the block in thread order, and the total in *total; the additions are
+// in a fixed order (warp scans by shuffles, then the warp totals), so the
+// result is deterministic for floating-point T too. scratch holds 33 values.
+template <typename T>
+__device__ __forceinline__ T model_block_exscan(T v, T *scratch, T *total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    T inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T t = __shfl_up_sync(MODEL_FULL, inc, o);
+        if (lane >= o) inc = inc + t;
+    }
+    T ex = __shfl_up_sync(MODEL_FULL, inc, 1);
+    if (lane == 0) ex = (T)0;
+    __syncthreads(); // scratch may still be read by a previous call
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        const T w = lane < nw ? scratch[lane] : (T)0;
+        T wi = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const T t = __shfl_up_sync(MODEL_FULL, wi, o);
+            if (lane >= o) wi = wi + t;
+        }
+        T we = __shfl_up_sync(MODEL_FULL, wi, 1);
+        if (lane == 0) we = (T)0;
+        const T tot = __shfl_sync(MODEL_FULL, wi, 31);
+        __syncwarp();
+        scratch[lane] = we;
+        if (lane == 0) scratch[32] = tot;
+    }
+    __syncthreads();
+    *total = scratch[32];
+    return warp == 0 ? ex : scratch[warp] + ex;
+}
+
+// model_select_bin, run by warp 0 over a 256-bin histogram: the largest
+// bin b with above + sum(hist[b..255]) >= target. It stores b (-1 if even
+// the whole histogram falls short) in *bin and the new above, above + the
+// bins over b, in *newAbove.
+__device__ __forceinline__ void model_select_bin(const unsigned long long *hist, unsigned long long above,
+                                                 unsigned long long target, int *bin, unsigned long long *newAbove) {
+    const int lane = threadIdx.x & 31;
+    // Lane l owns bins 255-8l down to 248-8l: lane order is descending bins.
+    unsigned long long local = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) local += hist[255 - 8 * lane - j];
+    unsigned long long inc = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long t = __shfl_up_sync(MODEL_FULL, inc, o);
+        if (lane >= o) inc += t;
+    }
+    const unsigned ballot = __ballot_sync(MODEL_FULL, above + inc >= target);
+    if (ballot == 0u) {
+        if (lane == 0) {
+            *bin = -1;
+            *newAbove = above;
+        }
+        return;
+    }
+    const int l = __ffs(ballot) - 1;
+    if (lane == l) {
+        unsigned long long c = above + inc - local; // everything above this lane's bins
+        for (int j = 0; j < 8; j++) {
+            const int b = 255 - 8 * lane - j;
+            if (c + hist[b] >= target) {
+                *bin = b;
+                *newAbove = c;
+                break;
+            }
+            c += hist[b];
+        }
+    }
+}
+
+#define MODEL_SAMPLE_THREADS 1024
+
+// model_sample draws one token per row, as kernels.SampleArgs and the CPU
+// backend's Sample document. Validation: temperature, top p, top k, then
+// the logits (NaN/+Inf, overflow of logit/T, all -Inf); a failing row is
+// reported and skipped. Greedy rows take the argmax (lowest id on ties).
+//
+// Otherwise scaled s = logit / T (FP32), probabilities exp(s - max) / z in
+// float64. The kept set is described by a key threshold kF and a tie count
+// nF: token i is kept when key(s_i) > kF, or key(s_i) == kF and it is one of
+// the first nF tokens (in id order) with that key. Without truncation kF =
+// 0 keeps every token, with no sort and no selection pass.
+//   - Top-k: a radix select over the keys (4 passes of 8 bits, counts)
+//     finds the k-th largest key; the tokens above it are kept and the ties
+//     at it are taken in ascending id order up to k.
+//   - Top-p: a second radix select, now weighing each kept token with its
+//     fixed-point probability, finds the largest key whose kept tokens at
+//     or above it reach top p; at that key as many ties (lowest ids first)
+//     are kept as it takes to reach top p: the shortest prefix of the
+//     (probability desc, id asc) order.
+//   - The draw walks the kept tokens in id order over contiguous per-thread
+//     segments: float64 segment sums, a fixed-order block scan, and the
+//     first token whose cumulative probability / kept total exceeds u.
+// Ordering by the key rather than by the rounded float64 probability only
+// differs where two different scaled logits round to the same float64
+// probability; there the key keeps the exact order.
+extern "C" __global__ void __launch_bounds__(MODEL_SAMPLE_THREADS)
+model_sample(int *err, const float *logits, const float *temperature, const int *topK, const float *topP,
+             const int *seeds, const int *sampleIDs, const int *positions, int *tokens, float *logprobs, int V) {
+    __shared__ double scrD[33];
+    __shared__ unsigned long long scrU[33];
+    __shared__ int scrI[33];
+    __shared__ unsigned long long hist[256];
+    __shared__ unsigned long long wbuf[MODEL_SAMPLE_THREADS];
+    __shared__ int selBin;
+    __shared__ unsigned long long selAbove;
+
+    const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+    const float *row = logits + (size_t)r * V;
+
+    // Parameters, in the CPU's order.
+    const float temp = temperature[r];
+    const float tp = topP[r];
+    const int tk = topK[r];
+    if (!(temp >= 0.0f) || temp == MODEL_INF) {
+        if (tid == 0) report(err, E_SAMPLE_TEMP, r, __float_as_int(temp), 0);
+        return;
+    }
+    if (!(tp > 0.0f && tp <= 1.0f)) {
+        if (tid == 0) report(err, E_SAMPLE_TOPP, r, __float_as_int(tp), 0);
+        return;
+    }
+    if (tk < 0 || tk > V) {
+        if (tid == 0) report(err, E_SAMPLE_TOPK, r, tk, V);
+        return;
+    }
+    const bool greedy = temp == 0.0f;
+    const float T = greedy ? 1.0f : temp; // logit / 1 is exact: greedy works on the raw logits
+
+    // Pass 1: validity, the maximum of s, and the greedy argmax (largest
+    // key, then lowest id: the low word holds ~id).
+    int badIdx = V, ovIdx = V;
+    float smax = -MODEL_INF;
+    unsigned long long best = 0;
+    for (int i = tid; i < V; i += blockDim.x) {
+        const float l = row[i];
+        if (l != l || l == MODEL_INF) {
+            badIdx = min(badIdx, i);
+            continue;
+        }
+        const float s = __fdiv_rn(l, T);
+        if (s == MODEL_INF) {
+            ovIdx = min(ovIdx, i);
+            continue;
+        }
+        smax = fmaxf(smax, s);
+        const unsigned long long kk = ((unsigned long long)model_key(s) << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
+        best = kk > best ? kk : best;
+    }
+    badIdx = block_reduce(badIdx, scrI, model_OpMin());
+    ovIdx = block_reduce(ovIdx, scrI, model_OpMin());
+    best = block_reduce(best, scrU, OpMax());
+    const double m = block_reduce((double)smax, scrD, OpMax());
+    if (badIdx < V) {
+        if (tid == 0) report(err, E_SAMPLE_LOGIT, r, badIdx, __float_as_int(row[badIdx]));
+        return;
+    }
+    if (ovIdx < V) {
+        if (tid == 0) report(err, E_SAMPLE_OVERFLOW, r, ovIdx, __float_as_int(temp));
+        return;
+    }
+    if (m == -(double)MODEL_INF) {
+        if (tid == 0) report(err, E_SAMPLE_ALLNEG, r, 0, 0);
+        return;
+    }
+
+    // Pass 2: z = sum exp(s - max), float64, fixed order.
+    double z = 0.0;
+    for (int i = tid; i < V; i += blockDim.x) z += exp((double)__fdiv_rn(row[i], T) - m);
+    z = block_reduce(z, scrD, OpAdd());
+    const double logZ = log(z);
+
+    if (greedy) {
+        if (tid == 0) {
+            const int tok = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
+            tokens[r] = tok;
+            logprobs[r] = (float)((double)row[tok] - (m + logZ)); // the CPU's logSumExp form
+        }
+        return;
+    }
+
+    // Contiguous per-thread segments, for every pass that needs id order.
+    const int seg = (V + blockDim.x - 1) / blockDim.x;
+    const int b0 = min(V, tid * seg), b1 = min(V, b0 + seg);
+
+    unsigned kF = 0u; // kept: key > kF, or key == kF among the first nF such tokens
+    int nF = 0;
+
+    // Top-k: the k-th largest key. Counts are aggregated per warp
+    // (__match_any_sync) before the shared atomics.
+    if (tk > 0 && tk < V) {
+        unsigned prefix = 0u;
+        unsigned long long above = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
+            __syncthreads();
+            for (int base = 0; base < V; base += blockDim.x) { // uniform trip count: whole warps reach the match
+                const int i = base + tid;
+                const bool valid = i < V;
+                const unsigned key = valid ? model_key(__fdiv_rn(row[i], T)) : 0u;
+                const bool match = valid && model_prefix_match(key, prefix, shift);
+                const unsigned bin = match ? ((key >> shift) & 255u) : 256u;
+                const unsigned mask = __match_any_sync(MODEL_FULL, bin);
+                if (match && lane == __ffs(mask) - 1) atomicAdd(&hist[bin], (unsigned long long)__popc(mask));
+            }
+            __syncthreads();
+            if (tid < 32) model_select_bin(hist, above, (unsigned long long)tk, &selBin, &selAbove);
+            __syncthreads();
+            // k <= V tokens always reach the target at the first pass, and
+            // the chosen bin carries it to the next.
+            prefix |= (unsigned)selBin << shift;
+            above = selAbove;
+        }
+        kF = prefix;
+        nF = tk - (int)above; // count(key > kF) < k <= count(key >= kF)
+    }
+
+    // myTies counts this thread's tokens with key kF; tieBase is the number
+    // before its segment, so a token's rank among the ties is known while
+    // walking the segment in order.
+    int tieBase = 0, tieTotal = 0;
+    auto countTies = [&]() {
+        int mine = 0;
+        for (int i = b0; i < b1; i++) mine += model_key(__fdiv_rn(row[i], T)) == kF;
+        tieBase = model_block_exscan(mine, scrI, &tieTotal);
+    };
+
+    // Top-p (top p = 1 keeps every token of the top-k set, however the sum
+    // rounds).
+    if (tp < 1.0f) {
+        countTies();
+        const unsigned long long target = __double2ull_ru((double)tp * 0x1p62); // cum >= p, in fixed point
+        unsigned prefix = 0u;
+        unsigned long long above = 0;
+        bool found = true;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
+            __syncthreads();
+            int seen = 0;
+            for (int j = 0; j < seg; j++) { // uniform trip count: whole warps reach the match
+                const int i = b0 + j;
+                const bool valid = i < b1;
+                const float s = valid ? __fdiv_rn(row[i], T) : 0.0f;
+                const unsigned key = model_key(s);
+                const bool kept = valid && (key > kF || (key == kF && tieBase + seen < nF));
+                if (valid && key == kF) seen++;
+                const bool match = kept && model_prefix_match(key, prefix, shift);
+                const unsigned bin = match ? ((key >> shift) & 255u) : 256u;
+                wbuf[tid] = match ? model_fix(exp((double)s - m) / z) : 0ull;
+                const unsigned mask = __match_any_sync(MODEL_FULL, bin);
+                __syncwarp();
+                if (match && lane == __ffs(mask) - 1) {
+                    unsigned long long sum = 0;
+                    for (unsigned mm = mask; mm != 0u; mm &= mm - 1u) sum += wbuf[(tid & ~31) + __ffs(mm) - 1];
+                    atomicAdd(&hist[bin], sum);
+                }
+                __syncwarp(); // wbuf is rewritten next iteration
+            }
+            __syncthreads();
+            if (tid < 32) model_select_bin(hist, above, target, &selBin, &selAbove);
+            __syncthreads();
+            if (selBin < 0) { // the kept tokens never reach top p: keep them all
+                found = false;
+                break;
+            }
+            prefix |= (unsigned)selBin << shift;
+            above = selAbove;
+        }
+        if (found) {
+            // Every token with key `prefix` has the same probability q; the
+            // shortest prefix takes the fewest ties that reach the target
+            // (at most the kept ones there, which reach it by selection).
+            const unsigned long long qf = model_fix(exp((double)model_unkey(prefix) - m) / z);
+            const unsigned long long need = (target - above + qf - 1) / qf;
+            kF = prefix;
+            nF = (int)need;
+        }
+    }
+
+    // The draw. Pass S: each segment's kept probability sum and last kept
+    // token; a fixed-order scan gives each segment's start and the total.
+    countTies();
+    double segSum = 0.0;
+    int lastKept = -1;
+    {
+        int seen = 0;
+        for (int i = b0; i < b1; i++) {
+            const float s = __fdiv_rn(row[i], T);
+            const unsigned key = model_key(s);
+            const bool kept = key > kF || (key == kF && tieBase + seen < nF);
+            if (key == kF) seen++;
+            if (kept) {
+                segSum += exp((double)s - m) / z;
+                lastKept = i;
+            }
+        }
+    }
+    double total;
+    const double start = model_block_exscan(segSum, scrD, &total);
+    lastKept = block_reduce(lastKept, scrI, OpMax());
+    const double u = model_philox_uniform((unsigned long long)(unsigned)seeds[2 * r] | ((unsigned long long)(unsigned)seeds[2 * r + 1] << 32),
+                                          (unsigned)sampleIDs[r], (unsigned)positions[r]);
+    // Pass D: the first kept token whose cumulative probability / total
+    // exceeds u. (A zero-probability token never qualifies, even where the
+    // segments' separately rounded sums disagree at a boundary.)
+    int pick = V;
+    {
+        int seen = 0;
+        double cum = start;
+        for (int i = b0; i < b1; i++) {
+            const float s = __fdiv_rn(row[i], T);
+            const unsigned key = model_key(s);
+            const bool kept = key > kF || (key == kF && tieBase + seen < nF);
+            if (key == kF) seen++;
+            if (kept) {
+                const double p = exp((double)s - m) / z;
+                cum += p;
+                if (p > 0.0 && cum / total > u) {
+                    pick = i;
+                    break;
+                }
+            }
+        }
+    }
+    pick = block_reduce(pick, scrI, model_OpMin());
+    if (tid == 0) {
+        const int tok = pick < V ? pick : lastKept; // rounding left no crossing: the last kept token
+        tokens[r] = tok;
+        logprobs[r] = (float)(((double)__fdiv_rn(row[tok], T) - m) - logZ); // the CPU's form
+    }
+}
+
+#define MODEL_LOGPROBS_THREADS 512
+
+// model_logprobs: log softmax(logits)[token] in float64, one block per row.
+extern "C" __global__ void __launch_bounds__(MODEL_LOGPROBS_THREADS)
+model_logprobs(int *err, const float *logits, const int *tokens, float *logprobs, int V) {
+    __shared__ double scrD[32];
+    __shared__ int scrI[32];
+    const int r = blockIdx.x, tid = threadIdx.x;
+    const float *row = logits + (size_t)r * V;
+    const int tok = tokens[r];
+    if (tok < 0 || tok >= V) {
+        if (tid == 0) report(err, E_LOGPROBS_TOKEN, r, tok, V);
+        return;
+    }
+    int badIdx = V;
+    float lmax = -MODEL_INF;
+    for (int i = tid; i < V; i += blockDim.x) {
+        const float l = row[i];
+        if (l != l || l == MODEL_INF) badIdx = min(badIdx, i);
+        else lmax = fmaxf(lmax, l);
+    }
+    badIdx = block_reduce(badIdx, scrI, model_OpMin());
+    const double m = block_reduce((double)lmax, scrD, OpMax());
+    if (badIdx < V) {
+        if (tid == 0) report(err, E_LOGPROBS_LOGIT, r, badIdx, __float_as_int(row[badIdx]));
+        return;
+    }
+    if (m == -(double)MODEL_INF) {
+        if (tid == 0) report(err, E_LOGPROBS_ALLNEG, r, 0, 0);
+        return;
+    }
+    double z = 0.0;
+    for (int i = tid; i < V; i += blockDim.x) z += exp((double)row[i] - m);
+    z = block_reduce(z, scrD, OpAdd());
+    if (tid == 0) logprobs[r] = (float)((double)row[tok] - (m + log(z)));
+}

@@ -1,0 +1,555 @@
+// The MoE ops and the dense GEMM: route, permute, NVFP4 quantize, the
+// grouped GEMM (BF16 or NVFP4 operands, fused activation) and finalize.
+
+extern "C" __global__ void fill_u32(unsigned *p, int n, unsigned v) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+}
+
+// ---- Quantize ----
+
+// quant_amax folds max|x| of matrix blockIdx.y (per elements) into
+// amax[blockIdx.y] as FP32 bits. BF16 magnitudes shifted left by 16 are
+// their FP32 bits, which order like the values (NaN above Inf, so NaN
+// propagates), and an integer atomic max is order-free: deterministic.
+extern "C" __global__ void quant_amax(const bf16_t *src, unsigned *amax, long long per) {
+    __shared__ unsigned scratch[32];
+    const bf16_t *m = src + (long long)blockIdx.y * per;
+    unsigned v = 0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < per; i += (long long)gridDim.x * blockDim.x)
+        v = max(v, (unsigned)(m[i] & 0x7fff));
+    v = block_reduce(v, scratch, OpMax());
+    if (threadIdx.x == 0) atomicMax(&amax[blockIdx.y], v << 16);
+}
+
+// quant_scales turns each matrix's amax (FP32 bits) into its S_dec.
+extern "C" __global__ void quant_scales(float *scale, int mats) {
+    int m = blockIdx.x * blockDim.x + threadIdx.x;
+    if (m >= mats) return;
+    float senc, sdec;
+    encode_scale(scale[m], &senc, &sdec);
+    scale[m] = sdec;
+}
+
+// load_block reads the 16 BF16 values of block b of a row of k values,
+// zero past k.
+__device__ __forceinline__ void load_block(bf16_t x[16], const bf16_t *row, int b, int k, int vec) {
+    int lo = b * 16;
+    if (vec && lo + 16 <= k) {
+        uint4 p0 = *reinterpret_cast<const uint4 *>(row + lo);
+        uint4 p1 = *reinterpret_cast<const uint4 *>(row + lo + 8);
+        unsigned w[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            x[2 * i] = (bf16_t)(w[i] & 0xffff);
+            x[2 * i + 1] = (bf16_t)(w[i] >> 16);
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; i++) x[i] = lo + i < k ? row[lo + i] : (bf16_t)0;
+}
+
+// quant_rows quantizes one row per warp; lane l handles blocks l, l+32, ...
+// Per-row mode: the warp first takes the row's amax and writes its S_dec.
+// Per-matrix mode: scale[r / rowsPerMat] holds the matrix amax (FP32 bits).
+extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale,
+                                      int perRow, int rows, int rowsPerMat, int k, int kp, int vec) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (warp >= rows) return;
+    const bf16_t *row = src + (long long)warp * k;
+    int nb = kp / 16;
+    float amax;
+    if (perRow) {
+        unsigned m = 0;
+        for (int i = lane; i < k; i += 32) m = max(m, (unsigned)(row[i] & 0x7fff));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+        amax = __uint_as_float(m << 16);
+    } else {
+        amax = scale[warp / rowsPerMat];
+    }
+    float senc, sdec;
+    encode_scale(amax, &senc, &sdec);
+    float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
+    unsigned char *prow = packed + (long long)warp * (kp / 2);
+    unsigned char *srow = scales + (long long)warp * nb;
+    for (int b = lane; b < nb; b += 32) {
+        bf16_t x[16];
+        load_block(x, row, b, k, vec);
+        unsigned lo, hi;
+        unsigned sf = quant_block(x, sencinv6, sdec, &lo, &hi);
+        *reinterpret_cast<uint2 *>(prow + b * 8) = make_uint2(lo, hi);
+        srow[b] = (unsigned char)sf;
+    }
+    if (perRow && lane == 0) scale[warp] = sdec;
+}
+
+// quant_stack quantizes a weight stack [mats, rowsPerMat, k] with one global
+// scale per matrix in a single cooperative launch, matrix by matrix: all
+// blocks take matrix m's amax (order-free atomic max into amax[m]), meet at
+// a grid barrier (arrive[m] counts the blocks), then quantize m, one
+// 16-element block per thread, while its BF16 values are still in L2 from
+// the amax pass. So the BF16 stack is read from memory once. amax and
+// arrive are zeroed before the launch; quant_scales turns amax into S_dec
+// after it.
+extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src, unsigned char *packed, unsigned char *scales,
+                                                             unsigned *amax, unsigned *arrive, int mats, int rowsPerMat,
+                                                             int k, int kp, int vec) {
+    __shared__ unsigned scratch[32];
+    __shared__ unsigned s_amax;
+    const long long per = (long long)rowsPerMat * k;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int nb = kp / 16;
+    const long long blocksPer = (long long)rowsPerMat * nb;
+    for (int m = 0; m < mats; m++) {
+        const bf16_t *ms = src + (long long)m * per;
+        unsigned v = 0;
+        if (vec) { // per % 8 == 0 and 16-byte aligned rows
+            const uint4 *p = reinterpret_cast<const uint4 *>(ms);
+            const long long n = per / 8;
+            long long i = gtid;
+            for (; i + 3 * nthreads < n; i += 4 * nthreads) {
+                uint4 q[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) q[u] = p[i + u * nthreads];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    unsigned w[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+#pragma unroll
+                    for (int j = 0; j < 4; j++) v = max(v, max(w[j] & 0x7fffu, (w[j] >> 16) & 0x7fffu));
+                }
+            }
+            for (; i < n; i += nthreads) {
+                uint4 q = p[i];
+                unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) v = max(v, max(w[j] & 0x7fffu, (w[j] >> 16) & 0x7fffu));
+            }
+        } else {
+            for (long long i = gtid; i < per; i += nthreads) v = max(v, (unsigned)(ms[i] & 0x7fff));
+        }
+        v = block_reduce(v, scratch, OpMax());
+        if (threadIdx.x == 0) {
+            atomicMax(&amax[m], v << 16);
+            __threadfence();
+            atomicAdd(&arrive[m], 1u);
+            while (atomicAdd(&arrive[m], 0u) < gridDim.x) __nanosleep(64);
+            s_amax = atomicAdd(&amax[m], 0u);
+        }
+        __syncthreads();
+        float senc, sdec;
+        encode_scale(__uint_as_float(s_amax), &senc, &sdec);
+        const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
+        for (long long i = gtid; i < blocksPer; i += nthreads) {
+            const long long row = (long long)m * rowsPerMat + i / nb;
+            const int b = (int)(i % nb);
+            bf16_t x[16];
+            load_block(x, src + row * k, b, k, vec);
+            unsigned lo, hi;
+            unsigned sf = quant_block(x, sencinv6, sdec, &lo, &hi);
+            *reinterpret_cast<uint2 *>(packed + row * (kp / 2) + b * 8) = make_uint2(lo, hi);
+            scales[row * nb + b] = (unsigned char)sf;
+        }
+    }
+}
+
+// ---- Route ----
+
+// ranks_above: the larger score, and any number over NaN.
+__device__ __forceinline__ bool ranks_above(float a, int ia, float b, int ib) {
+    if (ib < 0) return true;
+    bool an = a != a, bn = b != b;
+    if (an || bn) return !an && bn ? true : (an && bn ? ia < ib : false);
+    return a > b || (a == b && ia < ib);
+}
+
+// route: one warp per token. Scores in shared memory; top-k by repeated
+// argmax (ties to the lower id, NaN below every number).
+extern "C" __global__ void route(const float *logits, int *ids, float *weights, int T, int E, int K, int scoring,
+                                 int renorm, float scale) {
+    extern __shared__ unsigned char route_smem[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int t = blockIdx.x * (blockDim.x >> 5) + warp;
+    float *s = reinterpret_cast<float *>(route_smem) + warp * E;
+    unsigned char *taken = route_smem + (blockDim.x >> 5) * E * 4 + warp * E;
+    if (t >= T) return;
+    const float *l = logits + (long long)t * E;
+    if (scoring == 1) { // softmax
+        float m = -INFINITY;
+        for (int i = lane; i < E; i += 32) m = fmaxf(m, l[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float sum = 0.f;
+        for (int i = lane; i < E; i += 32) {
+            float e = expf(__fsub_rn(l[i], m));
+            s[i] = e;
+            sum = __fadd_rn(sum, e);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+        for (int i = lane; i < E; i += 32) s[i] = __fdiv_rn(s[i], sum);
+    } else { // sigmoid
+        for (int i = lane; i < E; i += 32) s[i] = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-l[i])));
+    }
+    for (int i = lane; i < E; i += 32) taken[i] = 0;
+    __syncwarp();
+    float wsum = 0.f;
+    for (int j = 0; j < K; j++) {
+        float bv = 0.f;
+        int bi = -1;
+        for (int i = lane; i < E; i += 32)
+            if (!taken[i] && ranks_above(s[i], i, bv, bi)) { bv = s[i]; bi = i; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && ranks_above(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) {
+            taken[bi] = 1;
+            ids[(long long)t * K + j] = bi;
+            weights[(long long)t * K + j] = bv;
+        }
+        __syncwarp();
+    }
+    if (lane == 0) {
+        if (renorm) {
+            for (int j = 0; j < K; j++) wsum = __fadd_rn(wsum, weights[(long long)t * K + j]);
+        }
+        for (int j = 0; j < K; j++) {
+            float w = weights[(long long)t * K + j];
+            if (renorm && wsum != 0.f) w = __fdiv_rn(w, wsum);
+            weights[(long long)t * K + j] = __fmul_rn(w, scale);
+        }
+    }
+}
+
+// ---- Permute ----
+
+// permute: a stable counting sort of the n = T*k assignments by expert in
+// one block of 32 warps. Warp w owns the contiguous segment w of the
+// assignments: it counts its experts (shared-memory atomics: counts are
+// order-free), a column scan turns the counts into each warp's first slot
+// per expert, and each warp then walks its segment in order, ranking equal
+// experts within a 32-wide chunk with __match_any_sync. The result depends
+// only on the ids.
+extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *rows, int *slots, int n, int k, int E) {
+    extern __shared__ int perm_smem[];
+    int *cnt = perm_smem;       // [32][E]
+    int *off = perm_smem + 32 * E; // [E+1]
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int seg = (n + 31) / 32;
+    int lo = min(n, warp * seg), hi = min(n, lo + seg);
+    for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    for (int i = lo + lane; i < hi; i += 32) {
+        int id = ids[i];
+        if (id < 0 || id >= E) report(err, E_PERMUTE_EXPERT, i, id, E);
+        else atomicAdd(&cnt[warp * E + id], 1);
+    }
+    __syncthreads();
+    // Per-expert totals, then their exclusive scan by warp 0, 32 at a time.
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int tot = 0;
+        for (int w = 0; w < 32; w++) tot += cnt[w * E + e];
+        off[e] = tot;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int base = 0;
+        for (int e0 = 0; e0 < E; e0 += 32) {
+            int e = e0 + lane;
+            int v = e < E ? off[e] : 0, incl = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                int u = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += u;
+            }
+            if (e < E) off[e] = base + incl - v;
+            base += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) off[E] = base;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int acc = off[e];
+        for (int w = 0; w < 32; w++) {
+            int c = cnt[w * E + e];
+            cnt[w * E + e] = acc;
+            acc += c;
+        }
+    }
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) offsets[e] = off[e];
+    __syncthreads();
+    for (int c0 = lo; c0 < hi; c0 += 32) {
+        int i = c0 + lane;
+        int id = i < hi ? ids[i] : -2;
+        bool ok = id >= 0 && id < E;
+        if (!ok) id = -1 - (i < hi); // invalid and past-the-end lanes group apart from every expert
+        unsigned peers = __match_any_sync(0xffffffffu, id);
+        if (ok) {
+            int rank = __popc(peers & ((1u << lane) - 1));
+            int r = cnt[warp * E + id] + rank;
+            rows[r] = i / k;
+            slots[i] = r;
+        } else if (i < hi) {
+            slots[i] = -1;
+        }
+        __syncwarp();
+        if (ok && (peers & ((1u << lane) - 1)) == 0) cnt[warp * E + id] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+// ---- Finalize ----
+
+// finalize: out[t, c] = bf16(sum_j w[t,j] * rows[slots[t*k+j], c]), each
+// product rounded to FP32 and summed in j order. A bad slot skips the token.
+extern "C" __global__ void finalize(int *err, bf16_t *out, const bf16_t *rows, const float *w, const int *slots, int H,
+                                    int K, int R) {
+    int t = blockIdx.x;
+    for (int j = 0; j < K; j++) {
+        int s = slots[(long long)t * K + j];
+        if (s < 0 || s >= R) {
+            if (blockIdx.y == 0 && threadIdx.x == 0) report(err, E_FIN_SLOT, t * K + j, s, R);
+            return;
+        }
+    }
+    for (int c = (blockIdx.y * blockDim.x + threadIdx.x) * 2; c < H; c += gridDim.y * blockDim.x * 2) {
+        float a0 = 0.f, a1 = 0.f;
+        for (int j = 0; j < K; j++) {
+            int s = slots[(long long)t * K + j];
+            float wj = w[(long long)t * K + j];
+            const bf16_t *y = rows + (long long)s * H + c;
+            a0 = __fadd_rn(a0, __fmul_rn(wj, bf2f(y[0])));
+            if (c + 1 < H) a1 = __fadd_rn(a1, __fmul_rn(wj, bf2f(y[1])));
+        }
+        out[(long long)t * H + c] = f2bf(a0);
+        if (c + 1 < H) out[(long long)t * H + c + 1] = f2bf(a1);
+    }
+}
+
+// ---- Grouped GEMM ----
+//
+// One kernel for the dense GEMM (no offsets: one group of r rows) and the
+// grouped expert GEMMs. A block computes BM sorted rows of one expert by
+// BN output columns (for SwiGLU also the BN matching "up" rows of W), with
+// 4 warps of 32x32 and BF16 mma.sync m16n8k16 (FP32 accumulation). NVFP4
+// operands are dequantized to BF16 exactly while they are staged in shared
+// memory. Each output's reduction runs over K in the same order whatever
+// the batch: BK-wide steps, and within a step the MMA's k16 slices in order.
+
+#define GG_BM 64
+#define GG_BN 64
+#define GG_BK 32
+#define GG_LD (GG_BK + 8) // padded row of a shared tile, in BF16 elements
+
+__device__ __forceinline__ unsigned pack_bf2(bf16_t lo, bf16_t hi) { return (unsigned)lo | ((unsigned)hi << 16); }
+
+// stage16 writes 16 BF16 values of one operand row (k0 .. k0+15 of the
+// reduction) into dst: from BF16 with bounds, or dequantized NVFP4.
+__device__ __forceinline__ void stage16(bf16_t *dst, int fmt, const bf16_t *bf, const unsigned char *packed,
+                                        const unsigned char *sf, long long row, int rowK, int k0, int vec, bool valid) {
+    unsigned w[8];
+    if (!valid || k0 >= rowK) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = 0;
+    } else if (fmt == 1) {
+        // NVFP4: k0 is a block boundary (16-aligned) and rowK a multiple of 16.
+        uint2 p = *reinterpret_cast<const uint2 *>(packed + row * (rowK / 2) + k0 / 2);
+        float s = e4m3_decode(sf[row * (rowK / 16) + k0 / 16]);
+        unsigned q[2] = {p.x, p.y};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            unsigned byte = (q[i / 4] >> (8 * (i % 4))) & 0xff;
+            // e2m1 * E4M3 has at most 5 significant bits: exact in BF16.
+            w[i] = pack_bf2(f2bf(e2m1_decode(byte & 15) * s), f2bf(e2m1_decode(byte >> 4) * s));
+        }
+    } else {
+        const bf16_t *r = bf + row * rowK;
+        if (vec && k0 + 16 <= rowK) {
+            uint4 a = *reinterpret_cast<const uint4 *>(r + k0);
+            uint4 b = *reinterpret_cast<const uint4 *>(r + k0 + 8);
+            w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+            w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                int k = k0 + 2 * i;
+                w[i] = pack_bf2(k < rowK ? r[k] : (bf16_t)0, k + 1 < rowK ? r[k + 1] : (bf16_t)0);
+            }
+        }
+    }
+    uint4 *d = reinterpret_cast<uint4 *>(dst);
+    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+__device__ __forceinline__ void mma16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, const unsigned char *aSF,
+             const float *aScale, int aK, int aVec, const int *gather, int Ta, int wFmt, const bf16_t *W,
+             const unsigned char *wPacked, const unsigned char *wSF, const float *wScale, int wK, int wVec, int N,
+             const int *offsets, int E, int R, int Kp, int act, void *out, int outN, int outFmt) {
+    __shared__ __align__(16) bf16_t As[GG_BM * GG_LD];
+    __shared__ __align__(16) bf16_t Ws[2 * GG_BN * GG_LD];
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[GG_BM];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool swiglu = act == 3;
+
+    // Which expert and which of its row tiles this block computes.
+    if (warp == 0) {
+        int expert = -1, row0 = 0, row1 = 0;
+        if (offsets == nullptr) {
+            if ((int)blockIdx.x * GG_BM < R) { expert = 0; row0 = blockIdx.x * GG_BM; row1 = min(R, row0 + GG_BM); }
+        } else {
+            int idx = blockIdx.x, base = 0;
+            if (blockIdx.x == 0 && blockIdx.y == 0 && lane == 0 && (offsets[0] < 0 || offsets[E] > R))
+                report(err, E_GG_OFFSETS, offsets[0], offsets[E], R);
+            for (int e0 = 0; e0 < E && expert < 0; e0 += 32) {
+                int e = e0 + lane;
+                int lo = 0, hi = 0;
+                if (e < E) {
+                    lo = max(0, min(offsets[e], R));
+                    hi = max(0, min(offsets[e + 1], R));
+                    if (hi < lo) {
+                        if (blockIdx.x == 0 && blockIdx.y == 0) report(err, E_GG_DECREASE, e, offsets[e], offsets[e + 1]);
+                        hi = lo;
+                    }
+                }
+                int tiles = (hi - lo + GG_BM - 1) / GG_BM, incl = tiles;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    int v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += v;
+                }
+                int excl = incl - tiles;
+                unsigned hit = __ballot_sync(0xffffffffu, tiles > 0 && idx >= base + excl && idx < base + incl);
+                if (hit) {
+                    int src = __ffs(hit) - 1;
+                    int t = idx - base - __shfl_sync(0xffffffffu, excl, src);
+                    int l = __shfl_sync(0xffffffffu, lo, src), h = __shfl_sync(0xffffffffu, hi, src);
+                    expert = e0 + src;
+                    row0 = l + t * GG_BM;
+                    row1 = min(h, row0 + GG_BM);
+                }
+                base += __shfl_sync(0xffffffffu, incl, 31);
+            }
+        }
+        if (lane == 0) { s_expert = expert; s_row0 = row0; s_row1 = row1; }
+    }
+    __syncthreads();
+    const int expert = s_expert, row0 = s_row0, row1 = s_row1;
+    if (expert < 0) return;
+    // The A row of each sorted row (-1: none, or a bad gather entry).
+    for (int i = tid; i < GG_BM; i += blockDim.x) {
+        int r = row0 + i, src = -1;
+        if (r < row1) {
+            src = gather ? gather[r] : r;
+            if (src < 0 || src >= Ta) {
+                report(err, E_GG_GATHER, r, src, Ta);
+                src = -1;
+            }
+        }
+        s_src[i] = src;
+    }
+    __syncthreads();
+
+    const int c0 = blockIdx.y * GG_BN;
+    const int wRows = swiglu ? 2 * GG_BN : GG_BN;
+    const long long wBase = (long long)expert * N;
+    float acc[2][4][4], accU[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) { acc[i][j][q] = 0.f; accU[i][j][q] = 0.f; }
+
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32, g = lane >> 2, t4 = lane & 3;
+    for (int k0 = 0; k0 < Kp; k0 += GG_BK) {
+        // Stage A: 64 rows x 32 = 128 pieces of 16.
+        {
+            int r = tid >> 1, kk = k0 + (tid & 1) * 16;
+            int src = s_src[r];
+            stage16(&As[r * GG_LD + (tid & 1) * 16], aFmt, A, aPacked, aSF, src, aK, kk, aVec, src >= 0);
+        }
+        // Stage W: wRows rows x 32.
+        for (int p = tid; p < wRows * 2; p += blockDim.x) {
+            int r = p >> 1, kk = k0 + (p & 1) * 16;
+            int n = r < GG_BN ? c0 + r : outN + c0 + (r - GG_BN); // up rows follow the gate rows
+            bool ok = (r < GG_BN ? c0 + r : c0 + r - GG_BN) < outN;
+            stage16(&Ws[r * GG_LD + (p & 1) * 16], wFmt, W, wPacked, wSF, wBase + n, wK, kk, wVec, ok);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < GG_BK; ks += 16) {
+            unsigned af[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const bf16_t *p = &As[(wm + i * 16 + g) * GG_LD + ks + 2 * t4];
+                af[i][0] = *reinterpret_cast<const unsigned *>(p);
+                af[i][1] = *reinterpret_cast<const unsigned *>(p + 8 * GG_LD);
+                af[i][2] = *reinterpret_cast<const unsigned *>(p + 8);
+                af[i][3] = *reinterpret_cast<const unsigned *>(p + 8 * GG_LD + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const bf16_t *p = &Ws[(wn + j * 8 + g) * GG_LD + ks + 2 * t4];
+                unsigned b0 = *reinterpret_cast<const unsigned *>(p), b1 = *reinterpret_cast<const unsigned *>(p + 8);
+#pragma unroll
+                for (int i = 0; i < 2; i++) mma16816(acc[i][j], af[i], b0, b1);
+                if (swiglu) {
+                    const bf16_t *u = p + GG_BN * GG_LD;
+                    unsigned u0 = *reinterpret_cast<const unsigned *>(u), u1 = *reinterpret_cast<const unsigned *>(u + 8);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) mma16816(accU[i][j], af[i], u0, u1);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Epilogue: global scales in FP32 (acc * per-row scale * alpha), the
+    // activation, one rounding to the output type.
+    const float alpha = wFmt == 1 ? wScale[expert] : 1.f;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int rr = wm + i * 16 + g + 8 * h;
+            int r = row0 + rr, src = s_src[rr];
+            if (r >= row1 || src < 0) continue;
+            float as = aFmt == 1 ? aScale[src] : 1.f;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    int c = c0 + wn + j * 8 + 2 * t4 + q;
+                    if (c >= outN) continue;
+                    float v = acc[i][j][2 * h + q];
+                    if (aFmt == 1) v = __fmul_rn(v, as);
+                    if (wFmt == 1) v = __fmul_rn(v, alpha);
+                    if (act == 2) { // squared ReLU
+                        v = fmaxf(v, 0.f);
+                        v = __fmul_rn(v, v);
+                    } else if (swiglu) {
+                        float u = accU[i][j][2 * h + q];
+                        if (aFmt == 1) u = __fmul_rn(u, as);
+                        if (wFmt == 1) u = __fmul_rn(u, alpha);
+                        v = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.f, expf(-v))), u);
+                    }
+                    long long o = (long long)r * outN + c;
+                    if (outFmt == 1) reinterpret_cast<float *>(out)[o] = v;
+                    else reinterpret_cast<bf16_t *>(out)[o] = f2bf(v);
+                }
+        }
+}
