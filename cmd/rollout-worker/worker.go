@@ -52,7 +52,7 @@ type workerProc struct {
 	// closeBackend releases the compute device after the model.
 	closeBackend func() error
 	once         sync.Once
-	ready  chan struct{}
+	ready        chan struct{}
 }
 
 // startWorker loads the model and starts the engine loop, the refit

@@ -57,10 +57,10 @@ type Backend struct {
 	// unfusedQuant makes per-matrix Quantize take the three-kernel path
 	// (amax, rows, scales) instead of quant_stack: tests compare the two.
 	unfusedQuant bool
-	pinned [2][]byte
-	events [2]*drv.Event
-	busy   [2]bool // a copy from pinned[i] may still be in flight
-	cap    *capture
+	pinned       [2][]byte
+	events       [2]*drv.Event
+	busy         [2]bool // a copy from pinned[i] may still be in flight
+	cap          *capture
 }
 
 var (

@@ -18,16 +18,34 @@ const errWordBytes = 16
 // devErrors formats each code's three values. Values that are FP32 bit
 // patterns are printed as floats.
 var devErrors = map[int32]func(a, b, c int32) string{
-	1:  func(a, b, c int32) string { return fmt.Sprintf("permute: assignment %d names expert %d of %d", a, b, c) },
-	2:  func(a, b, c int32) string { return fmt.Sprintf("grouped gemm: offsets run from %d to %d, out has %d rows", a, b, c) },
-	3:  func(a, b, c int32) string { return fmt.Sprintf("grouped gemm: sorted row %d gathers row %d of %d", a, b, c) },
-	4:  func(a, b, c int32) string { return fmt.Sprintf("grouped gemm: offsets decrease at expert %d (%d > %d)", a, b, c) },
-	5:  func(a, b, c int32) string { return fmt.Sprintf("finalize: assignment %d names slot %d, rows has %d", a, b, c) },
-	6:  func(a, b, c int32) string { return fmt.Sprintf("embed: token %d has id %d, vocabulary is %d", a, b, c) },
-	7:  func(a, b, c int32) string { return fmt.Sprintf("rope: token %d is at position %d, the tables hold %d", a, b, c) },
-	8:  func(a, b, c int32) string { return fmt.Sprintf("kv write: token %d names slot %d, the cache has %d", a, b, c) },
-	9:  func(a, b, c int32) string { return fmt.Sprintf("attention: query start of sequence %d is %d, q has %d rows", a, b, c) },
-	10: func(a, b, c int32) string { return fmt.Sprintf("attention: sequence %d has %d queries but length %d", a, b, c) },
+	1: func(a, b, c int32) string {
+		return fmt.Sprintf("permute: assignment %d names expert %d of %d", a, b, c)
+	},
+	2: func(a, b, c int32) string {
+		return fmt.Sprintf("grouped gemm: offsets run from %d to %d, out has %d rows", a, b, c)
+	},
+	3: func(a, b, c int32) string {
+		return fmt.Sprintf("grouped gemm: sorted row %d gathers row %d of %d", a, b, c)
+	},
+	4: func(a, b, c int32) string {
+		return fmt.Sprintf("grouped gemm: offsets decrease at expert %d (%d > %d)", a, b, c)
+	},
+	5: func(a, b, c int32) string {
+		return fmt.Sprintf("finalize: assignment %d names slot %d, rows has %d", a, b, c)
+	},
+	6: func(a, b, c int32) string { return fmt.Sprintf("embed: token %d has id %d, vocabulary is %d", a, b, c) },
+	7: func(a, b, c int32) string {
+		return fmt.Sprintf("rope: token %d is at position %d, the tables hold %d", a, b, c)
+	},
+	8: func(a, b, c int32) string {
+		return fmt.Sprintf("kv write: token %d names slot %d, the cache has %d", a, b, c)
+	},
+	9: func(a, b, c int32) string {
+		return fmt.Sprintf("attention: query start of sequence %d is %d, q has %d rows", a, b, c)
+	},
+	10: func(a, b, c int32) string {
+		return fmt.Sprintf("attention: sequence %d has %d queries but length %d", a, b, c)
+	},
 	11: func(a, b, c int32) string {
 		return fmt.Sprintf("attention: sequence %d has length %d, its page table row holds %d", a, b, c)
 	},
@@ -46,7 +64,9 @@ var devErrors = map[int32]func(a, b, c int32) string{
 	18: func(a, b, c int32) string {
 		return fmt.Sprintf("sample: row %d: logit %d / temperature %v overflows FP32", a, b, f32(c))
 	},
-	19: func(a, b, c int32) string { return fmt.Sprintf("logprobs: row %d: token %d, vocabulary is %d", a, b, c) },
+	19: func(a, b, c int32) string {
+		return fmt.Sprintf("logprobs: row %d: token %d, vocabulary is %d", a, b, c)
+	},
 	20: func(a, b, c int32) string { return fmt.Sprintf("logprobs: row %d: logit %d is %v", a, b, f32(c)) },
 	21: func(a, b, c int32) string { return fmt.Sprintf("logprobs: row %d: every logit is -Inf", a) },
 	22: func(a, b, c int32) string {
