@@ -9,6 +9,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/rollout-worker/rollout-worker/internal/natsembed"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit/refittest"
@@ -17,7 +18,7 @@ import (
 // rawNATS measures core-NATS throughput on loopback: size bytes as 1 MiB
 // messages from one connection to a subscriber on another, timed from the
 // first publish to the last byte received.
-func rawNATS(b *testing.B, url string, size int) float64 {
+func rawNATS(b testing.TB, url string, size int) float64 {
 	b.Helper()
 	pub, sub := refittest.Connect(b, url), refittest.Connect(b, url)
 	const msg = 1 << 20
@@ -56,10 +57,15 @@ func rawNATS(b *testing.B, url string, size int) float64 {
 // resident buffers (from the start of Publish to the last byte written and
 // verified) and end to end (to the commit), next to raw core-NATS
 // throughput of 1 MiB messages measured in the same run, and the ratio.
+// The server's max_payload is the embedded server's (8 MiB), so refit
+// chunks are 4 MiB; docs/REFIT.md ("Throughput") has the numbers.
 func BenchmarkRefitThroughput(b *testing.B) {
 	for _, storage := range []string{"file", "memory"} {
 		b.Run(storage, func(b *testing.B) {
-			srv := refittest.StartServer(b)
+			// max_payload 8 MiB, as the embedded server of `serve` has:
+			// refit chunks follow it (MaxChunkBytes); the core-NATS side
+			// still sends 1 MiB messages.
+			srv := refittest.StartServer(b, refittest.WithMaxPayload(natsembed.DefaultMaxPayload))
 			cfg, err := policy.Preset("small")
 			if err != nil {
 				b.Fatal(err)

@@ -2,9 +2,7 @@ package refit
 
 import (
 	"context"
-	"crypto/sha256"
 	"encoding/binary"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -41,6 +39,10 @@ type ReceiverConfig struct {
 	// ChunkTimeout rejects a version whose chunks (or manifest) stop
 	// arriving for this long: the publisher died (default 30 s).
 	ChunkTimeout time.Duration
+	// LiveIdle is how long the live path may go quiet before the rest of
+	// the version is fetched from the stream (default DefaultLiveIdle, at
+	// most ChunkTimeout).
+	LiveIdle time.Duration
 }
 
 // Receiver is the worker side of the refit protocol. Run owns it: every
@@ -70,9 +72,20 @@ type Receiver struct {
 	revs  map[string]uint64 // the last bucket revision handled, per key
 	dirty []span            // stack ranges a rejected version overwrote
 
+	live *liveSub // Run's live subscription to the version subjects
+
 	received   atomic.Int64  // bytes of the version being received
 	reports    atomic.Int64  // statuses reported so far
 	chunkDelay time.Duration // tests: a slow worker
+	// liveHook, when set (by tests), sees every live chunk of the version
+	// being received before it is parsed and checked: it may change it (as
+	// the wire might) or drop it (as a slow or reconnecting worker misses
+	// some).
+	liveHook func(msg *nats.Msg) (drop bool)
+	// liveReady is closed once Run has its live subscription (tests).
+	liveReady chan struct{}
+	// Chunks of the last version received taken live and from the stream.
+	liveChunks, storedChunks atomic.Int64
 }
 
 // receivedBytes returns the bytes received of the current version.
@@ -108,6 +121,10 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	if cfg.ChunkTimeout <= 0 {
 		cfg.ChunkTimeout = 30 * time.Second
 	}
+	if cfg.LiveIdle <= 0 {
+		cfg.LiveIdle = DefaultLiveIdle
+	}
+	cfg.LiveIdle = min(cfg.LiveIdle, cfg.ChunkTimeout)
 	if log == nil {
 		log = zap.NewNop()
 	}
@@ -125,7 +142,7 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	}
 	r := &Receiver{cfg: cfg, nc: nc, js: js, m: m, eng: eng, stager: st, log: log, metrics: met,
 		staging: map[*kernels.Buffer]*kernels.Buffer{}, direct: m.Options().Recipe != moe.RecipeBF16,
-		current: cfg.Version, seen: map[uint64]bool{}, revs: map[string]uint64{}}
+		current: cfg.Version, seen: map[uint64]bool{}, revs: map[string]uint64{}, liveReady: make(chan struct{})}
 	targets, err := m.Tensors()
 	if err != nil {
 		return nil, err
@@ -172,6 +189,24 @@ func (r *Receiver) LastStatus() Status {
 // Run receives versions until ctx is done. It first catches up with the
 // newest published version (late join), then follows announcements.
 func (r *Receiver) Run(ctx context.Context) error {
+	// The live subscription comes first, before the bucket is even there:
+	// a chunk of a version announced after it cannot be published before
+	// it, and chunks published while the worker still waits for the bucket
+	// or reads its current values wait in it (up to MaxBytes).
+	live, err := r.subscribeLive(ctx)
+	if err != nil {
+		return err
+	}
+	r.live = live
+	select {
+	case <-r.liveReady: // an earlier Run
+	default:
+		close(r.liveReady)
+	}
+	defer func() {
+		r.live = nil
+		live.close()
+	}()
 	kv, err := r.bucket(ctx)
 	if err != nil {
 		return err
@@ -213,11 +248,11 @@ func (r *Receiver) Run(ctx context.Context) error {
 			continue // a replay (after a reconnect, say) of an entry already handled
 		}
 		r.revs[e.Key()] = e.Revision()
-		a, ok := r.announcement(e)
+		a, ok, complete := r.announcement(e)
 		if !ok || a.Model != r.cfg.Model {
 			continue
 		}
-		if err := r.handle(ctx, kv, a); errors.Is(err, errFatal) {
+		if err := r.handle(ctx, kv, a, !complete); errors.Is(err, errFatal) {
 			return err
 		}
 	}
@@ -225,31 +260,36 @@ func (r *Receiver) Run(ctx context.Context) error {
 
 // announcement reads a version to handle from an announce or manifest
 // entry; a manifest counts only if its version was not seen (its
-// announcement was missed, during a reconnect say).
-func (r *Receiver) announcement(e jetstream.KeyValueEntry) (Announce, bool) {
+// announcement was missed, during a reconnect say). complete says the
+// version is wholly in the stream already (a manifest): its chunks are
+// read from there, not waited for live.
+func (r *Receiver) announcement(e jetstream.KeyValueEntry) (a Announce, ok, complete bool) {
 	switch e.Key() {
 	case KeyAnnounce:
 		a, err := ParseAnnounce(e.Value())
 		if err != nil {
 			r.log.Warn("refit: bad announcement", zap.Error(err))
-			return a, false
+			return a, false, false
 		}
-		return a, true
+		return a, true, false
 	case KeyManifest:
 		m, err := ParseManifest(e.Value())
 		if err != nil {
 			r.log.Warn("refit: bad manifest", zap.Error(err))
-			return Announce{}, false
+			return Announce{}, false, false
 		}
 		// A manifest counts only for a version whose announcement was
 		// missed; at or below the current version it is old news.
-		return m.Announce, !r.seen[m.Version] && m.Version > r.current
+		return m.Announce, !r.seen[m.Version] && m.Version > r.current, true
 	}
-	return Announce{}, false
+	return Announce{}, false, false
 }
 
-// bucket waits for the model's bucket to exist.
+// bucket waits for the model's bucket to exist, polling every 10 ms at
+// first (a worker started just before the first version should not miss
+// its start), then backing off to 200 ms.
 func (r *Receiver) bucket(ctx context.Context) (jetstream.KeyValue, error) {
+	wait := 10 * time.Millisecond
 	for {
 		kv, err := r.js.KeyValue(ctx, BucketName(r.cfg.Model))
 		if err == nil {
@@ -258,11 +298,10 @@ func (r *Receiver) bucket(ctx context.Context) (jetstream.KeyValue, error) {
 		if !errors.Is(err, jetstream.ErrBucketNotFound) && ctx.Err() == nil {
 			r.log.Warn("refit: waiting for the bucket", zap.String("bucket", BucketName(r.cfg.Model)), zap.Error(err))
 		}
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(200 * time.Millisecond):
+		if err := sleepCtx(ctx, wait); err != nil {
+			return nil, err
 		}
+		wait = min(2*wait, 200*time.Millisecond)
 	}
 }
 
@@ -294,7 +333,9 @@ func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial [
 		}
 	}
 	if ann != nil && ann.Version > r.current && !r.seen[ann.Version] {
-		if err := r.handle(ctx, kv, *ann); errors.Is(err, errFatal) {
+		// Live first: chunks published before this worker subscribed show
+		// as a gap, which sends it to the stream at once.
+		if err := r.handle(ctx, kv, *ann, true); errors.Is(err, errFatal) {
 			return err
 		}
 	}
@@ -306,19 +347,21 @@ func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial [
 func (r *Receiver) catchUpTo(ctx context.Context, kv jetstream.KeyValue, m Manifest) error {
 	if !m.Full && m.Base != r.current {
 		if base, ok := r.oldManifest(ctx, kv, m.Base); ok && (base.Full || base.Base == r.current) {
-			if err := r.handle(ctx, kv, base.Announce); errors.Is(err, errFatal) {
+			if err := r.handle(ctx, kv, base.Announce, false); errors.Is(err, errFatal) {
 				return err
 			}
 		}
 	}
-	if err := r.handle(ctx, kv, m.Announce); errors.Is(err, errFatal) {
+	if err := r.handle(ctx, kv, m.Announce, false); errors.Is(err, errFatal) {
 		return err
 	}
 	return nil
 }
 
 // handle receives and commits one version, or rejects it, and reports.
-func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce) error {
+// live says to take its chunks from the live subscription while it keeps
+// up (a version being published now), rather than from the stream alone.
+func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce, live bool) error {
 	st := Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: a.Version}
 	var err error
 	switch {
@@ -329,7 +372,16 @@ func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce
 		err = fmt.Errorf("%w: version %d is a delta on version %d, this worker serves %d", errNeedsFull, a.Version, a.Base, r.current)
 	default:
 		r.seen[a.Version] = true
-		err = r.receive(ctx, kv, a, &st)
+		err = r.receive(ctx, kv, a, live, &st)
+		if errors.Is(err, errLiveDigest) {
+			// Live bytes that pass every chunk check but not the manifest's
+			// digest (a publisher that sent a chunk twice with different
+			// bytes, say): the stream, not the live path, has the last word.
+			r.log.Warn("refit: digest mismatch on live chunks; receiving the version again from the stream",
+				zap.Uint64("version", a.Version), zap.Error(err))
+			st = Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: a.Version}
+			err = r.receive(ctx, kv, a, false, &st)
+		}
 	}
 	if ctx.Err() != nil && err != nil {
 		return err // shutting down: not the version's fault
@@ -375,6 +427,9 @@ func (r *Receiver) report(st Status, err error) {
 
 var (
 	errNeedsFull = errors.New("needs a full version")
+	// errLiveDigest marks a digest mismatch of a version some of whose
+	// chunks came live: it is received again from the stream alone.
+	errLiveDigest = errors.New("live chunks")
 	// errFatal marks a commit that failed after it had changed live
 	// weights: the worker must stop rather than serve two versions.
 	errFatal = errors.New("fatal")
@@ -470,32 +525,25 @@ func (r *Receiver) isFull(ws []*write) (bool, error) {
 }
 
 // receive streams version a into its destinations, validates it and
-// commits it.
-func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announce, st *Status) (err error) {
+// commits it. live says to read chunks from the live subscription while it
+// keeps up; the stream is the fallback (and, without live, the source).
+func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announce, live bool, st *Status) (err error) {
 	recvStart := time.Now()
-	stream, err := r.js.Stream(ctx, StreamName(r.cfg.Model))
+	// Watch the manifest from the start, so that its arrival after the
+	// last chunk wakes the worker at once rather than at the next poll.
+	mw, err := kv.Watch(ctx, KeyManifest, jetstream.UpdatesOnly())
 	if err != nil {
-		return fmt.Errorf("stream %s: %w", StreamName(r.cfg.Model), err)
+		return fmt.Errorf("version %d: watch the manifest: %w", a.Version, err)
 	}
-	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{VersionSubject(r.cfg.Model, a.Version)}, DeliverPolicy: jetstream.DeliverAllPolicy})
-	if err != nil {
-		return fmt.Errorf("consumer for version %d: %w", a.Version, err)
+	defer mw.Stop()
+	var ls *liveSub
+	if live {
+		ls = r.live
 	}
-	msgs := make(chan jetstream.Msg, 4)
-	done := make(chan struct{}) // ends a callback blocked on msgs once receive returns
-	defer close(done)
-	cc, err := cons.Consume(func(m jetstream.Msg) {
-		select {
-		case msgs <- m:
-		case <-done:
-		case <-ctx.Done():
-		}
-	}, jetstream.PullMaxBytes(r.cfg.MaxBytes))
-	if err != nil {
-		return fmt.Errorf("consume version %d: %w", a.Version, err)
-	}
-	defer cc.Stop()
+	feed := r.newFeed(a, ls)
+	defer feed.close()
+	digest := newDigester(8)
+	defer digest.close()
 
 	var (
 		hdr      Header
@@ -506,7 +554,6 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		total    int64 = -1
 		chunks   int
 		next     int
-		digest   = sha256.New()
 		wrote    []span // stack ranges written in place so far
 	)
 	defer func() {
@@ -514,40 +561,20 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 			r.dirty = append(r.dirty, wrote...)
 		}
 	}()
-	timer := time.NewTimer(r.cfg.ChunkTimeout)
-	defer timer.Stop()
 	for total < 0 || received < total {
-		var msg jetstream.Msg
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-timer.C:
-			return fmt.Errorf("version %d: no chunk for %v after %d of %d bytes (publisher gone?)", a.Version, r.cfg.ChunkTimeout, received, max(total, a.TotalBytes))
-		case msg = <-msgs:
+		c, err := feed.next(ctx, expect{seq: next, offset: received, total: total, chunks: chunks})
+		if err != nil {
+			return err
 		}
 		if r.chunkDelay > 0 {
 			time.Sleep(r.chunkDelay)
 		}
-		timer.Reset(r.cfg.ChunkTimeout)
-		data := msg.Data()
-		c, err := ParseChunk(msg.Headers(), len(data))
-		if err != nil {
-			return fmt.Errorf("version %d: %w", a.Version, err)
-		}
-		switch {
-		case c.Version != a.Version:
-			return fmt.Errorf("chunk of version %d on the subject of version %d", c.Version, a.Version)
-		case c.Seq != next || c.Offset != received:
-			return fmt.Errorf("version %d: chunk %d at offset %d, want chunk %d at offset %d", a.Version, c.Seq, c.Offset, next, received)
-		case total >= 0 && (c.Total != total || c.Chunks != chunks):
-			return fmt.Errorf("version %d: chunk %d says %d bytes in %d chunks, earlier chunks said %d in %d", a.Version, c.Seq, c.Total, c.Chunks, total, chunks)
-		}
-		if err := c.Verify(data); err != nil {
-			return err
-		}
+		data := c.data
 		total, chunks = c.Total, c.Chunks
 		next++
-		digest.Write(data)
+		if err := digest.write(ctx, data); err != nil {
+			return err
+		}
 		now := time.Now()
 		chunkStart := received
 		received += int64(len(data))
@@ -594,19 +621,27 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		return fmt.Errorf("version %d: %d chunks carried all %d bytes, the headers said %d", a.Version, next, total, chunks)
 	}
 	// Every byte is in: the manifest must vouch for them.
-	m, err := r.awaitManifest(ctx, kv, a.Version)
+	m, err := r.awaitManifest(ctx, kv, mw, a.Version)
 	if err != nil {
 		return err
 	}
 	if m.Full != a.Full || m.Base != a.Base {
 		return fmt.Errorf("version %d: announced full=%v base=%d, the manifest says full=%v base=%d", a.Version, a.Full, a.Base, m.Full, m.Base)
 	}
-	if sum := hex.EncodeToString(digest.Sum(nil)); sum != m.SHA256 || m.TotalBytes != total || m.Chunks != chunks {
-		return fmt.Errorf("version %d: sha256 %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
+	r.liveChunks.Store(int64(feed.fromNet))
+	r.storedChunks.Store(int64(feed.fromJS))
+	if sum := digest.sum(); sum != m.SHA256 || m.TotalBytes != total || m.Chunks != chunks {
+		err := fmt.Errorf("version %d: sha256 %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
 			a.Version, sum, total, chunks, m.SHA256, m.TotalBytes, m.Chunks)
+		if feed.fromNet > 0 {
+			return fmt.Errorf("%w: %w", errLiveDigest, err)
+		}
+		return err
 	}
 	st.Bytes = total
 	receiveDone := time.Now()
+	r.log.Debug("refit: version received", zap.Uint64("version", a.Version), zap.Int("live_chunks", feed.fromNet),
+		zap.Int("stored_chunks", feed.fromJS), zap.Duration("took", receiveDone.Sub(recvStart)))
 	layers := r.receiveTimings(ws)
 	if err := r.commit(ctx, a.Version, ws, layers, st); err != nil {
 		return err
@@ -687,9 +722,15 @@ func checkFinite(w *write, lo int64, part []byte) error {
 // exponent bits set.
 func bad(lo, hi byte) bool { return hi&0x7f == 0x7f && lo&0x80 != 0 }
 
-// awaitManifest waits for the manifest of version v.
-func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, v uint64) (Manifest, error) {
-	deadline := time.Now().Add(r.cfg.ChunkTimeout)
+// awaitManifest waits for the manifest of version v: it reads the
+// bucket, and again whenever the watcher mw (made before the version's
+// chunks were read) sees a new manifest, with a slow poll as a backstop.
+func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw jetstream.KeyWatcher, v uint64) (Manifest, error) {
+	deadline := time.NewTimer(r.cfg.ChunkTimeout)
+	defer deadline.Stop()
+	poll := time.NewTicker(100 * time.Millisecond)
+	defer poll.Stop()
+	updates := mw.Updates()
 	for {
 		e, err := kv.Get(ctx, KeyManifest)
 		if err == nil {
@@ -710,13 +751,16 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, v u
 		} else if !errors.Is(err, jetstream.ErrKeyNotFound) && ctx.Err() == nil {
 			r.log.Warn("refit: read manifest", zap.Error(err))
 		}
-		if time.Now().After(deadline) {
-			return Manifest{}, fmt.Errorf("version %d: all bytes in, but no manifest after %v (publisher gone?)", v, r.cfg.ChunkTimeout)
-		}
 		select {
 		case <-ctx.Done():
 			return Manifest{}, ctx.Err()
-		case <-time.After(20 * time.Millisecond):
+		case <-deadline.C:
+			return Manifest{}, fmt.Errorf("version %d: all bytes in, but no manifest after %v (publisher gone?)", v, r.cfg.ChunkTimeout)
+		case _, ok := <-updates:
+			if !ok {
+				updates = nil // the watcher stopped: the poll goes on
+			}
+		case <-poll.C:
 		}
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -9,90 +10,325 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/moe/moebench"
 )
 
-const benchUsage = `Usage: rollout-worker bench moe [flags]
+const benchUsage = `Usage: rollout-worker bench moe|refit|generate [flags]
 
-Time the MoE layer forward for every recipe on the same random weights and
-the same rotating inputs, side by side in one run, and report each NVFP4
-recipe's speed-up over the BF16 recipe and its per-token cosine similarity
-to it. Runs on the CPU backend.
+  moe       time the MoE layer forward, NVFP4 against BF16 and the floor
+  refit     time one layer's requantization against its floor
+  generate  generated tokens/s of the engine
+
+`
+
+const benchMoEUsage = `Usage: rollout-worker bench moe [flags]
+
+Time the whole MoE layer forward (router, quantize, permutation, both
+grouped GEMMs, finalize) for every recipe on the same random weights and
+the same 4 rotating inputs, side by side in one run. Where the backend can
+capture graphs (cuda, cpu) each input's forward is captured once and the
+graphs are replayed round-robin; the mean over --iters replays is timed
+with CUDA events on cuda, by the wall clock between syncs elsewhere.
+
+The table has one row per batch size: experts touched (expected, uniform
+routing: E*(1-(1-k/E)^T)), the NVFP4 floor (max of bytes / 4.3 TB/s and
+FLOPs / 790 TFLOP/s, shared/TARGETS.md section 1) and what bounds it, each
+recipe's mean time, and for NVFP4: "vs floor" = time / floor (target
+<= 1.25x), "vs bf16" = BF16 time / NVFP4 time (the speed-up, target >= 3x),
+and the per-token cosine similarity to BF16 (mean and min over the inputs).
+
+Defaults depend on the backend: on cuda the seed's shapes (tokens
+1,8,32,128,512,4096, hidden 7168, intermediate 2048, 256 experts, top-8,
+50 iterations); on cpu small ones (tokens 1,8,32,128, hidden 1024,
+intermediate 512, 16 experts, top-4, 10 iterations), where the seed's
+shapes would take hours.
+
+Flags:
+`
+
+const benchRefitUsage = `Usage: rollout-worker bench refit [flags]
+
+Build one NVFP4 layer with random weights and time Layer.Requantize (the
+whole layer's FC1 and FC2 copies rebuilt in place) against its floor: BF16
+bytes read + NVFP4 bytes written at 4.3 TB/s (shared/TARGETS.md section
+2). Timed with CUDA events on cuda, by the wall clock between syncs
+elsewhere. Then checks that the copies stayed at their addresses and equal
+internal/nvfp4.QuantizeStack of the weights on the host, bit for bit; a
+failed check fails the command. --iters defaults to 20 on cuda, 3 on cpu.
 
 Flags:
 `
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "-help") {
-		fmt.Fprint(stdout, benchUsage, "\n", benchGenerateUsage)
+		fmt.Fprint(stdout, benchUsage, benchMoEUsage, "\n", benchRefitUsage, "\n", benchGenerateUsage)
 		return flag.ErrHelp
 	}
-	if len(args) > 0 && args[0] == "generate" {
-		return runBenchGenerate(ctx, args[1:], stdout, stderr)
+	if len(args) > 0 {
+		switch args[0] {
+		case "moe":
+			return runBenchMoE(ctx, args[1:], stdout, stderr)
+		case "refit":
+			return runBenchRefit(ctx, args[1:], stdout, stderr)
+		case "generate":
+			return runBenchGenerate(ctx, args[1:], stdout, stderr)
+		}
 	}
-	if len(args) == 0 || args[0] != "moe" {
-		return usageErrorf("bench: want a benchmark name: moe or generate")
+	return usageErrorf("bench: want a benchmark name: moe, refit or generate")
+}
+
+// moeDefaults are bench moe's shape defaults on one backend.
+type moeDefaults struct {
+	tokens                       []int
+	hidden, inter, experts, topK int
+	iters                        int
+}
+
+// benchMoEDefaults picks the defaults by backend: the seed's shapes on the
+// GPU, and shapes that finish in seconds on the CPU.
+func benchMoEDefaults(backend string) moeDefaults {
+	if backend == "cuda" {
+		return moeDefaults{tokens: []int{1, 8, 32, 128, 512, 4096}, hidden: 7168, inter: 2048, experts: 256, topK: 8, iters: 50}
 	}
+	return moeDefaults{tokens: []int{1, 8, 32, 128}, hidden: 1024, inter: 512, experts: 16, topK: 4, iters: 10}
+}
+
+// recipeList parses --recipes: bf16, nvfp4 (= per_token) and weight_only.
+func recipeList(s string) ([]moe.Recipe, error) {
+	var out []moe.Recipe
+	for _, f := range strings.Split(s, ",") {
+		var rc moe.Recipe
+		switch name := strings.TrimSpace(f); name {
+		case "bf16":
+			rc = moe.RecipeBF16
+		case "nvfp4", "per_token":
+			rc = moe.RecipePerToken
+		case "weight_only":
+			rc = moe.RecipeWeightOnly
+		default:
+			return nil, usageErrorf("--recipes: unknown recipe %q (want nvfp4, bf16, per_token or weight_only)", name)
+		}
+		for _, prev := range out {
+			if prev == rc {
+				return nil, usageErrorf("--recipes: %s listed twice (nvfp4 and per_token are one recipe)", moebench.RecipeName(rc))
+			}
+		}
+		out = append(out, rc)
+	}
+	return out, nil
+}
+
+func tokenList(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return nil, usageErrorf("--tokens: %q is not a positive batch size", f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+func activationFlag(s string) (moe.Activation, error) {
+	switch a := moe.Activation(s); a {
+	case moe.ReLU2, moe.SwiGLU:
+		return a, nil
+	}
+	return "", usageErrorf("--activation %q: want relu2 or swiglu", s)
+}
+
+// setFlags returns the names of the flags given on the command line.
+func setFlags(fs *flag.FlagSet) map[string]bool {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	return set
+}
+
+func runBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("bench moe", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), benchUsage)
+		fmt.Fprint(fs.Output(), benchMoEUsage)
 		fs.PrintDefaults()
 	}
-	tokens := fs.String("tokens", "1,8,32,128", "comma-separated batch sizes")
-	hidden := fs.Int("hidden", 1024, "hidden size")
-	inter := fs.Int("intermediate", 512, "expert intermediate size")
-	experts := fs.Int("experts", 16, "number of experts")
-	topK := fs.Int("topk", 4, "experts per token")
+	// Shape flags default to 0, "the backend's default", filled in once
+	// the backend is open.
+	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
+	tokens := fs.String("tokens", "", "comma-separated batch sizes (default 1,8,32,128,512,4096 on cuda, 1,8,32,128 on cpu)")
+	hidden := fs.Int("hidden", 0, "hidden size (default 7168 on cuda, 1024 on cpu)")
+	inter := fs.Int("intermediate", 0, "expert intermediate size (default 2048 on cuda, 512 on cpu)")
+	experts := fs.Int("experts", 0, "number of experts (default 256 on cuda, 16 on cpu)")
+	var topK int
+	fs.IntVar(&topK, "top-k", 0, "experts per token (default 8 on cuda, 4 on cpu)")
+	fs.IntVar(&topK, "topk", 0, "same as --top-k")
 	act := fs.String("activation", string(moe.ReLU2), "expert activation: relu2 or swiglu")
 	scoring := fs.String("scoring", string(moe.Softmax), "router scoring: softmax or sigmoid")
-	recipes := fs.String("recipes", "bf16,per_token", "comma-separated recipes: bf16, per_token, weight_only")
-	iters := fs.Int("iters", 10, "timed forwards per case (the mean is reported)")
+	recipes := fs.String("recipes", "nvfp4,bf16", "comma-separated recipes: nvfp4 (also per_token), bf16, weight_only; bf16 is required (the accuracy reference)")
+	batchInv := fs.Bool("batch-invariant", true, "use the deterministic, batch-invariant finalize (false needs an atomic finalize, which no backend has)")
+	iters := fs.Int("iters", 0, "timed forwards (graph replays) per case, the mean is reported (default 50 on cuda, 10 on cpu)")
+	warmup := fs.Int("warmup", 3, "untimed forwards per case before timing")
+	graphs := fs.Bool("graphs", true, "replay captured graphs where the backend can capture them (false: issue every op)")
 	seed := fs.Uint64("seed", 1, "seed of the random weights and inputs")
-	csvPath := fs.String("csv", "", "also write the results as CSV to this `file`")
-	if err := parseFlags(fs, args[1:]); err != nil {
+	csvPath := fs.String("csv", "", "also write the table's rows as CSV to this `file`")
+	plotPath := fs.String("plot", "", "also write an SVG chart of latency against tokens (log-log) to this `file`")
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	cfg := moebench.Config{
-		Layer: moe.Config{Hidden: *hidden, Intermediate: *inter, Experts: *experts, TopK: *topK,
-			Activation: moe.Activation(*act), Scoring: moe.Scoring(*scoring), Renormalize: true},
-		Iters: *iters, Warmup: 2, Inputs: 4, Seed: *seed,
-	}
-	for _, f := range strings.Split(*tokens, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || n < 1 {
-			return usageErrorf("--tokens: %q is not a positive batch size", f)
-		}
-		cfg.Tokens = append(cfg.Tokens, n)
-	}
-	for _, f := range strings.Split(*recipes, ",") {
-		cfg.Recipes = append(cfg.Recipes, moe.Recipe(strings.TrimSpace(f)))
-	}
-	be, err := cpu.New(cpu.Config{}, nil)
+	set := setFlags(fs)
+	activation, err := activationFlag(*act)
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stderr, "bench moe: cpu backend, hidden %d, intermediate %d, %d experts, top-%d, %s, %s\n",
-		*hidden, *inter, *experts, *topK, *act, *scoring)
+	if s := moe.Scoring(*scoring); s != moe.Softmax && s != moe.Sigmoid {
+		return usageErrorf("--scoring %q: want softmax or sigmoid", *scoring)
+	}
+	rcs, err := recipeList(*recipes)
+	if err != nil {
+		return err
+	}
+	var toks []int
+	if set["tokens"] {
+		if toks, err = tokenList(*tokens); err != nil {
+			return err
+		}
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"hidden", *hidden}, {"intermediate", *inter}, {"experts", *experts}, {"top-k", topK}, {"iters", *iters}} {
+		if (set[f.name] || f.name == "top-k" && set["topk"]) && f.v < 1 {
+			return usageErrorf("--%s %d: want a positive number", f.name, f.v)
+		}
+	}
+	if *warmup < 0 {
+		return usageErrorf("--warmup %d: want 0 or more", *warmup)
+	}
+
+	be, closeBackend, err := newBackend(*device, nil)
+	if err != nil {
+		return err
+	}
+	defer closeBackend()
+	if !*batchInv {
+		// An honest refusal: timing the deterministic finalize under the
+		// other name would report a cost of batch invariance of zero.
+		return usageErrorf("--batch-invariant=false: the %s backend has no atomic (order-nondeterministic) finalize; "+
+			"the MoE layer only runs the deterministic, batch-invariant one, which is what --batch-invariant=true measures", be.Name())
+	}
+	def := benchMoEDefaults(be.Name())
+	pick := func(v, d int) int {
+		if v == 0 {
+			return d
+		}
+		return v
+	}
+	if toks == nil {
+		toks = def.tokens
+	}
+	cfg := moebench.Config{
+		Layer: moe.Config{Hidden: pick(*hidden, def.hidden), Intermediate: pick(*inter, def.inter), Experts: pick(*experts, def.experts),
+			TopK: pick(topK, def.topK), Activation: activation, Scoring: moe.Scoring(*scoring), Renormalize: true},
+		Tokens: toks, Recipes: rcs, Iters: pick(*iters, def.iters), Warmup: *warmup, Inputs: 4, Seed: *seed, Eager: !*graphs,
+	}
+	lc := cfg.Layer
+	shape := fmt.Sprintf("hidden %d, intermediate %d, %d experts, top-%d, %s, %s", lc.Hidden, lc.Intermediate, lc.Experts, lc.TopK, lc.Activation, lc.Scoring)
+	fmt.Fprintf(stderr, "bench moe: %s backend, %s; %d rotating inputs, mean of %d, batch-invariant finalize\n", be.Name(), shape, cfg.Inputs, cfg.Iters)
 	results, err := moebench.Run(ctx, be, cfg, stderr)
 	if err != nil {
 		return err
 	}
+	fmt.Fprintf(stderr, "timing: %s\n", results[0].Timing)
 	if err := moebench.Table(stdout, results); err != nil {
 		return err
 	}
 	if *csvPath != "" {
-		f, err := os.Create(*csvPath)
-		if err != nil {
+		if err := writeFile(*csvPath, func(w io.Writer) error { return moebench.CSV(w, results) }); err != nil {
 			return err
 		}
-		if err := moebench.CSV(f, results); err != nil {
-			f.Close()
+	}
+	if *plotPath != "" {
+		title := fmt.Sprintf("MoE forward on %s: %s", be.Name(), shape)
+		if err := writeFile(*plotPath, func(w io.Writer) error { return moebench.SVG(w, title, results) }); err != nil {
 			return err
 		}
-		return f.Close()
+	}
+	return nil
+}
+
+func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("bench refit", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), benchRefitUsage)
+		fs.PrintDefaults()
+	}
+	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
+	hidden := fs.Int("hidden", 2688, "hidden size")
+	inter := fs.Int("intermediate", 1856, "expert intermediate size")
+	experts := fs.Int("experts", 32, "number of experts in the layer")
+	act := fs.String("activation", string(moe.ReLU2), "expert activation: relu2 or swiglu (FC1 has 2x intermediate rows)")
+	iters := fs.Int("iters", 0, "requantizations timed, the mean is reported (default 20 on cuda, 3 on cpu)")
+	seed := fs.Uint64("seed", 1, "seed of the random weights")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	activation, err := activationFlag(*act)
+	if err != nil {
+		return err
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"hidden", *hidden}, {"intermediate", *inter}, {"experts", *experts}} {
+		if f.v < 1 {
+			return usageErrorf("--%s %d: want a positive number", f.name, f.v)
+		}
+	}
+	if setFlags(fs)["iters"] && *iters < 1 {
+		return usageErrorf("--iters %d: want a positive number", *iters)
+	}
+	be, closeBackend, err := newBackend(*device, nil)
+	if err != nil {
+		return err
+	}
+	defer closeBackend()
+	if *iters == 0 {
+		*iters = 3
+		if be.Name() == "cuda" {
+			*iters = 20
+		}
+	}
+	cfg := moebench.RefitConfig{
+		Layer: moe.Config{Hidden: *hidden, Intermediate: *inter, Experts: *experts, Activation: activation},
+		Iters: *iters, Seed: *seed,
+	}
+	res, err := moebench.RunRefit(ctx, be, cfg)
+	if err != nil {
+		return err
+	}
+	if err := res.Report(stdout, be.Name()); err != nil {
+		return err
+	}
+	if !res.BitExact || !res.SameAddresses {
+		return fmt.Errorf("requantized copies are wrong: %s", res.Mismatch)
+	}
+	return nil
+}
+
+// writeFile creates path and fills it with write, reporting either's error
+// with the path.
+func writeFile(path string, write func(io.Writer) error) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := write(f); err != nil {
+		return errors.Join(fmt.Errorf("write %s: %w", path, err), f.Close())
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return nil
 }

@@ -5,20 +5,23 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 )
 
 func TestBenchMoE(t *testing.T) {
-	csv := filepath.Join(t.TempDir(), "moe.csv")
+	dir := t.TempDir()
+	csv, plot := filepath.Join(dir, "moe.csv"), filepath.Join(dir, "moe.svg")
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"bench", "moe", "--tokens", "1,5", "--hidden", "64", "--intermediate", "40",
-		"--experts", "4", "--topk", "2", "--iters", "2", "--recipes", "bf16,per_token,weight_only", "--csv", csv}, &stdout, &stderr)
+	code := run(context.Background(), []string{"bench", "moe", "--device", "cpu", "--tokens", "1,5", "--hidden", "64", "--intermediate", "40",
+		"--experts", "4", "--top-k", "2", "--iters", "2", "--recipes", "nvfp4,bf16,weight_only", "--csv", csv, "--plot", plot}, &stdout, &stderr)
 	if code != 0 {
 		t.Fatalf("exit %d, stderr:\n%s", code, stderr.String())
 	}
 	table := stdout.String()
-	for _, want := range []string{"tokens", "bf16 (ms)", "per_token (ms)", "bf16/per_token", "bf16/weight_only", "cos min"} {
+	for _, want := range []string{"tokens", "experts", "floor (us)", "nvfp4 (us)", "bf16 (us)", "weight_only (us)",
+		"nvfp4 vs floor", "nvfp4 vs bf16", "weight_only vs bf16", "nvfp4 cos min"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)
 		}
@@ -26,26 +29,100 @@ func TestBenchMoE(t *testing.T) {
 	if lines := strings.Split(strings.TrimSpace(table), "\n"); len(lines) != 3 {
 		t.Errorf("table has %d lines, want a header and 2 rows:\n%s", len(lines), table)
 	}
+	if !strings.Contains(stderr.String(), "timing: graphs+wall") {
+		t.Errorf("stderr does not say how it timed:\n%s", stderr.String())
+	}
 	raw, err := os.ReadFile(csv)
 	if err != nil {
 		t.Fatal(err)
 	}
 	rows := strings.Split(strings.TrimSpace(string(raw)), "\n")
-	if len(rows) != 1+2*3 || rows[0] != "tokens,recipe,mean_us,cos_mean,cos_min" {
+	header := strings.Split(rows[0], ",")
+	if len(rows) != 3 || header[0] != "tokens" || header[6] != "nvfp4_us" || header[7] != "bf16_us" {
 		t.Fatalf("csv:\n%s", raw)
+	}
+	col := func(row []string, name string) string {
+		for i, h := range header {
+			if h == name {
+				return row[i]
+			}
+		}
+		t.Fatalf("csv has no column %q", name)
+		return ""
 	}
 	for _, r := range rows[1:] {
 		f := strings.Split(r, ",")
-		if f[1] == "bf16" && (f[3] != "1.000000" || f[4] != "1.000000") {
-			t.Errorf("bf16 against itself: %s", r)
+		if len(f) != len(header) {
+			t.Fatalf("row %q has %d fields, header %d", r, len(f), len(header))
 		}
-		if f[2] == "0.000" {
-			t.Errorf("no time measured: %s", r)
+		for _, c := range []string{"nvfp4_us", "bf16_us", "weight_only_us"} {
+			if v := col(f, c); v == "" || v == "0.000" {
+				t.Errorf("no time measured for %s: %s", c, r)
+			}
+		}
+		if col(f, "timing") != "graphs+wall" {
+			t.Errorf("timing %q", col(f, "timing"))
+		}
+	}
+	svg, err := os.ReadFile(plot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.HasPrefix(svg, []byte("<svg")) || bytes.Count(svg, []byte("<polyline")) != 4 {
+		t.Errorf("plot is not an SVG with 3 recipes and the floor:\n%.300s", svg)
+	}
+}
+
+func TestBenchRefit(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"bench", "refit", "--device", "cpu", "--hidden", "72", "--intermediate", "40",
+		"--experts", "3", "--activation", "swiglu", "--iters", "2"}, &stdout, &stderr)
+	if code != 0 {
+		t.Fatalf("exit %d, stderr:\n%s", code, stderr.String())
+	}
+	for _, want := range []string{"requantize 3 experts (hidden 72, intermediate 40, swiglu) on cpu", "mean of 2, wall clock",
+		"floor", "x the floor", "bit-exact against internal/nvfp4.QuantizeStack on the host, at the same addresses"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, stdout.String())
+		}
+	}
+}
+
+func TestBenchMoEDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		backend string
+		want    moeDefaults
+	}{
+		{"cuda", moeDefaults{tokens: []int{1, 8, 32, 128, 512, 4096}, hidden: 7168, inter: 2048, experts: 256, topK: 8, iters: 50}},
+		{"cpu", moeDefaults{tokens: []int{1, 8, 32, 128}, hidden: 1024, inter: 512, experts: 16, topK: 4, iters: 10}},
+	} {
+		if got := benchMoEDefaults(tc.backend); !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("%s: defaults %+v, want %+v", tc.backend, got, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"help", "bench"}, []string{"bench moe|refit|generate", "tokens\n1,8,32,128,512,4096", "Usage: rollout-worker bench refit"}},
+		{[]string{"bench", "moe", "-h"}, []string{"-batch-invariant", "default 7168 on cuda, 1024 on cpu", "-top-k", "-plot"}},
+		{[]string{"bench", "refit", "-h"}, []string{"-hidden int", "(default 2688)", "default 20 on cuda, 3 on cpu"}},
+	} {
+		var out bytes.Buffer
+		if code := run(context.Background(), tc.args, &out, &out); code != 0 {
+			t.Errorf("%v: exit %d", tc.args, code)
+		}
+		for _, want := range tc.want {
+			if !strings.Contains(out.String(), want) {
+				t.Errorf("%v: usage lacks %q:\n%s", tc.args, want, out.String())
+			}
 		}
 	}
 }
 
 func TestBenchErrors(t *testing.T) {
+	tiny := []string{"--device", "cpu", "--hidden", "32", "--intermediate", "16", "--experts", "4", "--topk", "2", "--tokens", "1", "--iters", "1"}
+	moeArgs := func(extra ...string) []string { return append(append([]string{"bench", "moe"}, tiny...), extra...) }
 	for _, tc := range []struct {
 		name string
 		args []string
@@ -53,10 +130,23 @@ func TestBenchErrors(t *testing.T) {
 		want string
 	}{
 		{"no benchmark", []string{"bench"}, 2, "want a benchmark name"},
-		{"unknown benchmark", []string{"bench", "refit"}, 2, "want a benchmark name"},
+		{"unknown benchmark", []string{"bench", "attention"}, 2, "want a benchmark name"},
 		{"bad tokens", []string{"bench", "moe", "--tokens", "1,0"}, 2, `"0" is not a positive batch size`},
-		{"no bf16 reference", []string{"bench", "moe", "--recipes", "per_token", "--hidden", "32"}, 1, "must include"},
-		{"bad activation", []string{"bench", "moe", "--activation", "gelu", "--hidden", "32"}, 1, "unknown activation"},
+		{"tokens not a number", []string{"bench", "moe", "--tokens", "1,eight"}, 2, `"eight" is not a positive batch size`},
+		{"unknown recipe", []string{"bench", "moe", "--recipes", "nvfp4,fp8"}, 2, `unknown recipe "fp8"`},
+		{"recipe twice", []string{"bench", "moe", "--recipes", "nvfp4,per_token,bf16"}, 2, "nvfp4 listed twice"},
+		{"no bf16 reference", moeArgs("--recipes", "nvfp4"), 1, "must include"},
+		{"bad activation", []string{"bench", "moe", "--activation", "gelu"}, 2, `--activation "gelu": want relu2 or swiglu`},
+		{"bad scoring", []string{"bench", "moe", "--scoring", "argmax"}, 2, `--scoring "argmax"`},
+		{"zero hidden", []string{"bench", "moe", "--hidden", "0"}, 2, "--hidden 0: want a positive number"},
+		{"zero top-k", []string{"bench", "moe", "--topk", "0"}, 2, "--top-k 0: want a positive number"},
+		{"bad device", []string{"bench", "moe", "--device", "tpu"}, 2, `--device "tpu"`},
+		{"not batch invariant", moeArgs("--batch-invariant=false"), 2, "--batch-invariant=false: the cpu backend has no atomic"},
+		{"top-k above experts", moeArgs("--topk", "5"), 1, "top-5 of 4 experts"},
+		{"refit bad activation", []string{"bench", "refit", "--activation", "gelu"}, 2, `--activation "gelu"`},
+		{"refit no experts", []string{"bench", "refit", "--experts", "0"}, 2, "--experts 0: want a positive number"},
+		{"refit zero iters", []string{"bench", "refit", "--iters", "0"}, 2, "--iters 0: want a positive number"},
+		{"refit positional", []string{"bench", "refit", "extra"}, 2, `unexpected argument "extra"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var stdout, stderr bytes.Buffer

@@ -93,10 +93,12 @@ func TestScoreErrors(t *testing.T) {
 		{"malformed json", []string{"score", "--model", dir, "--tokens", write("b.json", `{"sequences":[[1,2]`)}, 1, "b.json"},
 		{"no sequences", []string{"score", "--model", dir, "--tokens", write("c.json", `{"sequences":[]}`)}, 1, "no sequences"},
 		{"token out of vocabulary", []string{"score", "--model", dir, "--tokens", write("d.json", `{"sequences":[[1,256]]}`)}, 1, "outside the vocabulary"},
-		{"cuda", []string{"score", "--model", dir, "--tokens", write("e.json", `{"sequences":[[1,2]]}`), "--device", "cuda"}, 1, "no CUDA backend"},
+		{"cuda", []string{"score", "--model", dir, "--tokens", write("e.json", `{"sequences":[[1,2]]}`), "--device", "cuda"}, 1, "--device cuda: cuda: dlopen libcuda-missing.so"},
 		{"missing model", []string{"score", "--model", filepath.Join(tmp, "nope"), "--tokens", write("f.json", `{"sequences":[[1,2]]}`)}, 1, "nope"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			// No driver, here or on a GPU host: --device cuda must fail clearly.
+			t.Setenv("ROLLOUT_WORKER_LIBCUDA", "libcuda-missing.so")
 			var stdout, stderr bytes.Buffer
 			if code := run(context.Background(), tc.args, &stdout, &stderr); code != tc.code || !strings.Contains(stderr.String(), tc.want) {
 				t.Fatalf("exit %d (want %d), stderr %q (want %q)", code, tc.code, stderr.String(), tc.want)

@@ -15,11 +15,17 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 )
 
+// DefaultMaxPayload is the embedded server's max_payload unless Config
+// says otherwise: 8 MiB rather than the NATS default of 1 MiB, so that refit
+// chunks (which follow max_payload, up to refit.MaxChunkBytes) are large
+// and few; per-message costs of JetStream were a large part of a refit.
+const DefaultMaxPayload = 8 << 20
+
 // Config configures an embedded server.
 type Config struct {
 	Port       int    // 0: a free port
 	StoreDir   string // JetStream files; "" makes a temporary directory, removed on Shutdown
-	MaxPayload int32  // 0: 1 MiB (the NATS default)
+	MaxPayload int32  // 0: DefaultMaxPayload
 }
 
 // Server is a running embedded server.
@@ -38,6 +44,9 @@ func Start(cfg Config) (*Server, error) {
 			return nil, fmt.Errorf("natsembed: %w", err)
 		}
 		cfg.StoreDir, s.tempDir = dir, dir
+	}
+	if cfg.MaxPayload == 0 {
+		cfg.MaxPayload = DefaultMaxPayload
 	}
 	port := cfg.Port
 	if port == 0 {

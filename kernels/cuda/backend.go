@@ -54,9 +54,10 @@ type Backend struct {
 	errw   drv.DevicePtr // the device error word (see errors.go)
 	arrive drv.DevicePtr // grid-barrier counters of quant_stack, arriveWords of them
 	coop   int           // quant_stack blocks per launch (all resident at once)
-	// unfusedQuant makes per-matrix Quantize take the three-kernel path
-	// (amax, rows, scales) instead of quant_stack: tests compare the two.
-	unfusedQuant bool
+	// quantGroups is the number of block groups quant_stack runs (matrices
+	// in flight at once); 0 takes the three-kernel path (amax, blocks,
+	// scales) instead. Tests compare them.
+	quantGroups int
 	pinned       [2][]byte
 	events       [2]*drv.Event
 	busy         [2]bool // a copy from pinned[i] may still be in flight
@@ -140,6 +141,7 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 			return err
 		}
 		be.coop = max(1, perSM) * be.info.SMs
+		be.quantGroups = 4
 		for i := range be.pinned {
 			if be.pinned[i], err = c.HostAlloc(cfg.StagingBytes); err != nil {
 				return err

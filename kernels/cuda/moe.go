@@ -194,26 +194,27 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 				ptr(a.Dst.Scale), int32(s.Mats), uint32(0)); err != nil {
 				return err
 			}
-			if s.Mats <= arriveWords && !be.unfusedQuant {
+			if s.Mats <= arriveWords && be.quantGroups > 0 {
 				return be.quantStack(a, s, vec)
 			}
 			per := s.Rows * s.K
-			blocks := min((per+256*16-1)/(256*16), 1024)
-			if err := be.launch("quant_amax", drv.Dim3{X: blocks, Y: s.Mats}, drv.Dim3{X: 256}, 0,
-				ptr(a.Src), ptr(a.Dst.Scale), int64(per)); err != nil {
+			blocks := min((per/8+256*4-1)/(256*4), 1024)
+			if err := be.launch("quant_amax", drv.Dim3{X: max(blocks, 1), Y: s.Mats}, drv.Dim3{X: 256}, 0,
+				ptr(a.Src), ptr(a.Dst.Scale), int64(per), vec); err != nil {
 				return err
 			}
-		}
-		if err := be.launch("quant_rows", drv.Dim3{X: (rows + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
-			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), perRow,
-			int32(rows), int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
-			return err
-		}
-		if perRow == 0 {
+			nblocks := rows * (s.Kp / 16)
+			if err := be.launch("quant_blocks", drv.Dim3{X: min((nblocks+255)/256, 65535)}, drv.Dim3{X: 256}, 0,
+				ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int64(nblocks),
+				int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
+				return err
+			}
 			return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
 				ptr(a.Dst.Scale), int32(s.Mats))
 		}
-		return nil
+		return be.launch("quant_rows", drv.Dim3{X: (rows + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
+			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), perRow,
+			int32(rows), int32(s.Rows), int32(s.K), int32(s.Kp), vec)
 	})
 }
 
@@ -235,12 +236,14 @@ func (be *Backend) quantStack(a kernels.QuantizeArgs, s kernels.QuantizeShape, v
 	if err != nil {
 		return err
 	}
-	// No more blocks than there is work for: each thread takes a block of 16.
-	work := (s.Rows*s.Kp/16 + quantStackThreads - 1) / quantStackThreads
-	grid := max(1, min(be.coop, work))
+	// groups equal groups of blocks, each no larger than its work (a thread
+	// takes a block of 16), all resident at once.
+	groups := min(be.quantGroups, s.Mats)
+	per := max(1, min(be.coop/groups, (s.Rows*s.Kp/16+quantStackThreads-1)/quantStackThreads))
+	grid := groups * per
 	if err := f.LaunchCooperative(drv.Dim3{X: grid}, drv.Dim3{X: quantStackThreads}, 0, be.stream,
 		ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), be.arrive,
-		int32(s.Mats), int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
+		int32(s.Mats), int32(s.Rows), int32(s.K), int32(s.Kp), vec, int32(groups)); err != nil {
 		return err
 	}
 	return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0, ptr(a.Dst.Scale), int32(s.Mats))

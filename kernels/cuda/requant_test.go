@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"bytes"
+	"fmt"
 	"testing"
 	"time"
 
@@ -34,22 +35,23 @@ func TestRequantizeLayer(t *testing.T) {
 	bytesMoved := float64(len(w.FC1)+len(w.FC2)) + float64(2*E*H*I)*(0.5+1.0/16) + 8*float64(E)
 	floor := time.Duration(bytesMoved / 4.3e12 * 1e9)
 	var fused time.Duration
-	for _, unfused := range []bool{true, false} { // the fused kernel last: its copies are checked below
-		be.unfusedQuant = unfused
+	// The default path last: its copies are checked below.
+	def := be.quantGroups
+	for _, groups := range []int{0, 1, 2, 8, def} {
+		be.quantGroups = groups
 		d, err := be.Time(iters, func() error { return l.Requantize() })
-		be.unfusedQuant = false
+		be.quantGroups = def
 		if err != nil {
 			t.Fatal(err)
 		}
 		if err := be.Sync(); err != nil {
 			t.Fatal(err)
 		}
-		path := "fused (quant_stack)"
-		if unfused {
+		path := fmt.Sprintf("fused quant_stack, %d groups", groups)
+		if groups == 0 {
 			path = "three kernels"
-		} else {
-			fused = d
 		}
+		fused = d
 		t.Logf("requantize 32 experts %dx%d, %s: %v per layer (mean of %d), floor %v (%.0f MB at 4.3 TB/s): %.2fx the floor, %.2f TB/s",
 			H, I, path, d, iters, floor, bytesMoved/1e6, float64(d)/float64(floor), bytesMoved/d.Seconds()/1e12)
 	}

@@ -1,11 +1,13 @@
 // Package moebench measures the MoE layer: every recipe on the same random
 // weights and the same rotating inputs, side by side in one run, with each
-// NVFP4 recipe's accuracy against the BF16 recipe. It also holds the seeded
-// weights, inputs and cosine similarity that the layer's tests use.
+// NVFP4 recipe's accuracy against the BF16 recipe and its time against the
+// floor of shared/TARGETS.md; and the refit requantization of one layer
+// against its floor, checked bit for bit. It also holds the seeded weights,
+// inputs and cosine similarity that the layer's tests use.
 //
-// Run builds its layers on the backend it is given and frees them before it
-// returns; it must be called from the goroutine that owns the backend. The
-// other functions are pure.
+// Run and RunRefit build their layers on the backend they are given and
+// free them before they return; they must be called from the goroutine that
+// owns the backend. The other functions are pure.
 package moebench
 
 import (
@@ -15,7 +17,6 @@ import (
 	"io"
 	"math/rand/v2"
 	"slices"
-	"text/tabwriter"
 	"time"
 
 	"github.com/rollout-worker/rollout-worker/kernels"
@@ -27,10 +28,18 @@ type Config struct {
 	Layer   moe.Config   // shape, activation, scoring; Recipe and MaxTokens are set per case
 	Tokens  []int        // batch sizes
 	Recipes []moe.Recipe // distinct; must include bf16, the accuracy reference
-	Iters   int          // timed forwards per case (mean reported)
-	Warmup  int          // untimed forwards per case
-	Inputs  int          // distinct input batches rotated through
-	Seed    uint64
+	Iters   int          // timed forwards (graph replays) per case; the mean is reported
+	Warmup  int          // untimed forwards per case, after one per input for accuracy
+	// Inputs is the number of distinct input batches rotated through: with
+	// 4 or more, consecutive forwards route to different experts, so the
+	// weights they read are not still in L2 from the previous one.
+	Inputs int
+	Seed   uint64
+	// Eager issues the layer's ops one by one even when the backend can
+	// capture graphs. By default the forward of each input is captured once
+	// and the graphs are replayed round-robin: the launch overhead of a
+	// dozen ops is what graphs remove in serving, so it is not timed.
+	Eager bool
 }
 
 // Result is one (tokens, recipe) measurement.
@@ -38,14 +47,49 @@ type Result struct {
 	Tokens  int
 	Recipe  moe.Recipe
 	Mean    time.Duration // per forward
-	CosMean float64       // per-token cosine to the BF16 recipe (1 for bf16)
+	CosMean float64       // per-token cosine to the BF16 recipe over every input (1 for bf16)
 	CosMin  float64
+	Floor   Floor  // the NVFP4 floor at this batch size, the same for every recipe
+	Timing  string // how Mean was measured: "graphs" or "eager", then "events" or "wall"
+}
+
+// eventTimer is implemented by backends that time enqueued work on the
+// device (the CUDA backend, with events): fn is called n times and the
+// device time per call comes back, without the host's launch gaps.
+type eventTimer interface {
+	Time(n int, fn func() error) (time.Duration, error)
+}
+
+// measure returns the mean time of n calls of fn, with the backend's event
+// timer when it has one, else by the wall clock between two Syncs, and
+// which of the two it used.
+func measure(be kernels.Backend, n int, fn func() error) (time.Duration, string, error) {
+	if t, ok := be.(eventTimer); ok {
+		d, err := t.Time(n, fn)
+		if err == nil {
+			err = be.Sync() // execution errors of the timed work surface here
+		}
+		return d, "events", err
+	}
+	if err := be.Sync(); err != nil {
+		return 0, "", err
+	}
+	start := time.Now()
+	for range n {
+		if err := fn(); err != nil {
+			return 0, "", err
+		}
+	}
+	if err := be.Sync(); err != nil {
+		return 0, "", err
+	}
+	return time.Since(start) / time.Duration(n), "wall", nil
 }
 
 // Run measures every recipe at every batch size.
 func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer) (results []Result, err error) {
-	if len(cfg.Tokens) == 0 || len(cfg.Recipes) == 0 || cfg.Iters < 1 || cfg.Inputs < 1 {
-		return nil, fmt.Errorf("moebench: need tokens, recipes, iters >= 1 and inputs >= 1")
+	if len(cfg.Tokens) == 0 || len(cfg.Recipes) == 0 || cfg.Iters < 1 || cfg.Inputs < 1 || cfg.Warmup < 0 {
+		return nil, fmt.Errorf("moebench: need tokens, recipes, iters >= 1, warmup >= 0 and inputs >= 1")
 	}
 	if !slices.Contains(cfg.Recipes, moe.RecipeBF16) {
 		return nil, fmt.Errorf("moebench: recipes %v must include %q, the accuracy reference", cfg.Recipes, moe.RecipeBF16)
@@ -60,13 +104,13 @@ func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer
 			return nil, fmt.Errorf("moebench: batch of %d tokens", T)
 		}
 	}
-	w := RandomWeights(cfg.Layer, cfg.Seed)
 	layers := make(map[moe.Recipe]*moe.Layer)
 	defer func() {
 		for _, l := range layers {
 			err = errors.Join(err, l.Close())
 		}
 	}()
+	w := RandomWeightsFast(cfg.Layer, cfg.Seed)
 	for _, rc := range cfg.Recipes {
 		lc := cfg.Layer
 		lc.Recipe, lc.MaxTokens = rc, slices.Max(cfg.Tokens)
@@ -79,6 +123,7 @@ func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer
 			return nil, fmt.Errorf("moebench: load %s layer: %w", rc, err)
 		}
 	}
+	w = Weights{}                                // 15 GB of host memory at the seed's shapes
 	inputs := rand.New(rand.NewPCG(cfg.Seed, 2)) // weights use cfg.Seed alone
 	for _, T := range cfg.Tokens {
 		res, err := runTokens(ctx, be, cfg, layers, inputs, T, progress)
@@ -111,115 +156,117 @@ func runTokens(ctx context.Context, be kernels.Backend, cfg Config, layers map[m
 			return nil, err
 		}
 	}
-	outputs := map[moe.Recipe][]float64{}
+	floor := ForwardFloor(cfg.Layer, T)
+	outputs := map[moe.Recipe][]byte{}
 	for _, rc := range cfg.Recipes {
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
-		l := layers[rc]
-		// Accuracy on input 0, then timing over the rotation.
-		if err := l.Forward(outs[0], ins[0]); err != nil {
-			return nil, err
+		res, out, err := runRecipe(be, cfg, layers[rc], ins, outs)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", rc, err)
 		}
-		if outputs[rc], err = readBF16(be, outs[0]); err != nil {
-			return nil, err
-		}
-		for i := range cfg.Warmup {
-			if err := l.Forward(outs[i%cfg.Inputs], ins[i%cfg.Inputs]); err != nil {
-				return nil, err
-			}
-		}
-		if err := be.Sync(); err != nil {
-			return nil, err
-		}
-		start := time.Now()
-		for i := range cfg.Iters {
-			if err := l.Forward(outs[i%cfg.Inputs], ins[i%cfg.Inputs]); err != nil {
-				return nil, err
-			}
-		}
-		if err := be.Sync(); err != nil {
-			return nil, err
-		}
-		res := Result{Tokens: T, Recipe: rc, Mean: time.Since(start) / time.Duration(cfg.Iters)}
-		res.CosMean, res.CosMin = 1, 1
+		res.Tokens, res.Recipe, res.Floor = T, rc, floor
+		outputs[rc] = out
 		results = append(results, res)
 		if progress != nil {
-			fmt.Fprintf(progress, "  tokens %5d  %-11s %v\n", T, rc, res.Mean)
+			fmt.Fprintf(progress, "  tokens %5d  %-11s %10.1f us  (%s)\n", T, RecipeName(rc), us(res.Mean), res.Timing)
 		}
 	}
 	for i := range results {
-		results[i].CosMean, results[i].CosMin = Cosines(outputs[results[i].Recipe], outputs[moe.RecipeBF16], H)
+		var s cosineStats
+		s.add(outputs[results[i].Recipe], outputs[moe.RecipeBF16], H)
+		results[i].CosMean, results[i].CosMin = s.result()
 	}
 	return results, nil
 }
 
-// Table writes one row per batch size: each recipe's mean time and each
-// NVFP4 recipe's speed-up over BF16 and accuracy.
-func Table(w io.Writer, results []Result) error {
-	var recipes []moe.Recipe
-	var tokens []int
-	byKey := map[[2]any]Result{}
-	for _, r := range results {
-		if !slices.Contains(recipes, r.Recipe) {
-			recipes = append(recipes, r.Recipe)
-		}
-		if !slices.Contains(tokens, r.Tokens) {
-			tokens = append(tokens, r.Tokens)
-		}
-		byKey[[2]any{r.Tokens, r.Recipe}] = r
+// runRecipe times one layer over the rotating inputs and returns its
+// outputs for every input, concatenated (the accuracy comparison).
+func runRecipe(be kernels.Backend, cfg Config, l *moe.Layer, ins, outs []*kernels.Buffer) (res Result, out []byte, err error) {
+	step, cleanup, mode, err := forwards(be, l, ins, outs, cfg.Eager)
+	if err != nil {
+		return res, nil, err
 	}
-	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprint(tw, "tokens\t")
-	for _, rc := range recipes {
-		fmt.Fprintf(tw, "%s (ms)\t", rc)
-	}
-	for _, rc := range recipes {
-		if rc != moe.RecipeBF16 {
-			fmt.Fprintf(tw, "bf16/%s\tcos mean\tcos min\t", rc)
+	defer func() { err = errors.Join(err, cleanup()) }()
+	// One forward per input, checked on the host: the graphs compute what
+	// they are timed computing.
+	for i := range ins {
+		if err := step(i); err != nil {
+			return res, nil, err
 		}
 	}
-	fmt.Fprintln(tw)
-	for _, T := range tokens {
-		fmt.Fprintf(tw, "%d\t", T)
-		for _, rc := range recipes {
-			fmt.Fprintf(tw, "%.3f\t", ms(byKey[[2]any{T, rc}].Mean))
-		}
-		base := byKey[[2]any{T, moe.RecipeBF16}].Mean
-		for _, rc := range recipes {
-			if rc == moe.RecipeBF16 {
-				continue
-			}
-			r := byKey[[2]any{T, rc}]
-			fmt.Fprintf(tw, "%.2fx\t%.4f\t%.4f\t", float64(base)/float64(r.Mean), r.CosMean, r.CosMin)
-		}
-		fmt.Fprintln(tw)
-	}
-	return tw.Flush()
-}
-
-// CSV writes the results as comma-separated values with a header.
-func CSV(w io.Writer, results []Result) error {
-	if _, err := fmt.Fprintln(w, "tokens,recipe,mean_us,cos_mean,cos_min"); err != nil {
-		return err
-	}
-	for _, r := range results {
-		if _, err := fmt.Fprintf(w, "%d,%s,%.3f,%.6f,%.6f\n", r.Tokens, r.Recipe, float64(r.Mean.Nanoseconds())/1e3, r.CosMean, r.CosMin); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func ms(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e6 }
-
-func readBF16(be kernels.Backend, b *kernels.Buffer) ([]float64, error) {
 	if err := be.Sync(); err != nil {
-		return nil, err
+		return res, nil, err
 	}
-	raw := make([]byte, b.Size())
-	if err := be.Download(raw, b, 0); err != nil {
-		return nil, err
+	for _, o := range outs {
+		b := make([]byte, o.Size())
+		if err := be.Download(b, o, 0); err != nil {
+			return res, nil, err
+		}
+		out = append(out, b...)
 	}
-	return Floats(raw), nil
+	for i := range cfg.Warmup {
+		if err := step(i % len(ins)); err != nil {
+			return res, nil, err
+		}
+	}
+	next := 0
+	mean, timer, err := measure(be, cfg.Iters, func() error {
+		err := step(next % len(ins))
+		next++
+		return err
+	})
+	if err != nil {
+		return res, nil, err
+	}
+	return Result{Mean: mean, Timing: mode + "+" + timer}, out, nil
 }
+
+// forwards returns step(i), which runs the layer on input i into output i:
+// by replaying a graph captured once per input when the backend is a
+// kernels.Capturer (and eager is false), else by calling Forward. cleanup
+// destroys the graphs.
+func forwards(be kernels.Backend, l *moe.Layer, ins, outs []*kernels.Buffer, eager bool) (step func(int) error, cleanup func() error, mode string, err error) {
+	capt, ok := be.(kernels.Capturer)
+	if !ok || eager {
+		return func(i int) error { return l.Forward(outs[i], ins[i]) }, func() error { return nil }, "eager", nil
+	}
+	var graphs []kernels.Graph
+	cleanup = func() error {
+		var errs []error
+		for _, g := range graphs {
+			errs = append(errs, g.Destroy())
+		}
+		return errors.Join(errs...)
+	}
+	for i := range ins {
+		if err := capt.BeginCapture(); err != nil {
+			return nil, nil, "", errors.Join(fmt.Errorf("capture input %d: %w", i, err), cleanup())
+		}
+		// EndCapture runs even when Forward failed: it ends the capture
+		// and reports the error of the op that poisoned it.
+		ferr := l.Forward(outs[i], ins[i])
+		g, err := capt.EndCapture()
+		if err = errors.Join(ferr, err); err != nil {
+			if g != nil {
+				err = errors.Join(err, g.Destroy())
+			}
+			return nil, nil, "", errors.Join(fmt.Errorf("capture input %d: %w", i, err), cleanup())
+		}
+		graphs = append(graphs, g)
+	}
+	return func(i int) error { return graphs[i].Launch() }, cleanup, "graphs", nil
+}
+
+// RecipeName is the name a recipe goes by in the benchmark's output and on
+// its command line: the per-token NVFP4 recipe is "nvfp4", the one that
+// TARGETS.md means by NVFP4.
+func RecipeName(r moe.Recipe) string {
+	if r == moe.RecipePerToken {
+		return "nvfp4"
+	}
+	return string(r)
+}
+
+func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }

@@ -318,6 +318,7 @@ model_attention(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const 
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) tsum = __fadd_rn(tsum, __shfl_xor_sync(MODEL_FULL, tsum, o));
+            __syncwarp(); // every lane has read mS[g] before lane 0 replaces it
             if (lane == 0) {
                 const float alpha = expf(__fsub_rn(mOld, mNew)); // 0 on the first tile
                 aS[g] = alpha;

@@ -8,16 +8,36 @@ extern "C" __global__ void fill_u32(unsigned *p, int n, unsigned v) {
 
 // ---- Quantize ----
 
+// amax8 returns the largest BF16 magnitude (as bits) of eight packed values.
+__device__ __forceinline__ unsigned amax8(uint4 q) {
+    unsigned w = __vmaxu2(__vmaxu2(q.x & 0x7fff7fffu, q.y & 0x7fff7fffu), __vmaxu2(q.z & 0x7fff7fffu, q.w & 0x7fff7fffu));
+    return max(w & 0xffffu, w >> 16);
+}
+
 // quant_amax folds max|x| of matrix blockIdx.y (per elements) into
 // amax[blockIdx.y] as FP32 bits. BF16 magnitudes shifted left by 16 are
 // their FP32 bits, which order like the values (NaN above Inf, so NaN
 // propagates), and an integer atomic max is order-free: deterministic.
-extern "C" __global__ void quant_amax(const bf16_t *src, unsigned *amax, long long per) {
+extern "C" __global__ void quant_amax(const bf16_t *src, unsigned *amax, long long per, int vec) {
     __shared__ unsigned scratch[32];
     const bf16_t *m = src + (long long)blockIdx.y * per;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned v = 0;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < per; i += (long long)gridDim.x * blockDim.x)
-        v = max(v, (unsigned)(m[i] & 0x7fff));
+    if (vec) { // per % 8 == 0, 16-byte aligned: eight values a load, four loads in flight
+        const uint4 *p = reinterpret_cast<const uint4 *>(m);
+        const long long n = per / 8;
+        for (; i + 3 * stride < n; i += 4 * stride) {
+            uint4 q[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) q[u] = p[i + u * stride];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v = max(v, amax8(q[u]));
+        }
+        for (; i < n; i += stride) v = max(v, amax8(p[i]));
+    } else {
+        for (; i < per; i += stride) v = max(v, (unsigned)(m[i] & 0x7fff));
+    }
     v = block_reduce(v, scratch, OpMax());
     if (threadIdx.x == 0) atomicMax(&amax[blockIdx.y], v << 16);
 }
@@ -95,56 +115,53 @@ extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, 
 // after it.
 extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src, unsigned char *packed, unsigned char *scales,
                                                              unsigned *amax, unsigned *arrive, int mats, int rowsPerMat,
-                                                             int k, int kp, int vec) {
+                                                             int k, int kp, int vec, int groups) {
     __shared__ unsigned scratch[32];
     __shared__ unsigned s_amax;
+    // Block group g (of `groups` equal groups) takes matrices g, g+groups,
+    // ...: groups at different phases overlap the memory-bound amax pass of
+    // one matrix with the compute-bound quantization of another, and only
+    // `groups` matrices are in L2 at a time.
+    const int G = gridDim.x / groups, g = blockIdx.x / G;
+    if (g >= groups) return; // the remainder of an uneven grid
     const long long per = (long long)rowsPerMat * k;
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
-    const long long gtid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)G * blockDim.x;
+    const long long gtid = (long long)(blockIdx.x - g * G) * blockDim.x + threadIdx.x;
     const int nb = kp / 16;
     const long long blocksPer = (long long)rowsPerMat * nb;
-    for (int m = 0; m < mats; m++) {
+    for (int m = g; m < mats; m += groups) {
         const bf16_t *ms = src + (long long)m * per;
         unsigned v = 0;
+        long long i = gtid;
         if (vec) { // per % 8 == 0 and 16-byte aligned rows
             const uint4 *p = reinterpret_cast<const uint4 *>(ms);
             const long long n = per / 8;
-            long long i = gtid;
             for (; i + 3 * nthreads < n; i += 4 * nthreads) {
                 uint4 q[4];
 #pragma unroll
                 for (int u = 0; u < 4; u++) q[u] = p[i + u * nthreads];
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    unsigned w[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-#pragma unroll
-                    for (int j = 0; j < 4; j++) v = max(v, max(w[j] & 0x7fffu, (w[j] >> 16) & 0x7fffu));
-                }
+                for (int u = 0; u < 4; u++) v = max(v, amax8(q[u]));
             }
-            for (; i < n; i += nthreads) {
-                uint4 q = p[i];
-                unsigned w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                for (int j = 0; j < 4; j++) v = max(v, max(w[j] & 0x7fffu, (w[j] >> 16) & 0x7fffu));
-            }
+            for (; i < n; i += nthreads) v = max(v, amax8(p[i]));
         } else {
-            for (long long i = gtid; i < per; i += nthreads) v = max(v, (unsigned)(ms[i] & 0x7fff));
+            for (; i < per; i += nthreads) v = max(v, (unsigned)(ms[i] & 0x7fff));
         }
         v = block_reduce(v, scratch, OpMax());
         if (threadIdx.x == 0) {
             atomicMax(&amax[m], v << 16);
             __threadfence();
             atomicAdd(&arrive[m], 1u);
-            while (atomicAdd(&arrive[m], 0u) < gridDim.x) __nanosleep(64);
+            while (atomicAdd(&arrive[m], 0u) < (unsigned)G) __nanosleep(32);
             s_amax = atomicAdd(&amax[m], 0u);
         }
         __syncthreads();
         float senc, sdec;
         encode_scale(__uint_as_float(s_amax), &senc, &sdec);
         const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
-        for (long long i = gtid; i < blocksPer; i += nthreads) {
-            const long long row = (long long)m * rowsPerMat + i / nb;
-            const int b = (int)(i % nb);
+        for (long long j = gtid; j < blocksPer; j += nthreads) {
+            const long long row = (long long)m * rowsPerMat + j / nb;
+            const int b = (int)(j % nb);
             bf16_t x[16];
             load_block(x, src + row * k, b, k, vec);
             unsigned lo, hi;
@@ -152,6 +169,26 @@ extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src,
             *reinterpret_cast<uint2 *>(packed + row * (kp / 2) + b * 8) = make_uint2(lo, hi);
             scales[row * nb + b] = (unsigned char)sf;
         }
+    }
+}
+
+// quant_blocks quantizes with one global scale per matrix, one 16-element
+// block per thread (coalesced 32-byte reads, 8-byte writes); scale[m] holds
+// the matrix amax as FP32 bits.
+extern "C" __global__ void quant_blocks(const bf16_t *src, unsigned char *packed, unsigned char *scales, const unsigned *amax,
+                                        long long nblocks, int rowsPerMat, int k, int kp, int vec) {
+    const int nb = kp / 16;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nblocks; i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / nb;
+        const int b = (int)(i - row * nb);
+        float senc, sdec;
+        encode_scale(__uint_as_float(amax[row / rowsPerMat]), &senc, &sdec);
+        bf16_t x[16];
+        load_block(x, src + row * k, b, k, vec);
+        unsigned lo, hi;
+        unsigned sf = quant_block(x, __fmul_rn(senc, NVFP4_INV6), sdec, &lo, &hi);
+        *reinterpret_cast<uint2 *>(packed + row * (kp / 2) + b * 8) = make_uint2(lo, hi);
+        scales[i] = (unsigned char)sf;
     }
 }
 

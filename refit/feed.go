@@ -1,0 +1,373 @@
+package refit
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+)
+
+// DefaultLiveIdle is how long a receiver waits for the next live chunk
+// before it fetches the rest of the version from the stream instead.
+const DefaultLiveIdle = 250 * time.Millisecond
+
+// The live path (PROTOCOL.md, "Worker behaviour"): a JetStream publish is
+// also delivered to the core-NATS subscribers of its subject, so a worker
+// that subscribes to refit.<model>.v.* gets every chunk as the server
+// receives it, without the stream's store-then-redeliver round (which is
+// what limited throughput: docs/REFIT.md, "Throughput"). Core NATS drops
+// what it cannot deliver and does not replay, so the live path is only a
+// fast path: a chunk that is missing, out of order or fails a check sends
+// the receiver to the stream for the rest of the version, and the
+// manifest's SHA-256 is checked whatever path the bytes came by. The
+// stream stays the store of record for late joiners, gaps and restarts.
+
+// liveSub is the receiver's core-NATS subscription to every version
+// subject of its model. Run owns it (subscribes before it watches the
+// bucket, so no chunk of an announced version is published before it, and
+// unsubscribes on return); receive reads it. The subscription's pending
+// limit bounds by bytes what waits to be read: beyond it NATS drops chunks
+// and the receiver falls back to the stream.
+type liveSub struct {
+	sub *nats.Subscription
+	// stash is a chunk of a later version read while receiving an earlier
+	// one: the next receive starts with it.
+	stash *nats.Msg
+}
+
+// subscribeLive subscribes to the model's version subjects and waits until
+// the server has the subscription.
+func (r *Receiver) subscribeLive(ctx context.Context) (*liveSub, error) {
+	sub, err := r.nc.SubscribeSync(StreamSubjects(r.cfg.Model))
+	if err != nil {
+		return nil, fmt.Errorf("refit: receiver: subscribe to %s: %w", StreamSubjects(r.cfg.Model), err)
+	}
+	// Unlimited messages, bounded bytes: chunk sizes vary with max_payload.
+	if err := sub.SetPendingLimits(-1, r.cfg.MaxBytes); err != nil {
+		sub.Unsubscribe()
+		return nil, fmt.Errorf("refit: receiver: live pending limits: %w", err)
+	}
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Second) // a flush needs a deadline
+	defer cancel()
+	if err := r.nc.FlushWithContext(fctx); err != nil {
+		sub.Unsubscribe()
+		return nil, fmt.Errorf("refit: receiver: subscribe to %s: flush: %w", StreamSubjects(r.cfg.Model), err)
+	}
+	return &liveSub{sub: sub}, nil
+}
+
+// close unsubscribes. An error (a closed connection) leaves nothing to
+// undo: the subscription goes with the connection.
+func (l *liveSub) close() { _ = l.sub.Unsubscribe() }
+
+// next returns the next live message, the stashed one first.
+func (l *liveSub) next(ctx context.Context) (*nats.Msg, error) {
+	if m := l.stash; m != nil {
+		l.stash = nil
+		return m, nil
+	}
+	return l.sub.NextMsgWithContext(ctx)
+}
+
+// feedChunk is one verified chunk, in order.
+type feedChunk struct {
+	Chunk
+	data []byte
+}
+
+// chunkFeed yields the chunks of one version in order, each verified
+// against the chunks before it (sequence, offset, totals, CRC-32C): from
+// the live subscription while it keeps up, then from an ordered JetStream
+// consumer on the version's subject. It belongs to one receive call, which
+// must call close.
+type chunkFeed struct {
+	r       *Receiver
+	a       Announce
+	subject string
+	log     *zap.Logger
+
+	live *liveSub // nil once the feed has switched to the stream
+
+	// The stream consumer, once opened.
+	msgs    chan jetstream.Msg
+	stopper func()
+	resume  int // the chunk the stream must deliver next; earlier ones are skipped until it comes
+	synced  bool
+	timer   *time.Timer
+	fromJS  int // chunks taken from the stream
+	fromNet int // chunks taken live
+}
+
+// newFeed prepares the feed of version a: live first when live is given.
+func (r *Receiver) newFeed(a Announce, live *liveSub) *chunkFeed {
+	return &chunkFeed{r: r, a: a, subject: VersionSubject(r.cfg.Model, a.Version), live: live,
+		log: r.log.With(zap.Uint64("version", a.Version))}
+}
+
+// close stops the stream consumer, if any.
+func (f *chunkFeed) close() {
+	if f.stopper != nil {
+		f.stopper()
+		f.stopper = nil
+	}
+	if f.timer != nil {
+		f.timer.Stop()
+	}
+}
+
+// expect is what the next chunk must be; total < 0 while unknown.
+type expect struct {
+	seq    int
+	offset int64
+	total  int64
+	chunks int
+}
+
+// check verifies a chunk against what is expected of it.
+func (f *chunkFeed) check(c Chunk, data []byte, want expect) error {
+	switch {
+	case c.Version != f.a.Version:
+		return fmt.Errorf("chunk of version %d on the subject of version %d", c.Version, f.a.Version)
+	case c.Seq != want.seq || c.Offset != want.offset:
+		return fmt.Errorf("version %d: chunk %d at offset %d, want chunk %d at offset %d", f.a.Version, c.Seq, c.Offset, want.seq, want.offset)
+	case want.total >= 0 && (c.Total != want.total || c.Chunks != want.chunks):
+		return fmt.Errorf("version %d: chunk %d says %d bytes in %d chunks, earlier chunks said %d in %d", f.a.Version, c.Seq, c.Total, c.Chunks, want.total, want.chunks)
+	}
+	return c.Verify(data)
+}
+
+// next returns the chunk want describes, verified. A live chunk that is not
+// it (a gap, a failed check) or a live path that goes quiet switches the
+// feed to the stream, which then decides: there a chunk that fails a check
+// is an error, and so is silence for ChunkTimeout.
+func (f *chunkFeed) next(ctx context.Context, want expect) (feedChunk, error) {
+	for f.live != nil {
+		c, data, skip, why := f.nextLive(ctx, want)
+		if ctx.Err() != nil {
+			return feedChunk{}, ctx.Err()
+		}
+		if skip {
+			continue
+		}
+		if why == "" {
+			f.fromNet++
+			return feedChunk{Chunk: c, data: data}, nil
+		}
+		f.log.Info("refit: fetching the rest of the version from the stream", zap.Int("from_chunk", want.seq),
+			zap.Int("live_chunks", f.fromNet), zap.String("why", why))
+		if err := f.toStream(ctx, want.seq); err != nil {
+			return feedChunk{}, err
+		}
+	}
+	if f.msgs == nil { // no live path for this version
+		if err := f.toStream(ctx, want.seq); err != nil {
+			return feedChunk{}, err
+		}
+	}
+	return f.nextStored(ctx, want)
+}
+
+// nextLive reads one live message. It returns the chunk when it is the one
+// wanted (why empty), skip for a message to ignore (another version's, a
+// resent chunk already received), or why the live path cannot go on.
+func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []byte, skip bool, why string) {
+	lctx, cancel := context.WithTimeout(ctx, f.r.cfg.LiveIdle)
+	msg, err := f.live.next(lctx)
+	cancel()
+	switch {
+	case ctx.Err() != nil:
+		return c, nil, false, "stopping"
+	case errors.Is(err, context.DeadlineExceeded):
+		return c, nil, false, fmt.Sprintf("no live chunk for %v", f.r.cfg.LiveIdle)
+	case errors.Is(err, nats.ErrSlowConsumer):
+		return c, nil, false, "live chunks were dropped (slow consumer)"
+	case err != nil:
+		return c, nil, false, fmt.Sprintf("live subscription: %v", err)
+	}
+	if msg.Subject != f.subject {
+		if v, ok := versionOfSubject(f.r.cfg.Model, msg.Subject); ok && v > f.a.Version {
+			// A later version has started: this one's live chunks are over.
+			f.live.stash = msg
+			return c, nil, false, fmt.Sprintf("version %d started live", v)
+		}
+		return c, nil, true, "" // an older version's
+	}
+	if f.r.liveHook != nil && f.r.liveHook(msg) {
+		return c, nil, true, "" // tests: lost on the way
+	}
+	c, err = ParseChunk(msg.Header, len(msg.Data))
+	if err != nil {
+		return c, nil, false, fmt.Sprintf("live chunk: %v", err)
+	}
+	if c.Version == f.a.Version && c.Seq < want.seq {
+		return c, nil, true, "" // a chunk sent again after a lost acknowledgement
+	}
+	if err := f.check(c, msg.Data, want); err != nil {
+		return c, nil, false, err.Error()
+	}
+	return c, msg.Data, false, ""
+}
+
+// toStream switches the feed to the stream, from chunk seq on.
+func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
+	f.live = nil
+	stream, err := f.r.js.Stream(ctx, StreamName(f.r.cfg.Model))
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", StreamName(f.r.cfg.Model), err)
+	}
+	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{f.subject}, DeliverPolicy: jetstream.DeliverAllPolicy}
+	if start, ok := f.startSeq(ctx, stream, seq); ok {
+		cfg.DeliverPolicy, cfg.OptStartSeq = jetstream.DeliverByStartSequencePolicy, start
+	}
+	cons, err := stream.OrderedConsumer(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("consumer for version %d: %w", f.a.Version, err)
+	}
+	msgs := make(chan jetstream.Msg, 4)
+	done := make(chan struct{}) // ends a callback blocked on msgs once the feed closes
+	cc, err := cons.Consume(func(m jetstream.Msg) {
+		select {
+		case msgs <- m:
+		case <-done:
+		case <-ctx.Done():
+		}
+	}, jetstream.PullMaxBytes(f.r.cfg.MaxBytes))
+	if err != nil {
+		return fmt.Errorf("consume version %d: %w", f.a.Version, err)
+	}
+	f.msgs, f.resume = msgs, seq
+	f.stopper = func() {
+		cc.Stop()
+		close(done)
+	}
+	f.timer = time.NewTimer(f.r.cfg.ChunkTimeout)
+	return nil
+}
+
+// startSeq finds the stream sequence to replay chunk seq from: chunks are
+// stored in order (Nats-Expected-Last-Msg-Id), so chunk seq is at least
+// seq - c places after chunk c, the subject's first message. Starting
+// there can only deliver chunks at or before seq, which the feed skips.
+// ok is false when the whole subject is to be replayed.
+func (f *chunkFeed) startSeq(ctx context.Context, stream jetstream.Stream, seq int) (uint64, bool) {
+	if seq == 0 {
+		return 0, false
+	}
+	first, err := stream.GetMsg(ctx, 1, jetstream.WithGetMsgSubject(f.subject))
+	if err != nil {
+		return 0, false
+	}
+	c, err := ParseChunk(first.Header, len(first.Data))
+	if err != nil || c.Seq > seq {
+		return 0, false
+	}
+	return first.Sequence + uint64(seq-c.Seq), true
+}
+
+// nextStored reads chunks from the stream until the wanted one; until the
+// chunk the feed switched at arrives, earlier ones (received live) are
+// skipped.
+func (f *chunkFeed) nextStored(ctx context.Context, want expect) (feedChunk, error) {
+	for {
+		var msg jetstream.Msg
+		select {
+		case <-ctx.Done():
+			return feedChunk{}, ctx.Err()
+		case <-f.timer.C:
+			return feedChunk{}, fmt.Errorf("version %d: no chunk for %v after %d of %d bytes (publisher gone?)",
+				f.a.Version, f.r.cfg.ChunkTimeout, want.offset, max(want.total, f.a.TotalBytes))
+		case msg = <-f.msgs:
+		}
+		f.timer.Reset(f.r.cfg.ChunkTimeout)
+		data := msg.Data()
+		c, err := ParseChunk(msg.Headers(), len(data))
+		if err != nil {
+			return feedChunk{}, fmt.Errorf("version %d: %w", f.a.Version, err)
+		}
+		if !f.synced && c.Version == f.a.Version && c.Seq < f.resume {
+			continue // received live already
+		}
+		f.synced = true
+		if err := f.check(c, data, want); err != nil {
+			return feedChunk{}, err
+		}
+		f.fromJS++
+		return feedChunk{Chunk: c, data: data}, nil
+	}
+}
+
+// versionOfSubject parses the version of a version subject of model.
+func versionOfSubject(model, subject string) (uint64, bool) {
+	rest, ok := strings.CutPrefix(subject, "refit."+model+".v.")
+	if !ok {
+		return 0, false
+	}
+	v, err := strconv.ParseUint(rest, 10, 64)
+	return v, err == nil
+}
+
+// digester computes a SHA-256 on its own goroutine, so that the costliest
+// per-byte step of a version runs beside the receive loop (on another core)
+// rather than in it. The slices it is given must not change afterwards
+// (chunk payloads are not reused). The receive call that makes it owns it
+// and must call close; at most depth slices wait to be hashed.
+type digester struct {
+	in    chan []byte
+	out   chan [sha256.Size]byte
+	abort atomic.Bool
+	done  bool
+}
+
+func newDigester(depth int) *digester {
+	d := &digester{in: make(chan []byte, depth), out: make(chan [sha256.Size]byte, 1)}
+	go func() {
+		h := sha256.New()
+		for b := range d.in {
+			if !d.abort.Load() {
+				h.Write(b)
+			}
+		}
+		var sum [sha256.Size]byte
+		h.Sum(sum[:0])
+		d.out <- sum
+	}()
+	return d
+}
+
+// write queues b; it blocks while depth slices wait.
+func (d *digester) write(ctx context.Context, b []byte) error {
+	select {
+	case d.in <- b:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// sum waits for the hash of everything written and stops the goroutine.
+func (d *digester) sum() string {
+	d.done = true
+	close(d.in)
+	s := <-d.out
+	return hex.EncodeToString(s[:])
+}
+
+// close stops the goroutine if sum did not, dropping what is queued.
+func (d *digester) close() {
+	if d.done {
+		return
+	}
+	d.done = true
+	d.abort.Store(true)
+	close(d.in)
+	<-d.out
+}

@@ -1,0 +1,142 @@
+package refit
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/rollout-worker/rollout-worker/internal/stfile"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy"
+	"github.com/rollout-worker/rollout-worker/refit/refittest"
+)
+
+// residentEquals checks that every weight the worker's model holds (the
+// resident BF16 buffers) is byte for byte the tensor of the checkpoint in
+// dir.
+func residentEquals(t *testing.T, what string, m *policy.Model, dir string) {
+	t.Helper()
+	f, err := stfile.Open(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	targets, err := m.Tensors()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tg := range targets {
+		want, err := f.Tensor(tg.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, tg.Size())
+		if err := m.Backend().Download(got, tg.Buffer, tg.Offset); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want.Data) {
+			t.Fatalf("%s: tensor %s differs from the checkpoint", what, tg.Name)
+		}
+	}
+}
+
+// chunkSeq reads a live chunk's Refit-Seq header.
+func chunkSeq(msg *nats.Msg) int {
+	seq, _ := strconv.Atoi(msg.Header.Get(HeaderSeq))
+	return seq
+}
+
+// TestRefitLiveAndFallback: chunks arrive live (core NATS) and whatever the
+// live path misses or gets wrong comes from the stream. Workers that miss
+// the first chunks (a late subscriber), one in the middle, or the last
+// ones, or get a corrupted chunk live, or live bytes that pass the chunk's
+// CRC but not the manifest's digest, all apply the version, bit for bit;
+// a worker that misses nothing takes every chunk live.
+func TestRefitLiveAndFallback(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 30), modelDir(t, 31)
+	stream := subset(t, b, nil)
+	const chunk = 8 << 10
+	n := (len(stream) + chunk - 1) / chunk
+	if n < 8 {
+		t.Fatalf("%d chunks: want at least 8", n)
+	}
+	type want int
+	const (
+		allLive   want = iota // every chunk live
+		mixed                 // some live, the rest from the stream
+		allStored             // the whole version from the stream
+	)
+	cases := []struct {
+		name string
+		hook func(msg *nats.Msg) bool
+		want want
+	}{
+		{"live", nil, allLive},
+		{"late subscriber", func(msg *nats.Msg) bool { return chunkSeq(msg) < 3 }, allStored},
+		{"gap", func(msg *nats.Msg) bool { return chunkSeq(msg) == n/2 }, mixed},
+		{"tail", func(msg *nats.Msg) bool { return chunkSeq(msg) >= n-2 }, mixed},
+		{"corrupted live", func(msg *nats.Msg) bool {
+			if chunkSeq(msg) == 4 {
+				msg.Data[7] ^= 1
+			}
+			return false
+		}, mixed},
+		{"live bytes not the manifest's", func(msg *nats.Msg) bool {
+			if chunkSeq(msg) == 4 { // consistent (its CRC fits) but not what was stored
+				msg.Data[7] ^= 1
+				msg.Header.Set(HeaderCRC, fmt.Sprintf("%08x", CRC32C(msg.Data)))
+			}
+			return false
+		}, allStored},
+	}
+	p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: chunk}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := p.ensure(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	workers := make([]*worker, len(cases))
+	for i, tc := range cases {
+		workers[i] = startWorker(t, srv.URL(), a, tc.name, moe.RecipePerToken, func(c *ReceiverConfig) { c.LiveIdle = 50 * time.Millisecond })
+		workers[i].r.liveHook = tc.hook // set before Run reads a chunk: Run waits for the bucket and the version first
+		select {
+		case <-workers[i].r.liveReady:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("worker %s: no live subscription after 10 s", tc.name)
+		}
+	}
+	publish(t, p, 1, stream, true)
+	wantS, wantSc := fresh(t, b, moe.RecipePerToken)
+	for i, tc := range cases {
+		w := workers[i]
+		st := w.waitStatus(t, 1)
+		if st.State != StateApplied {
+			t.Fatalf("%s: %+v", tc.name, st)
+		}
+		live, stored := int(w.r.liveChunks.Load()), int(w.r.storedChunks.Load())
+		t.Logf("%s: %d chunks live, %d from the stream", tc.name, live, stored)
+		ok := live+stored == n
+		switch tc.want {
+		case allLive:
+			ok = ok && stored == 0
+		case mixed:
+			ok = ok && live > 0 && stored > 0
+		case allStored:
+			ok = ok && live == 0
+		}
+		if !ok {
+			t.Errorf("%s: %d chunks live and %d from the stream, of %d", tc.name, live, stored, n)
+		}
+		residentEquals(t, tc.name, w.m, b)
+		gotS, gotSc := rollouts(t, w.e)
+		sameRollouts(t, tc.name+" vs fresh B", gotS, gotSc, wantS, wantSc)
+	}
+}
