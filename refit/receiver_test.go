@@ -25,6 +25,7 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
+	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
@@ -136,13 +137,20 @@ type worker struct {
 	done   chan error
 }
 
-func startWorker(t testing.TB, url, dir, id string, recipe moe.Recipe, tune func(*ReceiverConfig)) *worker {
+// testBackend returns the backend workers run on: a fresh CPU backend,
+// unless TestGPURefit (gpu_test.go) swaps in the CUDA one.
+var testBackend = func(t testing.TB) kernels.Backend {
 	t.Helper()
 	be, err := cpu.New(cpu.Config{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := policy.LoadModel(be, dir, testOpts(recipe))
+	return be
+}
+
+func startWorker(t testing.TB, url, dir, id string, recipe moe.Recipe, tune func(*ReceiverConfig)) *worker {
+	t.Helper()
+	m, err := policy.LoadModel(testBackend(t), dir, testOpts(recipe))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,11 +236,7 @@ func rollouts(t *testing.T, e *policy.Engine) ([]policy.Sample, [][]float32) {
 // fresh generates the same rollouts with a worker loaded from dir, no NATS.
 func fresh(t *testing.T, dir string, recipe moe.Recipe) ([]policy.Sample, [][]float32) {
 	t.Helper()
-	be, err := cpu.New(cpu.Config{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := policy.LoadModel(be, dir, testOpts(recipe))
+	m, err := policy.LoadModel(testBackend(t), dir, testOpts(recipe))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -261,6 +261,11 @@ progress:
 		parts = append(parts, fmt.Sprintf("v%d: %d", v, seen[v]))
 	}
 	fmt.Fprintf(stdout, "rollouts by the version they ended under: %s\n", strings.Join(parts, ", "))
+	if w.graphs != nil {
+		st := w.graphs.Stats()
+		fmt.Fprintf(stdout, "decode graphs on %s: %d captured, %d replays, %d recaptures across the refits\n",
+			w.m.Backend().Name(), st.Captures, st.Replays, st.Recaptures)
+	}
 
 	dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

@@ -66,6 +66,11 @@ func (g gemmLaunch) run(be *Backend) error {
 		g.offsets, g.e, g.r, g.kp, g.act, g.out, g.outN, g.outFmt)
 }
 
+// gemmNarrowN is the widest output gemm_narrow computes (the router's
+// experts): the choice depends on the shape of w and on alignment, never
+// on M, so a row's bits never depend on the batch.
+const gemmNarrowN = 1024
+
 // Gemm computes dst = a * w^T (BF16 tensor cores, FP32 accumulation).
 func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 	var m, n, k int
@@ -77,6 +82,14 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 	return be.issue("gemm", args, validate, func(*drv.Ctx) error {
 		if m == 0 || n == 0 {
 			return nil
+		}
+		if n <= gemmNarrowN && a.Addr()%4 == 0 && w.Addr()%4 == 0 && k%2 == 0 {
+			out := outBF16
+			if dst.DType() == kernels.F32 {
+				out = outF32
+			}
+			return be.launch("gemm_narrow", drv.Dim3{X: (m + 15) / 16, Y: (n + 15) / 16}, drv.Dim3{X: 256}, 0,
+				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 		}
 		g := gemmLaunch{aFmt: fmtBF16, a: ptr(a), aK: int32(k), aVec: aligned16(a, k), ta: int32(m),
 			wFmt: fmtBF16, w: ptr(w), wK: int32(k), wVec: aligned16(w, k), n: int32(n),
@@ -105,6 +118,9 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 			e: int32(s.E), r: int32(s.R), kp: int32(s.Kp), act: int32(a.Act), out: ptr(a.Out), outN: int32(s.OutN), outFmt: outBF16,
 			// Each expert adds at most one partial tile to the R/BM full ones.
 			maxTiles: s.R/gemmBM + min(s.E, s.R), colTiles: (s.OutN + gemmBN - 1) / gemmBN}
+		if a.A.Quantized() && a.W.Quantized() {
+			return be.groupedGemmFP4(a, s)
+		}
 		if a.A.Quantized() {
 			g.aFmt, g.aPacked, g.aSF, g.aScale, g.aK = fmtFP4, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(2*a.A.Q.Packed.Dim(1))
 		} else {
@@ -117,6 +133,32 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 		}
 		return g.run(be)
 	})
+}
+
+// g4LD is grouped_gemm_fp4's shared tile row stride in BF16 elements.
+const g4LD = 128 + 8
+
+// groupedGemmFP4 launches the pipelined NVFP4 x NVFP4 kernel (the
+// per-token recipe's expert GEMMs). Its row tile is 16 when the experts
+// get 16 rows or fewer on average (decode and small batches: less staging
+// and no idle MMAs), else 64. The tile shape never changes an output bit
+// (src/moe.cu, gg_mma_t), so the choice keeps batch invariance.
+func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) error {
+	bm, name := 64, "grouped_gemm_fp4_m64"
+	if s.R <= 16*s.E {
+		bm, name = 16, "grouped_gemm_fp4_m16"
+	}
+	wRows := gemmBN
+	if a.Act == kernels.SwiGLU {
+		wRows = 2 * gemmBN
+		name += "_swiglu"
+	}
+	shared := (bm + wRows) * g4LD * 2
+	tiles := s.R/bm + min(s.E, s.R)
+	return be.launch(name, drv.Dim3{X: tiles, Y: (s.OutN + gemmBN - 1) / gemmBN}, drv.Dim3{X: gemmThreads}, shared,
+		be.errw, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(s.Kp), ptr(a.Gather), int32(s.Ta),
+		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
+		int32(a.Act), ptr(a.Out), int32(s.OutN))
 }
 
 // Route computes the router's scores and top-k, one warp per token.

@@ -430,23 +430,18 @@ __device__ __forceinline__ void mma16816(float c[4], const unsigned a[4], unsign
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, const unsigned char *aSF,
-             const float *aScale, int aK, int aVec, const int *gather, int Ta, int wFmt, const bf16_t *W,
-             const unsigned char *wPacked, const unsigned char *wSF, const float *wScale, int wK, int wVec, int N,
-             const int *offsets, int E, int R, int Kp, int act, void *out, int outN, int outFmt) {
-    __shared__ __align__(16) bf16_t As[GG_BM * GG_LD];
-    __shared__ __align__(16) bf16_t Ws[2 * GG_BN * GG_LD];
-    __shared__ int s_expert, s_row0, s_row1;
-    __shared__ int s_src[GG_BM];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const bool swiglu = act == 3;
-
-    // Which expert and which of its row tiles this block computes.
-    if (warp == 0) {
+// gg_schedule (warp 0 of a block) finds the expert and the row tile of
+// that expert this block computes, from the tiles of BM rows each expert's
+// offsets range splits into, in expert order: an inclusive warp scan over
+// 32 experts at a time. expert -1: no tile (the grid is an upper bound).
+// Offsets outside [0, R] or decreasing are reported by block (0, 0) and
+// clamped, so nothing is read or written out of bounds.
+__device__ __forceinline__ void gg_schedule_bm(int *err, const int *offsets, int E, int R, int lane, int BM, int *s_expert,
+                                               int *s_row0, int *s_row1) {
+    {
         int expert = -1, row0 = 0, row1 = 0;
         if (offsets == nullptr) {
-            if ((int)blockIdx.x * GG_BM < R) { expert = 0; row0 = blockIdx.x * GG_BM; row1 = min(R, row0 + GG_BM); }
+            if ((int)blockIdx.x * BM < R) { expert = 0; row0 = blockIdx.x * BM; row1 = min(R, row0 + BM); }
         } else {
             int idx = blockIdx.x, base = 0;
             if (blockIdx.x == 0 && blockIdx.y == 0 && lane == 0 && (offsets[0] < 0 || offsets[E] > R))
@@ -462,7 +457,7 @@ grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, 
                         hi = lo;
                     }
                 }
-                int tiles = (hi - lo + GG_BM - 1) / GG_BM, incl = tiles;
+                int tiles = (hi - lo + BM - 1) / BM, incl = tiles;
 #pragma unroll
                 for (int o = 1; o < 32; o <<= 1) {
                     int v = __shfl_up_sync(0xffffffffu, incl, o);
@@ -475,29 +470,143 @@ grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, 
                     int t = idx - base - __shfl_sync(0xffffffffu, excl, src);
                     int l = __shfl_sync(0xffffffffu, lo, src), h = __shfl_sync(0xffffffffu, hi, src);
                     expert = e0 + src;
-                    row0 = l + t * GG_BM;
-                    row1 = min(h, row0 + GG_BM);
+                    row0 = l + t * BM;
+                    row1 = min(h, row0 + BM);
                 }
                 base += __shfl_sync(0xffffffffu, incl, 31);
             }
         }
-        if (lane == 0) { s_expert = expert; s_row0 = row0; s_row1 = row1; }
+        if (lane == 0) { *s_expert = expert; *s_row0 = row0; *s_row1 = row1; }
     }
+}
+
+__device__ __forceinline__ void gg_schedule(int *err, const int *offsets, int E, int R, int lane, int *s_expert, int *s_row0,
+                                            int *s_row1) {
+    gg_schedule_bm(err, offsets, E, R, lane, GG_BM, s_expert, s_row0, s_row1);
+}
+
+// gg_sources fills src[i] with the A row of sorted row row0+i (-1: none,
+// or a bad gather entry, which is reported and skipped).
+__device__ __forceinline__ void gg_sources(int *err, int *src, const int *gather, int row0, int row1, int Ta) {
+    for (int i = threadIdx.x; i < GG_BM; i += blockDim.x) {
+        int r = row0 + i, a = -1;
+        if (r < row1) {
+            a = gather ? gather[r] : r;
+            if (a < 0 || a >= Ta) {
+                report(err, E_GG_GATHER, r, a, Ta);
+                a = -1;
+            }
+        }
+        src[i] = a;
+    }
+}
+
+// gg_mma runs a warp's MI m16 x NJ n8 tiles (and, for SwiGLU, the matching
+// "up" tiles GG_BN rows further down W) over NK k16 slices of staged BF16
+// tiles with row stride LD, in k order. Every output element is its own
+// MMA lane accumulating the same k16 slices in the same order whatever the
+// tile shape, so tile shapes may change with the batch without changing a
+// bit.
+template <int NK, int LD, int MI, int NJ, bool SWIGLU>
+__device__ __forceinline__ void gg_mma_t(const bf16_t *As, const bf16_t *Ws, float acc[][4][4], float accU[][4][4], int wm, int wn,
+                                         int g, int t4) {
+#pragma unroll
+    for (int ks = 0; ks < NK * 16; ks += 16) {
+        unsigned af[MI][4];
+#pragma unroll
+        for (int i = 0; i < MI; i++) {
+            const bf16_t *p = &As[(wm + i * 16 + g) * LD + ks + 2 * t4];
+            af[i][0] = *reinterpret_cast<const unsigned *>(p);
+            af[i][1] = *reinterpret_cast<const unsigned *>(p + 8 * LD);
+            af[i][2] = *reinterpret_cast<const unsigned *>(p + 8);
+            af[i][3] = *reinterpret_cast<const unsigned *>(p + 8 * LD + 8);
+        }
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const bf16_t *p = &Ws[(wn + j * 8 + g) * LD + ks + 2 * t4];
+            unsigned b0 = *reinterpret_cast<const unsigned *>(p), b1 = *reinterpret_cast<const unsigned *>(p + 8);
+#pragma unroll
+            for (int i = 0; i < MI; i++) mma16816(acc[i][j], af[i], b0, b1);
+            if (SWIGLU) {
+                const bf16_t *u = p + GG_BN * LD;
+                unsigned u0 = *reinterpret_cast<const unsigned *>(u), u1 = *reinterpret_cast<const unsigned *>(u + 8);
+#pragma unroll
+                for (int i = 0; i < MI; i++) mma16816(accU[i][j], af[i], u0, u1);
+            }
+        }
+    }
+}
+
+template <int NK, int LD>
+__device__ __forceinline__ void gg_mma(const bf16_t *As, const bf16_t *Ws, float acc[2][4][4], float accU[2][4][4], bool swiglu,
+                                       int wm, int wn, int g, int t4) {
+    if (swiglu) gg_mma_t<NK, LD, 2, 4, true>(As, Ws, acc, accU, wm, wn, g, t4);
+    else gg_mma_t<NK, LD, 2, 4, false>(As, Ws, acc, accU, wm, wn, g, t4);
+}
+
+// gg_epilogue: global scales in FP32 (acc * per-row scale * alpha), the
+// activation, one rounding to the output type.
+template <int MI, int NJ>
+__device__ __forceinline__ void gg_epilogue_t(float acc[][4][4], float accU[][4][4], const int *src, int row0, int row1, int c0,
+                                            int aFmt, const float *aScale, int wFmt, float alpha, int act, void *out, int outN,
+                                            int outFmt, int wm, int wn, int g, int t4) {
+    const bool swiglu = act == 3;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int rr = wm + i * 16 + g + 8 * h;
+            int r = row0 + rr, a = src[rr];
+            if (r >= row1 || a < 0) continue;
+            float as = aFmt == 1 ? aScale[a] : 1.f;
+#pragma unroll
+            for (int j = 0; j < NJ; j++)
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    int c = c0 + wn + j * 8 + 2 * t4 + q;
+                    if (c >= outN) continue;
+                    float v = acc[i][j][2 * h + q];
+                    if (aFmt == 1) v = __fmul_rn(v, as);
+                    if (wFmt == 1) v = __fmul_rn(v, alpha);
+                    if (act == 2) { // squared ReLU
+                        v = fmaxf(v, 0.f);
+                        v = __fmul_rn(v, v);
+                    } else if (swiglu) {
+                        float u = accU[i][j][2 * h + q];
+                        if (aFmt == 1) u = __fmul_rn(u, as);
+                        if (wFmt == 1) u = __fmul_rn(u, alpha);
+                        v = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.f, expf(-v))), u);
+                    }
+                    long long o = (long long)r * outN + c;
+                    if (outFmt == 1) reinterpret_cast<float *>(out)[o] = v;
+                    else reinterpret_cast<bf16_t *>(out)[o] = f2bf(v);
+                }
+        }
+}
+
+__device__ __forceinline__ void gg_epilogue(float acc[2][4][4], float accU[2][4][4], const int *src, int row0, int row1, int c0,
+                                            int aFmt, const float *aScale, int wFmt, float alpha, int act, void *out, int outN,
+                                            int outFmt, int wm, int wn, int g, int t4) {
+    gg_epilogue_t<2, 4>(acc, accU, src, row0, row1, c0, aFmt, aScale, wFmt, alpha, act, out, outN, outFmt, wm, wn, g, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, const unsigned char *aSF,
+             const float *aScale, int aK, int aVec, const int *gather, int Ta, int wFmt, const bf16_t *W,
+             const unsigned char *wPacked, const unsigned char *wSF, const float *wScale, int wK, int wVec, int N,
+             const int *offsets, int E, int R, int Kp, int act, void *out, int outN, int outFmt) {
+    __shared__ __align__(16) bf16_t As[GG_BM * GG_LD];
+    __shared__ __align__(16) bf16_t Ws[2 * GG_BN * GG_LD];
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[GG_BM];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool swiglu = act == 3;
+
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, &s_expert, &s_row0, &s_row1);
     __syncthreads();
     const int expert = s_expert, row0 = s_row0, row1 = s_row1;
     if (expert < 0) return;
-    // The A row of each sorted row (-1: none, or a bad gather entry).
-    for (int i = tid; i < GG_BM; i += blockDim.x) {
-        int r = row0 + i, src = -1;
-        if (r < row1) {
-            src = gather ? gather[r] : r;
-            if (src < 0 || src >= Ta) {
-                report(err, E_GG_GATHER, r, src, Ta);
-                src = -1;
-            }
-        }
-        s_src[i] = src;
-    }
+    gg_sources(err, s_src, gather, row0, row1, Ta);
     __syncthreads();
 
     const int c0 = blockIdx.y * GG_BN;
@@ -527,66 +636,217 @@ grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, 
             stage16(&Ws[r * GG_LD + (p & 1) * 16], wFmt, W, wPacked, wSF, wBase + n, wK, kk, wVec, ok);
         }
         __syncthreads();
-#pragma unroll
-        for (int ks = 0; ks < GG_BK; ks += 16) {
-            unsigned af[2][4];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const bf16_t *p = &As[(wm + i * 16 + g) * GG_LD + ks + 2 * t4];
-                af[i][0] = *reinterpret_cast<const unsigned *>(p);
-                af[i][1] = *reinterpret_cast<const unsigned *>(p + 8 * GG_LD);
-                af[i][2] = *reinterpret_cast<const unsigned *>(p + 8);
-                af[i][3] = *reinterpret_cast<const unsigned *>(p + 8 * GG_LD + 8);
-            }
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const bf16_t *p = &Ws[(wn + j * 8 + g) * GG_LD + ks + 2 * t4];
-                unsigned b0 = *reinterpret_cast<const unsigned *>(p), b1 = *reinterpret_cast<const unsigned *>(p + 8);
-#pragma unroll
-                for (int i = 0; i < 2; i++) mma16816(acc[i][j], af[i], b0, b1);
-                if (swiglu) {
-                    const bf16_t *u = p + GG_BN * GG_LD;
-                    unsigned u0 = *reinterpret_cast<const unsigned *>(u), u1 = *reinterpret_cast<const unsigned *>(u + 8);
-#pragma unroll
-                    for (int i = 0; i < 2; i++) mma16816(accU[i][j], af[i], u0, u1);
-                }
-            }
-        }
+        gg_mma<GG_BK / 16, GG_LD>(As, Ws, acc, accU, swiglu, wm, wn, g, t4);
         __syncthreads();
     }
+    gg_epilogue(acc, accU, s_src, row0, row1, c0, aFmt, aScale, wFmt, wFmt == 1 ? wScale[expert] : 1.f, act, out, outN, outFmt,
+                wm, wn, g, t4);
+}
 
-    // Epilogue: global scales in FP32 (acc * per-row scale * alpha), the
-    // activation, one rounding to the output type.
-    const float alpha = wFmt == 1 ? wScale[expert] : 1.f;
+// ---- Grouped GEMM, NVFP4 x NVFP4, pipelined ----
+//
+// The per-token recipe's path: both operands NVFP4. Same tiles, the same
+// MMA sequence over k16 slices in k order (so the same bits per output as
+// grouped_gemm, whatever the batch), but K advances 128 at a time and the
+// next step's raw NVFP4 bytes are loaded into registers while the current
+// step computes, so every block keeps its next 12-24 KB in flight. The raw
+// bytes are dequantized into the shared BF16 tiles through a 256-entry
+// table of E2M1 pairs and one packed BF16 multiply by the block scale:
+// e2m1 * E4M3 has at most 5 significant bits, so the product is exact.
+#define G4_BK 128
+#define G4_LD (G4_BK + 8)
+
+// A piece is 64 elements of one row: 32 packed bytes and 4 block scales.
+struct G4Piece {
+    uint2 q[4];
+    unsigned sf; // the 4 scale bytes, block j in byte j
+};
+
+__device__ __forceinline__ void g4_load(G4Piece &p, const unsigned char *packed, const unsigned char *sf, long long row, int rowK,
+                                        int k0, bool valid) {
+    const unsigned char *pr = packed + row * (rowK / 2);
+    const unsigned char *sr = sf + row * (rowK / 16);
+    p.sf = 0;
 #pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int rr = wm + i * 16 + g + 8 * h;
-            int r = row0 + rr, src = s_src[rr];
-            if (r >= row1 || src < 0) continue;
-            float as = aFmt == 1 ? aScale[src] : 1.f;
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    int c = c0 + wn + j * 8 + 2 * t4 + q;
-                    if (c >= outN) continue;
-                    float v = acc[i][j][2 * h + q];
-                    if (aFmt == 1) v = __fmul_rn(v, as);
-                    if (wFmt == 1) v = __fmul_rn(v, alpha);
-                    if (act == 2) { // squared ReLU
-                        v = fmaxf(v, 0.f);
-                        v = __fmul_rn(v, v);
-                    } else if (swiglu) {
-                        float u = accU[i][j][2 * h + q];
-                        if (aFmt == 1) u = __fmul_rn(u, as);
-                        if (wFmt == 1) u = __fmul_rn(u, alpha);
-                        v = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.f, expf(-v))), u);
-                    }
-                    long long o = (long long)r * outN + c;
-                    if (outFmt == 1) reinterpret_cast<float *>(out)[o] = v;
-                    else reinterpret_cast<bf16_t *>(out)[o] = f2bf(v);
-                }
+    for (int j = 0; j < 4; j++) {
+        const int k = k0 + 16 * j;
+        if (valid && k < rowK) {
+            p.q[j] = *reinterpret_cast<const uint2 *>(pr + k / 2);
+            p.sf |= (unsigned)sr[k / 16] << (8 * j);
+        } else {
+            p.q[j] = make_uint2(0, 0);
         }
+    }
+}
+
+// g4_store dequantizes a piece into 64 BF16 values at dst.
+__device__ __forceinline__ void g4_store(bf16_t *dst, const G4Piece &p, const __nv_bfloat162 *lut) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float s = e4m3_decode((p.sf >> (8 * j)) & 0xff);
+        const __nv_bfloat162 s2 = __float2bfloat162_rn(s); // exact: E4M3 has 4 significant bits
+        unsigned w[8];
+        const unsigned q[2] = {p.q[j].x, p.q[j].y};
+#pragma unroll
+        for (int b = 0; b < 8; b++) {
+            __nv_bfloat162 v = __hmul2(lut[(q[b / 4] >> (8 * (b % 4))) & 0xff], s2);
+            w[b] = *reinterpret_cast<unsigned *>(&v);
+        }
+        uint4 *d = reinterpret_cast<uint4 *>(dst + 16 * j);
+        d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+}
+
+// g4_gemm is the kernel body for a BM-row tile (64, or 16 for experts with
+// few rows each): 4 warps as 2x2 of 32x32, or 1x4 of 16x16.
+template <int BM, bool SWIGLU>
+__device__ __forceinline__ void g4_gemm(int *err, const unsigned char *aPacked, const unsigned char *aSF, const float *aScale, int Kp,
+                                        const int *gather, int Ta, const unsigned char *wPacked, const unsigned char *wSF,
+                                        const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out,
+                                        int outN) {
+    constexpr int MI = BM == 64 ? 2 : 1, NJ = BM == 64 ? 4 : 2;
+    extern __shared__ __align__(16) unsigned char g4_smem[];
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[GG_BM];
+    __shared__ __nv_bfloat162 lut[256];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    bf16_t *As = reinterpret_cast<bf16_t *>(g4_smem);
+    bf16_t *Ws = As + BM * G4_LD;
+
+    for (int b = tid; b < 256; b += blockDim.x) lut[b] = __floats2bfloat162_rn(e2m1_decode(b & 15), e2m1_decode(b >> 4));
+    if (warp == 0) gg_schedule_bm(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
+    __syncthreads();
+    const int expert = s_expert, row0 = s_row0, row1 = s_row1;
+    if (expert < 0) return;
+    gg_sources(err, s_src, gather, row0, row1, Ta);
+    __syncthreads();
+
+    const int c0 = blockIdx.y * GG_BN;
+    const long long wBase = (long long)expert * N;
+    // This thread's pieces: A row tid/2 (first 2*BM threads), half tid%2;
+    // W rows (p/2) for p = tid and, with SwiGLU, tid + 128 (the up rows).
+    const int ar = tid >> 1, ah = (tid & 1) * 64;
+    const bool aMine = ar < BM;
+    const int asrc = aMine ? s_src[ar] : -1;
+    long long wrow[2];
+    bool wok[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = (tid + 128 * i) >> 1;
+        const int col = r < GG_BN ? c0 + r : c0 + r - GG_BN;
+        wok[i] = col < outN && (i == 0 || SWIGLU);
+        wrow[i] = wBase + (r < GG_BN ? col : outN + col);
+    }
+    G4Piece pa, pw[2];
+    g4_load(pa, aPacked, aSF, asrc, Kp, ah, asrc >= 0);
+#pragma unroll
+    for (int i = 0; i < 2; i++) g4_load(pw[i], wPacked, wSF, wrow[i], Kp, ah, wok[i]);
+
+    float acc[MI][4][4], accU[MI][4][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) { acc[i][j][q] = 0.f; accU[i][j][q] = 0.f; }
+    const int wm = BM == 64 ? (warp >> 1) * 32 : 0, wn = BM == 64 ? (warp & 1) * 32 : warp * 16;
+    const int g = lane >> 2, t4 = lane & 3;
+    for (int k0 = 0; k0 < Kp; k0 += G4_BK) {
+        __syncthreads(); // the previous step's tiles are consumed
+        if (aMine) g4_store(&As[ar * G4_LD + ah], pa, lut);
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            if (i == 0 || SWIGLU) g4_store(&Ws[((tid + 128 * i) >> 1) * G4_LD + ah], pw[i], lut);
+        __syncthreads();
+        if (k0 + G4_BK < Kp) { // the next step's bytes fly while this one computes
+            if (aMine) g4_load(pa, aPacked, aSF, asrc, Kp, k0 + G4_BK + ah, asrc >= 0);
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                if (i == 0 || SWIGLU) g4_load(pw[i], wPacked, wSF, wrow[i], Kp, k0 + G4_BK + ah, wok[i]);
+        }
+        gg_mma_t<G4_BK / 16, G4_LD, MI, NJ, SWIGLU>(As, Ws, acc, accU, wm, wn, g, t4);
+    }
+    gg_epilogue_t<MI, NJ>(acc, accU, s_src, row0, row1, c0, 1, aScale, 1, wScale[expert], act, out, outN, 0, wm, wn, g, t4);
+}
+
+#define G4_KERNEL(NAME, BM, SWIGLU)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128)                                                                         \
+        NAME(int *err, const unsigned char *aPacked, const unsigned char *aSF, const float *aScale, int Kp, const int *gather,  \
+             int Ta, const unsigned char *wPacked, const unsigned char *wSF, const float *wScale, int N, const int *offsets,   \
+             int E, int R, int act, bf16_t *out, int outN) {                                                                   \
+        g4_gemm<BM, SWIGLU>(err, aPacked, aSF, aScale, Kp, gather, Ta, wPacked, wSF, wScale, N, offsets, E, R, act, out, outN); \
+    }
+G4_KERNEL(grouped_gemm_fp4_m64, 64, false)
+G4_KERNEL(grouped_gemm_fp4_m64_swiglu, 64, true)
+G4_KERNEL(grouped_gemm_fp4_m16, 16, false)
+G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
+
+// ---- Dense GEMM for narrow outputs (the router) ----
+//
+// dst[M, N] = a[M, K] * w[N, K]^T for N <= 1024, where the tiled kernel
+// would run only a handful of blocks down a long K. A block computes 16 rows
+// by 16 columns; its 8 warps take the k16 slices s = w, w+8, ... straight
+// from global memory into MMA fragments (no staging, four slices in flight
+// per warp), each warp from zero, and the block adds the eight partials in
+// warp order. That order depends on K alone, so an output row never depends
+// on M or on the other rows. K is even (the caller checks), so BF16 pairs
+// are read 4 bytes at a time; pairs past K read as zeros.
+#define GN_WARPS 8
+#define GN_UNROLL 4
+
+__device__ __forceinline__ unsigned gn_ld(const bf16_t *row, int k, int K, bool ok) {
+    return ok && k < K ? *reinterpret_cast<const unsigned *>(row + k) : 0u;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
+                                                                        int K, int outFmt) {
+    __shared__ float part[GN_WARPS][16][17];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int r0 = blockIdx.x * 16, c0 = blockIdx.y * 16;
+    const bool ra = r0 + g < M, rb = r0 + g + 8 < M;
+    const bf16_t *a0 = A + (long long)min(r0 + g, M - 1) * K, *a1 = A + (long long)min(r0 + g + 8, M - 1) * K;
+    const bool w0ok = c0 + g < N, w1ok = c0 + 8 + g < N;
+    const bf16_t *w0 = W + (long long)min(c0 + g, N - 1) * K, *w1 = W + (long long)min(c0 + 8 + g, N - 1) * K;
+    float acc[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[j][q] = 0.f;
+    for (int k = warp * 16; k < K; k += 16 * GN_WARPS * GN_UNROLL) {
+        unsigned af[GN_UNROLL][4], bf[GN_UNROLL][4];
+#pragma unroll
+        for (int u = 0; u < GN_UNROLL; u++) { // all loads first: they fly together
+            const int ka = k + u * 16 * GN_WARPS + 2 * t4, kb = ka + 8;
+            af[u][0] = gn_ld(a0, ka, K, ra);
+            af[u][1] = gn_ld(a1, ka, K, rb);
+            af[u][2] = gn_ld(a0, kb, K, ra);
+            af[u][3] = gn_ld(a1, kb, K, rb);
+            bf[u][0] = gn_ld(w0, ka, K, w0ok);
+            bf[u][1] = gn_ld(w0, kb, K, w0ok);
+            bf[u][2] = gn_ld(w1, ka, K, w1ok);
+            bf[u][3] = gn_ld(w1, kb, K, w1ok);
+        }
+#pragma unroll
+        for (int u = 0; u < GN_UNROLL; u++) { // then the slices in k order
+            mma16816(acc[0], af[u], bf[u][0], bf[u][1]);
+            mma16816(acc[1], af[u], bf[u][2], bf[u][3]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) part[warp][g + 8 * (q >> 1)][j * 8 + 2 * t4 + (q & 1)] = acc[j][q];
+    __syncthreads();
+    {
+        const int r = tid >> 4, c = tid & 15;
+        if (r0 + r < M && c0 + c < N) {
+            float v = part[0][r][c];
+#pragma unroll
+            for (int w = 1; w < GN_WARPS; w++) v = __fadd_rn(v, part[w][r][c]);
+            const long long o = (long long)(r0 + r) * N + c0 + c;
+            if (outFmt == 1) reinterpret_cast<float *>(out)[o] = v;
+            else reinterpret_cast<bf16_t *>(out)[o] = f2bf(v);
+        }
+    }
 }

@@ -1,0 +1,45 @@
+package refit
+
+import (
+	"errors"
+	"testing"
+
+	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels"
+	kcuda "github.com/rollout-worker/rollout-worker/kernels/cuda"
+)
+
+// TestGPURefit reruns the refit acceptance tests with every worker (and
+// every fresh reference worker) on the CUDA backend: chunks are staged
+// host-to-device on the backend's copy stream while the engine runs, the
+// commit requantizes on the GPU, and the result is bitwise a fresh GPU
+// worker loaded with the new weights. It skips where there is no GPU.
+func TestGPURefit(t *testing.T) {
+	be, err := kcuda.New(kcuda.Config{}, nil)
+	if errors.Is(err, drv.ErrNoDevice) {
+		t.Skip("no CUDA device: " + err.Error())
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	cpuBackend := testBackend
+	testBackend = func(testing.TB) kernels.Backend { return be }
+	t.Cleanup(func() {
+		testBackend = cpuBackend
+		if err := be.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	for _, tc := range []struct {
+		name string
+		test func(*testing.T)
+	}{
+		{"Equivalence", TestRefitEquivalence},
+		{"PartialFromStart", TestRefitPartialFromStart},
+		{"Rejections", TestRefitRejections},
+		{"LateJoin", TestRefitLateJoin},
+		{"LiveAndFallback", TestRefitLiveAndFallback},
+	} {
+		t.Run(tc.name, tc.test)
+	}
+}
