@@ -58,10 +58,10 @@ type Backend struct {
 	// in flight at once); 0 takes the three-kernel path (amax, blocks,
 	// scales) instead. Tests compare them.
 	quantGroups int
-	pinned       [2][]byte
-	events       [2]*drv.Event
-	busy         [2]bool // a copy from pinned[i] may still be in flight
-	cap          *capture
+	pinned      [2][]byte
+	events      [2]*drv.Event
+	busy        [2]bool // a copy from pinned[i] may still be in flight
+	cap         *capture
 }
 
 var (
