@@ -406,7 +406,7 @@ func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 		n := min(len(src), be.staging)
 		// Wait until the pinned buffer's previous copy has left it; the
 		// other buffer's copy keeps the link busy meanwhile.
-		if err := be.dev.Do(func(*drv.Ctx) error {
+		if err := be.outsideCapture(func(*drv.Ctx) error {
 			if be.busy[i] {
 				be.busy[i] = false
 				return be.events[i].Sync()
@@ -417,7 +417,7 @@ func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 		}
 		copy(be.pinned[i], src[:n]) // the owner thread never reads pinned[i] while not busy
 		to := ptr(dst).Add(off)
-		if err := be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.outsideCapture(func(c *drv.Ctx) error {
 			if err := be.own("stage", "dst", dst); err != nil {
 				return err
 			}
@@ -431,7 +431,7 @@ func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 		}
 		src, off, i = src[n:], off+n, 1-i
 	}
-	return be.dev.Do(func(*drv.Ctx) error {
+	return be.outsideCapture(func(*drv.Ctx) error {
 		for j := range be.busy {
 			if be.busy[j] {
 				be.busy[j] = false
@@ -442,6 +442,29 @@ func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 		}
 		return nil
 	})
+}
+
+// outsideCapture runs fn on the owner thread when no stream capture is in
+// progress. Stage comes from the refit goroutine at any moment, and its
+// copies, event records and event waits on the owner thread must not fall
+// between BeginCapture and EndCapture of the engine's goroutine (the
+// driver may invalidate a thread-local capture over them); a capture lasts
+// one step's op issue, so waiting for it is short.
+func (be *Backend) outsideCapture(fn func(*drv.Ctx) error) error {
+	for {
+		capturing := false
+		err := be.dev.Do(func(c *drv.Ctx) error {
+			if be.cap != nil {
+				capturing = true
+				return nil
+			}
+			return fn(c)
+		})
+		if !capturing {
+			return err
+		}
+		time.Sleep(50 * time.Microsecond)
+	}
 }
 
 // function returns the kernel called name, looked up once (owner thread).
