@@ -57,3 +57,28 @@ func (c Config) Validate() error {
 	}
 	return nil
 }
+
+// WeightBytes returns the size of the model's BF16 weights: the expert
+// stacks, and everything else (embeddings, LM head, attention, norms,
+// routers). A refit stages the tensors it cannot write in place, so a
+// worker keeps that much device memory out of the KV cache.
+func (c Config) WeightBytes() (experts, other int64) {
+	H, D := int64(c.Hidden), int64(c.HeadDim)
+	i1 := int64(c.MoEIntermediate)
+	if c.Activation == moe.SwiGLU {
+		i1 *= 2
+	}
+	other = int64(c.VocabSize)*H + H // embeddings, final norm
+	if !c.TieEmbeddings {
+		other += int64(c.VocabSize) * H
+	}
+	perLayer := 2*H + // input and post-attention norms
+		int64(c.Heads)*D*H + 2*int64(c.KVHeads)*D*H + H*int64(c.Heads)*D + // q, k, v, o
+		int64(c.Experts)*H // router
+	if c.QKNorm {
+		perLayer += 2 * D
+	}
+	other += int64(c.Layers) * perLayer
+	experts = int64(c.Layers) * int64(c.Experts) * (i1*H + H*int64(c.MoEIntermediate))
+	return 2 * experts, 2 * other
+}

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/moe"
 )
 
 // memBackend is a CPU backend that reports a fixed amount of free memory.
@@ -22,18 +23,21 @@ func TestKVPagesFromMemory(t *testing.T) {
 		name      string
 		be        kernels.Backend
 		fraction  float64
+		reserve   int64
 		wantPages int
 		wantErr   string
 	}{
-		{"half of 100 pages", memBackend{testBackend(t), 100 * perPage}, 0.5, 50, ""},
-		{"all of it", memBackend{testBackend(t), 37*perPage + 5}, 1, 37, ""},
-		{"too little", memBackend{testBackend(t), perPage - 1}, 1, 0, "holds no KV page"},
-		{"no memory report", testBackend(t), 0.9, 0, "needs a backend that reports its memory"},
-		{"fraction out of range", memBackend{testBackend(t), 100 * perPage}, 1.5, 0, "kv memory fraction"},
+		{"half of 100 pages", memBackend{testBackend(t), 100 * perPage}, 0.5, 0, 50, ""},
+		{"all of it", memBackend{testBackend(t), 37*perPage + 5}, 1, 0, 37, ""},
+		{"half of what the reserve leaves", memBackend{testBackend(t), 100 * perPage}, 0.5, 20 * perPage, 40, ""},
+		{"too little", memBackend{testBackend(t), perPage - 1}, 1, 0, 0, "holds no KV page"},
+		{"reserve takes it all", memBackend{testBackend(t), 100 * perPage}, 1, 100 * perPage, 0, "holds no KV page"},
+		{"no memory report", testBackend(t), 0.9, 0, 0, "needs a backend that reports its memory"},
+		{"fraction out of range", memBackend{testBackend(t), 100 * perPage}, 1.5, 0, 0, "kv memory fraction"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := testOptions()
-			opts.KVPages, opts.KVMemoryFraction = 0, tc.fraction
+			opts.KVPages, opts.KVMemoryFraction, opts.KVReserveBytes = 0, tc.fraction, tc.reserve
 			m, err := NewModel(tc.be, cfg, opts)
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
@@ -50,6 +54,45 @@ func TestKVPagesFromMemory(t *testing.T) {
 			}
 			if got := m.layers[0].kv.K.Dim(0); got != tc.wantPages {
 				t.Fatalf("layer 0's cache has %d pages, want %d", got, tc.wantPages)
+			}
+		})
+	}
+}
+
+// TestWeightBytes: the sizes Config.WeightBytes predicts are those of the
+// tensors a model of that config holds.
+func TestWeightBytes(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		edit func(*Config)
+	}{
+		{"swiglu, qk norm, untied", func(*Config) {}},
+		{"relu2, tied, no qk norm", func(c *Config) {
+			c.Activation, c.TieEmbeddings, c.QKNorm = moe.ReLU2, true, false
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig()
+			tc.edit(&cfg)
+			m, err := NewModel(testBackend(t), cfg, testOptions())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			targets, err := m.Tensors()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var experts, other int64
+			for _, tg := range targets {
+				if tg.IsExpert() {
+					experts += int64(tg.Size())
+				} else {
+					other += int64(tg.Size())
+				}
+			}
+			if e, o := cfg.WeightBytes(); e != experts || o != other {
+				t.Fatalf("WeightBytes() = %d experts, %d other; the model's tensors: %d, %d", e, o, experts, other)
 			}
 		})
 	}

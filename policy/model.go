@@ -32,6 +32,9 @@ type ModelOptions struct {
 	// allocated, on a backend that reports its free memory (the CUDA one).
 	// The model's Options then hold the page count it chose.
 	KVMemoryFraction float64
+	// KVReserveBytes is device memory kept out of that fraction for what
+	// is allocated after the model: refit staging buffers, graphs.
+	KVReserveBytes int64
 }
 
 // memInfo is implemented by backends that know their free memory.
@@ -188,9 +191,10 @@ func (m *Model) kvPagesFromMemory() (int, error) {
 	}
 	c := m.cfg
 	perPage := int64(2*c.Layers) * int64(m.opts.PageSize*c.KVHeads*c.HeadDim) * 2 // K and V, BF16
-	pages := int64(float64(free)*m.opts.KVMemoryFraction) / perPage
+	pages := int64(float64(free-m.opts.KVReserveBytes)*m.opts.KVMemoryFraction) / perPage
 	if pages < 1 {
-		return 0, fmt.Errorf("policy: model: %.2f of %d free bytes holds no KV page of %d bytes", m.opts.KVMemoryFraction, free, perPage)
+		return 0, fmt.Errorf("policy: model: %.2f of %d free bytes, less %d reserved, holds no KV page of %d bytes",
+			m.opts.KVMemoryFraction, free, m.opts.KVReserveBytes, perPage)
 	}
 	// Slots are int32 page*PageSize+offset.
 	return int(min(pages, math.MaxInt32/int64(m.opts.PageSize))), nil

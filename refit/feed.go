@@ -32,42 +32,76 @@ const DefaultLiveIdle = 250 * time.Millisecond
 // stream stays the store of record for late joiners, gaps and restarts.
 
 // liveSub is the receiver's core-NATS subscription to every version
-// subject of its model. Run owns it (subscribes before it watches the
-// bucket, so no chunk of an announced version is published before it, and
-// unsubscribes on return); receive reads it. The subscription's pending
-// limit bounds by bytes what waits to be read: beyond it NATS drops chunks
-// and the receiver falls back to the stream.
+// subject of its model, on a connection of its own. Run owns it (subscribes
+// before it watches the bucket, so no chunk of an announced version is
+// published before it, and closes it on return); receive reads it. The
+// subscription's pending limit bounds by bytes what waits to be read:
+// beyond it NATS drops chunks and the receiver falls back to the stream.
+//
+// Its own connection, because the server pushes every chunk to every
+// worker: a worker that falls behind may be cut off by the server as a
+// slow consumer, and that must end only the live path (the worker
+// reconnects and reads what it missed from the stream), never the
+// connection its rollout service answers on.
 type liveSub struct {
+	nc  *nats.Conn
 	sub *nats.Subscription
 	// stash is a chunk of a later version read while receiving an earlier
 	// one: the next receive starts with it.
 	stash *nats.Msg
 }
 
-// subscribeLive subscribes to the model's version subjects and waits until
-// the server has the subscription.
+// subscribeLive connects (with the options of the receiver's connection),
+// subscribes to the model's version subjects and waits until the server has
+// the subscription. It retries with backoff until ctx ends: a worker that
+// starts while NATS is down waits for it, as it waits for the bucket.
 func (r *Receiver) subscribeLive(ctx context.Context) (*liveSub, error) {
-	sub, err := r.nc.SubscribeSync(StreamSubjects(r.cfg.Model))
+	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 5*time.Second) {
+		l, err := r.trySubscribeLive(ctx)
+		if err == nil {
+			return l, nil
+		}
+		r.log.Warn("refit: live subscription failed; retrying", zap.Duration("in", backoff), zap.Error(err))
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(backoff):
+		}
+	}
+}
+
+func (r *Receiver) trySubscribeLive(ctx context.Context) (*liveSub, error) {
+	opts := r.nc.Opts
+	opts.Name = strings.TrimSpace(opts.Name + " refit-live")
+	nc, err := opts.Connect()
 	if err != nil {
+		return nil, fmt.Errorf("refit: receiver: connect for live chunks: %w", err)
+	}
+	sub, err := nc.SubscribeSync(StreamSubjects(r.cfg.Model))
+	if err != nil {
+		nc.Close()
 		return nil, fmt.Errorf("refit: receiver: subscribe to %s: %w", StreamSubjects(r.cfg.Model), err)
 	}
 	// Unlimited messages, bounded bytes: chunk sizes vary with max_payload.
-	if err := sub.SetPendingLimits(-1, r.cfg.MaxBytes); err != nil {
-		sub.Unsubscribe()
+	limit := r.cfg.MaxBytes
+	if r.cfg.LivePendingBytes > 0 {
+		limit = r.cfg.LivePendingBytes
+	}
+	if err := sub.SetPendingLimits(-1, limit); err != nil {
+		nc.Close()
 		return nil, fmt.Errorf("refit: receiver: live pending limits: %w", err)
 	}
 	fctx, cancel := context.WithTimeout(ctx, 10*time.Second) // a flush needs a deadline
 	defer cancel()
-	if err := r.nc.FlushWithContext(fctx); err != nil {
-		sub.Unsubscribe()
+	if err := nc.FlushWithContext(fctx); err != nil {
+		nc.Close()
 		return nil, fmt.Errorf("refit: receiver: subscribe to %s: flush: %w", StreamSubjects(r.cfg.Model), err)
 	}
-	return &liveSub{sub: sub}, nil
+	return &liveSub{nc: nc, sub: sub}, nil
 }
 
-// close unsubscribes. An error (a closed connection) leaves nothing to
-// undo: the subscription goes with the connection.
-func (l *liveSub) close() { _ = l.sub.Unsubscribe() }
+// close ends the subscription and its connection.
+func (l *liveSub) close() { l.nc.Close() }
 
 // next returns the next live message, the stashed one first.
 func (l *liveSub) next(ctx context.Context) (*nats.Msg, error) {
@@ -96,6 +130,11 @@ type chunkFeed struct {
 	log     *zap.Logger
 
 	live *liveSub // nil once the feed has switched to the stream
+	// drain is the live subscription after the switch: the rest of this
+	// version keeps arriving there, and is discarded as the stream is read
+	// (see drainLive) so that it cannot fill the pending limit and make
+	// the next version lose its live chunks.
+	drain *liveSub
 
 	// The stream consumer, once opened.
 	msgs    chan jetstream.Msg
@@ -113,8 +152,10 @@ func (r *Receiver) newFeed(a Announce, live *liveSub) *chunkFeed {
 		log: r.log.With(zap.Uint64("version", a.Version))}
 }
 
-// close stops the stream consumer, if any.
+// close stops the stream consumer, if any, and discards what is left of
+// this version on the live subscription.
 func (f *chunkFeed) close() {
+	f.drainLive()
 	if f.stopper != nil {
 		f.stopper()
 		f.stopper = nil
@@ -189,7 +230,10 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 	case errors.Is(err, context.DeadlineExceeded):
 		return c, nil, false, fmt.Sprintf("no live chunk for %v", f.r.cfg.LiveIdle)
 	case errors.Is(err, nats.ErrSlowConsumer):
-		return c, nil, false, "live chunks were dropped (slow consumer)"
+		// Something was dropped: perhaps this version's chunk, which the
+		// sequence check then catches, perhaps leftovers of an older one.
+		// The error itself says nothing about this version.
+		return c, nil, true, ""
 	case err != nil:
 		return c, nil, false, fmt.Sprintf("live subscription: %v", err)
 	}
@@ -219,6 +263,9 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 
 // toStream switches the feed to the stream, from chunk seq on.
 func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
+	if f.live != nil {
+		f.drain = f.live
+	}
 	f.live = nil
 	stream, err := f.r.js.Stream(ctx, StreamName(f.r.cfg.Model))
 	if err != nil {
@@ -278,6 +325,7 @@ func (f *chunkFeed) startSeq(ctx context.Context, stream jetstream.Stream, seq i
 // skipped.
 func (f *chunkFeed) nextStored(ctx context.Context, want expect) (feedChunk, error) {
 	for {
+		f.drainLive()
 		var msg jetstream.Msg
 		select {
 		case <-ctx.Done():
@@ -302,6 +350,32 @@ func (f *chunkFeed) nextStored(ctx context.Context, want expect) (feedChunk, err
 		}
 		f.fromJS++
 		return feedChunk{Chunk: c, data: data}, nil
+	}
+}
+
+// drainLive discards, without waiting, the live messages of this version
+// and older ones that are queued on the subscription the feed left; a
+// message of a later version is stashed for the next receive and ends the
+// drain (what follows it is that version's).
+func (f *chunkFeed) drainLive() {
+	l := f.drain
+	if l == nil {
+		return
+	}
+	for l.stash == nil {
+		if n, _, err := l.sub.Pending(); err != nil || n == 0 {
+			return
+		}
+		msg, err := l.sub.NextMsg(time.Millisecond)
+		switch {
+		case errors.Is(err, nats.ErrSlowConsumer):
+			continue // the drops the overflow caused; the queue is still there
+		case err != nil:
+			return
+		}
+		if v, ok := versionOfSubject(f.r.cfg.Model, msg.Subject); ok && v > f.a.Version {
+			l.stash = msg
+		}
 	}
 }
 

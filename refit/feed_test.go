@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"go.uber.org/zap"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -138,5 +140,82 @@ func TestRefitLiveAndFallback(t *testing.T) {
 		residentEquals(t, tc.name, w.m, b)
 		gotS, gotSc := rollouts(t, w.e)
 		sameRollouts(t, tc.name+" vs fresh B", gotS, gotSc, wantS, wantSc)
+	}
+}
+
+// TestLiveOverflow: when the live subscription overflowed (the rest of a
+// version that fell back to the stream piled up unread), the slow-consumer
+// error that the next read returns does not send the next version to the
+// stream, and the feed that fell back discards its version's leftovers,
+// keeping the first message of a later version for the next receive.
+func TestLiveOverflow(t *testing.T) {
+	srv := refittest.StartServer(t)
+	nc := refittest.Connect(t, srv.URL())
+	r := &Receiver{nc: nc, cfg: ReceiverConfig{Model: testModel, LiveIdle: 50 * time.Millisecond, MaxBytes: 64 << 10,
+		LivePendingBytes: 64 << 10}, log: zap.NewNop()}
+	l, err := r.subscribeLive(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.close)
+	pub := refittest.Connect(t, srv.URL())
+	payload := make([]byte, 8<<10)
+	send := func(v uint64, n int) {
+		t.Helper()
+		for range n {
+			if err := pub.Publish(VersionSubject(testModel, v), payload); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := pub.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send(1, 20) // 160 KiB into a 64 KiB limit
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if d, _ := l.sub.Dropped(); d > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no message dropped: the overflow did not happen")
+		}
+	}
+
+	// Version 2's feed: the slow-consumer error is skipped, not a reason
+	// to leave the live path; version 1's leftovers are skipped too.
+	f := &chunkFeed{r: r, a: Announce{Version: 2}, subject: VersionSubject(testModel, 2), live: l, log: zap.NewNop()}
+	for i := 0; ; i++ {
+		_, _, skip, why := f.nextLive(context.Background(), expect{total: -1})
+		if why != "" {
+			if i == 0 || !strings.Contains(why, "no live chunk") {
+				t.Fatalf("read %d: the feed left the live path: %s", i, why)
+			}
+			break // version 1's leftovers are all read; nothing of version 2 was sent
+		}
+		if !skip {
+			t.Fatalf("read %d: a version 1 message taken as version 2's chunk", i)
+		}
+	}
+
+	// A feed that fell back drains its version's leftovers, stopping at a
+	// later version's first message.
+	send(2, 5)
+	send(3, 1)
+	send(3, 2)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if n, _, _ := l.sub.Pending(); n == 8 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the 8 messages did not all arrive")
+		}
+	}
+	f.drain, f.live = l, nil
+	f.drainLive()
+	if l.stash == nil || l.stash.Subject != VersionSubject(testModel, 3) {
+		t.Fatalf("stash %v: want version 3's first message", l.stash)
+	}
+	if n, _, _ := l.sub.Pending(); n != 2 {
+		t.Fatalf("%d messages left: want version 3's other 2", n)
 	}
 }

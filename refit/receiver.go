@@ -36,6 +36,10 @@ type ReceiverConfig struct {
 	Version uint64
 	// MaxBytes bounds the bytes a consumer pulls ahead (default 64 MiB).
 	MaxBytes int
+	// LivePendingBytes bounds the live chunks waiting to be read (default
+	// MaxBytes); beyond it the server's deliveries are dropped and the
+	// worker fetches what it misses from the stream.
+	LivePendingBytes int
 	// ChunkTimeout rejects a version whose chunks (or manifest) stop
 	// arriving for this long: the publisher died (default 30 s).
 	ChunkTimeout time.Duration

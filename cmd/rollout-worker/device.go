@@ -13,7 +13,8 @@ import (
 )
 
 // newBackend opens the compute backend --device names: cpu, cuda, or auto
-// (cuda where a GPU is usable, else cpu). closeBackend releases it, after
+// (cuda where a GPU and the CUDA toolchain are usable, else cpu, with a
+// warning when a GPU is there but the backend could not start). closeBackend releases it, after
 // everything allocated on it. A nil logger discards logs.
 func newBackend(device string, log *zap.Logger) (be kernels.Backend, closeBackend func() error, err error) {
 	if log == nil {
@@ -31,6 +32,12 @@ func newBackend(device string, log *zap.Logger) (be kernels.Backend, closeBacken
 			return g, g.Close, nil
 		case device == "auto" && errors.Is(err, drv.ErrNoDevice):
 			log.Info("no CUDA device, using the CPU backend", zap.Error(err))
+			be, err := cpu.New(cpu.Config{}, log)
+			return be, noop, err
+		case device == "auto":
+			// A GPU, but no usable toolchain (NVRTC or the CUDA headers
+			// missing, say): run, on the CPU, and say why loudly.
+			log.Warn("CUDA device present but the CUDA backend failed; using the CPU backend (--device cuda makes this an error)", zap.Error(err))
 			be, err := cpu.New(cpu.Config{}, log)
 			return be, noop, err
 		}

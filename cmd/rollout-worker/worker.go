@@ -97,6 +97,14 @@ func startWorker(nc *nats.Conn, cfg workerConfig, log *zap.Logger, reg prometheu
 		if be.Name() == "cpu" {
 			opts.KVPages = 2048
 		}
+		// Kept out of the cache: the refit receiver's staging copies (every
+		// tensor but the expert stacks, which NVFP4 recipes write in place;
+		// all of them for bf16) and headroom for the decode graphs.
+		experts, other := mc.WeightBytes()
+		opts.KVReserveBytes = other + 512<<20
+		if cfg.Recipe == moe.RecipeBF16 {
+			opts.KVReserveBytes += experts
+		}
 	}
 	if w.m, err = policy.LoadModel(be, dir, opts); err != nil {
 		return nil, err

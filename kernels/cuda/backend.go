@@ -36,6 +36,11 @@ type Config struct {
 // Every driver call runs on the device's owner thread through Device.Do;
 // the mutable state below is touched only there, so Do's serialisation is
 // its lock.
+//
+// Like every kernels.Backend it is driven by one goroutine. A capture in
+// progress refuses memory operations and Sync from any goroutine, and the
+// refusal fails that capture; Stage alone may come from another goroutine
+// at any time (it waits for a capture to end).
 type Backend struct {
 	dev     *drv.Device
 	log     *zap.Logger

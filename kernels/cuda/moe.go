@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
@@ -71,6 +72,20 @@ func (g gemmLaunch) run(be *Backend) error {
 // on M, so a row's bits never depend on the batch.
 const gemmNarrowN = 1024
 
+// packedAligned checks what the NVFP4 kernels assume of a quantized
+// operand's addresses: packed rows are read and written 8 bytes at a time,
+// the FP32 scales 4. Buffers from Alloc and their row views always are; a
+// misaligned byte-range view would fault the whole CUDA context.
+func packedAligned(op, name string, q kernels.NVFP4) error {
+	if q.Packed != nil && q.Packed.Addr()%8 != 0 {
+		return fmt.Errorf("cuda: %s: %s.packed %v is not 8-byte aligned", op, name, q.Packed)
+	}
+	if q.Scale != nil && q.Scale.Addr()%4 != 0 {
+		return fmt.Errorf("cuda: %s: %s.scale %v is not 4-byte aligned", op, name, q.Scale)
+	}
+	return nil
+}
+
 // Gemm computes dst = a * w^T (BF16 tensor cores, FP32 accumulation).
 func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 	var m, n, k int
@@ -107,8 +122,10 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 	var s kernels.GroupedGemmShape
 	validate := func() (err error) {
-		s, err = a.Validate()
-		return err
+		if s, err = a.Validate(); err != nil {
+			return err
+		}
+		return errors.Join(packedAligned("grouped gemm", "A", a.A.Q), packedAligned("grouped gemm", "W", a.W.Q))
 	}
 	return be.issue("grouped gemm", a, validate, func(*drv.Ctx) error {
 		if s.R == 0 || s.OutN == 0 {
@@ -218,8 +235,10 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 	var s kernels.QuantizeShape
 	validate := func() (err error) {
-		s, err = a.Validate()
-		return err
+		if s, err = a.Validate(); err != nil {
+			return err
+		}
+		return packedAligned("quantize", "dst", a.Dst)
 	}
 	return be.issue("quantize", a, validate, func(*drv.Ctx) error {
 		rows := s.Mats * s.Rows
@@ -241,9 +260,13 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 			}
 			per := s.Rows * s.K
 			blocks := min((per/8+256*4-1)/(256*4), 1024)
-			if err := be.launch("quant_amax", drv.Dim3{X: max(blocks, 1), Y: s.Mats}, drv.Dim3{X: 256}, 0,
-				ptr(a.Src), ptr(a.Dst.Scale), int64(per), vec); err != nil {
-				return err
+			// A grid's y dimension stops at 65535: larger stacks take several launches.
+			for m0 := 0; m0 < s.Mats; m0 += 65535 {
+				n := min(65535, s.Mats-m0)
+				if err := be.launch("quant_amax", drv.Dim3{X: max(blocks, 1), Y: n}, drv.Dim3{X: 256}, 0,
+					ptr(a.Src).Add(2*m0*per), ptr(a.Dst.Scale).Add(4*m0), int64(per), vec); err != nil {
+					return err
+				}
 			}
 			nblocks := rows * (s.Kp / 16)
 			if err := be.launch("quant_blocks", drv.Dim3{X: min((nblocks+255)/256, 65535)}, drv.Dim3{X: 256}, 0,
