@@ -1,12 +1,11 @@
 package policy
 
 import (
-	"errors"
 	"testing"
 
-	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 	"github.com/rollout-worker/rollout-worker/kernels"
 	kcuda "github.com/rollout-worker/rollout-worker/kernels/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels/cuda/cudatest"
 )
 
 // TestGPUEngine reruns the engine's acceptance tests with every model on the
@@ -18,21 +17,10 @@ import (
 // the sampling distribution and the KV cache sized from free memory. It
 // skips where there is no GPU.
 func TestGPUEngine(t *testing.T) {
-	be, err := kcuda.New(kcuda.Config{}, nil)
-	if errors.Is(err, drv.ErrNoDevice) {
-		t.Skip("no CUDA device: " + err.Error())
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	be := cudatest.Backend(t)
 	cpuBackend := testBackend
 	testBackend = func(testing.TB) kernels.Backend { return be }
-	t.Cleanup(func() {
-		testBackend = cpuBackend
-		if err := be.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	t.Cleanup(func() { testBackend = cpuBackend }) // runs before the backend closes
 	for _, tc := range []struct {
 		name string
 		test func(*testing.T)

@@ -1,12 +1,10 @@
 package refit
 
 import (
-	"errors"
 	"testing"
 
-	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 	"github.com/rollout-worker/rollout-worker/kernels"
-	kcuda "github.com/rollout-worker/rollout-worker/kernels/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels/cuda/cudatest"
 )
 
 // TestGPURefit reruns the refit acceptance tests with every worker (and
@@ -15,21 +13,10 @@ import (
 // commit requantizes on the GPU, and the result is bitwise a fresh GPU
 // worker loaded with the new weights. It skips where there is no GPU.
 func TestGPURefit(t *testing.T) {
-	be, err := kcuda.New(kcuda.Config{}, nil)
-	if errors.Is(err, drv.ErrNoDevice) {
-		t.Skip("no CUDA device: " + err.Error())
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	be := cudatest.Backend(t)
 	cpuBackend := testBackend
 	testBackend = func(testing.TB) kernels.Backend { return be }
-	t.Cleanup(func() {
-		testBackend = cpuBackend
-		if err := be.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	t.Cleanup(func() { testBackend = cpuBackend }) // runs before the backend closes
 	for _, tc := range []struct {
 		name string
 		test func(*testing.T)

@@ -120,7 +120,7 @@ func (be *Backend) EndCapture() (kernels.Graph, error) {
 		if err != nil {
 			return fmt.Errorf("cuda: end capture: %w", err)
 		}
-		g = &graph{be: be, g: dg, bufs: cp.bufs, ops: cp.ops}
+		g = &graph{be: be, g: dg, bufs: cp.bufs}
 		return nil
 	})
 	if err != nil {
@@ -134,7 +134,6 @@ type graph struct {
 	be   *Backend
 	g    *drv.Graph
 	bufs []*kernels.Buffer
-	ops  int
 
 	mu        sync.Mutex
 	destroyed bool

@@ -126,14 +126,14 @@ func TestQuantizeAllBF16(t *testing.T) {
 				for _, d := range shape {
 					n *= d
 				}
-				s := mustAlloc(t, b, kernels.BF16, shape...)
+				s := moetest.Alloc(t, b, kernels.BF16, shape...)
 				if err := b.Upload(s, 0, src[:2*n]); err != nil {
 					t.Fatal(err)
 				}
 				q := kernels.NVFP4{
-					Packed: mustAlloc(t, b, kernels.U8, append(lead, kp/2)...),
-					Scales: mustAlloc(t, b, kernels.U8, append(lead, kp/16)...),
-					Scale:  mustAlloc(t, b, kernels.F32, nscale),
+					Packed: moetest.Alloc(t, b, kernels.U8, append(lead, kp/2)...),
+					Scales: moetest.Alloc(t, b, kernels.U8, append(lead, kp/16)...),
+					Scale:  moetest.Alloc(t, b, kernels.F32, nscale),
 				}
 				if err := b.Quantize(kernels.QuantizeArgs{Src: s, Dst: q, Mode: mode}); err != nil {
 					t.Fatal(err)
@@ -160,18 +160,4 @@ func TestQuantizeAllBF16(t *testing.T) {
 			t.Logf("%s kp=%d: %d values, packed/scales/scale equal to the CPU", mode, kp, len(vals))
 		}
 	}
-}
-
-func mustAlloc(t testing.TB, be kernels.Backend, dt kernels.DType, shape ...int) *kernels.Buffer {
-	t.Helper()
-	b, err := be.Alloc(dt, shape...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := be.Free(b); err != nil {
-			t.Error(err)
-		}
-	})
-	return b
 }

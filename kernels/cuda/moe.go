@@ -247,10 +247,7 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 		}
 		const warps = 8
 		vec := aligned16(a.Src, s.K)
-		perRow := int32(0)
-		if a.Mode == kernels.PerRow {
-			perRow = 1
-		} else {
+		if a.Mode == kernels.PerMatrix {
 			if err := be.launch("fill_u32", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
 				ptr(a.Dst.Scale), int32(s.Mats), uint32(0)); err != nil {
 				return err
@@ -278,8 +275,7 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 				ptr(a.Dst.Scale), int32(s.Mats))
 		}
 		return be.launch("quant_rows", drv.Dim3{X: (rows + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
-			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), perRow,
-			int32(rows), int32(s.Rows), int32(s.K), int32(s.Kp), vec)
+			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int32(rows), int32(s.K), int32(s.Kp), vec)
 	})
 }
 

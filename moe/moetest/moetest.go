@@ -52,7 +52,7 @@ func Forward(t testing.TB, be kernels.Backend, l *moe.Layer, x []byte) []byte {
 	t.Helper()
 	H := l.Config().Hidden
 	T := len(x) / 2 / H
-	in, out := alloc(t, be, kernels.BF16, T, H), alloc(t, be, kernels.BF16, T, H)
+	in, out := Alloc(t, be, kernels.BF16, T, H), Alloc(t, be, kernels.BF16, T, H)
 	if err := be.Upload(in, 0, x); err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +62,8 @@ func Forward(t testing.TB, be kernels.Backend, l *moe.Layer, x []byte) []byte {
 	return download(t, be, out)
 }
 
-func alloc(t testing.TB, be kernels.Backend, dt kernels.DType, shape ...int) *kernels.Buffer {
+// Alloc allocates a buffer on be and frees it when the test ends.
+func Alloc(t testing.TB, be kernels.Backend, dt kernels.DType, shape ...int) *kernels.Buffer {
 	t.Helper()
 	b, err := be.Alloc(dt, shape...)
 	if err != nil {
@@ -168,12 +169,12 @@ func testBatchInvariance(t *testing.T, be kernels.Backend) {
 func routeOf(t testing.TB, be kernels.Backend, l *moe.Layer, x []byte) []byte {
 	t.Helper()
 	c := l.Config()
-	in := alloc(t, be, kernels.BF16, 1, c.Hidden)
+	in := Alloc(t, be, kernels.BF16, 1, c.Hidden)
 	if err := be.Upload(in, 0, x); err != nil {
 		t.Fatal(err)
 	}
-	logits := alloc(t, be, kernels.F32, 1, c.Experts)
-	ids, w := alloc(t, be, kernels.I32, 1, c.TopK), alloc(t, be, kernels.F32, 1, c.TopK)
+	logits := Alloc(t, be, kernels.F32, 1, c.Experts)
+	ids, w := Alloc(t, be, kernels.I32, 1, c.TopK), Alloc(t, be, kernels.F32, 1, c.TopK)
 	if err := be.Gemm(logits, in, l.Router()); err != nil {
 		t.Fatal(err)
 	}

@@ -179,6 +179,19 @@ __device__ __forceinline__ T block_reduce(T v, T *scratch, Op op) {
     return scratch[0];
 }
 
+// warp_scan returns the inclusive prefix sum of v over the lanes of a full
+// warp, in lane order, by a fixed shuffle tree (deterministic for floating
+// point too).
+template <typename T> __device__ __forceinline__ T warp_scan(T v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T t = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v = v + t;
+    }
+    return v;
+}
+
 struct OpAdd {
     template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
 };

@@ -402,12 +402,7 @@ __device__ __forceinline__ bool model_prefix_match(unsigned key, unsigned prefix
 template <typename T>
 __device__ __forceinline__ T model_block_exscan(T v, T *scratch, T *total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    T inc = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const T t = __shfl_up_sync(MODEL_FULL, inc, o);
-        if (lane >= o) inc = inc + t;
-    }
+    const T inc = warp_scan(v);
     T ex = __shfl_up_sync(MODEL_FULL, inc, 1);
     if (lane == 0) ex = (T)0;
     __syncthreads(); // scratch may still be read by a previous call
@@ -415,12 +410,7 @@ __device__ __forceinline__ T model_block_exscan(T v, T *scratch, T *total) {
     __syncthreads();
     if (warp == 0) {
         const T w = lane < nw ? scratch[lane] : (T)0;
-        T wi = w;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const T t = __shfl_up_sync(MODEL_FULL, wi, o);
-            if (lane >= o) wi = wi + t;
-        }
+        const T wi = warp_scan(w);
         T we = __shfl_up_sync(MODEL_FULL, wi, 1);
         if (lane == 0) we = (T)0;
         const T tot = __shfl_sync(MODEL_FULL, wi, 31);
@@ -444,12 +434,7 @@ __device__ __forceinline__ void model_select_bin(const unsigned long long *hist,
     unsigned long long local = 0;
 #pragma unroll
     for (int j = 0; j < 8; j++) local += hist[255 - 8 * lane - j];
-    unsigned long long inc = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned long long t = __shfl_up_sync(MODEL_FULL, inc, o);
-        if (lane >= o) inc += t;
-    }
+    const unsigned long long inc = warp_scan(local);
     const unsigned ballot = __ballot_sync(MODEL_FULL, above + inc >= target);
     if (ballot == 0u) {
         if (lane == 0) {

@@ -14,30 +14,37 @@ __device__ __forceinline__ unsigned amax8(uint4 q) {
     return max(w & 0xffffu, w >> 16);
 }
 
-// quant_amax folds max|x| of matrix blockIdx.y (per elements) into
-// amax[blockIdx.y] as FP32 bits. BF16 magnitudes shifted left by 16 are
-// their FP32 bits, which order like the values (NaN above Inf, so NaN
-// propagates), and an integer atomic max is order-free: deterministic.
-extern "C" __global__ void quant_amax(const bf16_t *src, unsigned *amax, long long per, int vec) {
-    __shared__ unsigned scratch[32];
-    const bf16_t *m = src + (long long)blockIdx.y * per;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+// amax_span returns the largest BF16 magnitude (as bits) of n values at m
+// that a thread takes from index i0 in steps of stride: with vec (n % 8 ==
+// 0, 16-byte aligned) eight values a load, four loads in flight.
+__device__ __forceinline__ unsigned amax_span(const bf16_t *m, long long n, long long i0, long long stride, int vec) {
     unsigned v = 0;
-    if (vec) { // per % 8 == 0, 16-byte aligned: eight values a load, four loads in flight
+    long long i = i0;
+    if (vec) {
         const uint4 *p = reinterpret_cast<const uint4 *>(m);
-        const long long n = per / 8;
-        for (; i + 3 * stride < n; i += 4 * stride) {
+        const long long n8 = n / 8;
+        for (; i + 3 * stride < n8; i += 4 * stride) {
             uint4 q[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) q[u] = p[i + u * stride];
 #pragma unroll
             for (int u = 0; u < 4; u++) v = max(v, amax8(q[u]));
         }
-        for (; i < n; i += stride) v = max(v, amax8(p[i]));
+        for (; i < n8; i += stride) v = max(v, amax8(p[i]));
     } else {
-        for (; i < per; i += stride) v = max(v, (unsigned)(m[i] & 0x7fff));
+        for (; i < n; i += stride) v = max(v, (unsigned)(m[i] & 0x7fff));
     }
+    return v;
+}
+
+// quant_amax folds max|x| of matrix blockIdx.y (per elements) into
+// amax[blockIdx.y] as FP32 bits. BF16 magnitudes shifted left by 16 are
+// their FP32 bits, which order like the values (NaN above Inf, so NaN
+// propagates), and an integer atomic max is order-free: deterministic.
+extern "C" __global__ void quant_amax(const bf16_t *src, unsigned *amax, long long per, int vec) {
+    __shared__ unsigned scratch[32];
+    unsigned v = amax_span(src + (long long)blockIdx.y * per, per, (long long)blockIdx.x * blockDim.x + threadIdx.x,
+                           (long long)gridDim.x * blockDim.x, vec);
     v = block_reduce(v, scratch, OpMax());
     if (threadIdx.x == 0) atomicMax(&amax[blockIdx.y], v << 16);
 }
@@ -70,51 +77,45 @@ __device__ __forceinline__ void load_block(bf16_t x[16], const bf16_t *row, int 
     for (int i = 0; i < 16; i++) x[i] = lo + i < k ? row[lo + i] : (bf16_t)0;
 }
 
-// quant_rows quantizes one row per warp; lane l handles blocks l, l+32, ...
-// Per-row mode: the warp first takes the row's amax and writes its S_dec.
-// Per-matrix mode: scale[r / rowsPerMat] holds the matrix amax (FP32 bits).
-extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale,
-                                      int perRow, int rows, int rowsPerMat, int k, int kp, int vec) {
+// quant_store quantizes block b of row `row` (k values, padded to kp) and
+// stores its 8 packed bytes and its scale byte.
+__device__ __forceinline__ void quant_store(const bf16_t *src, unsigned char *packed, unsigned char *scales, long long row, int b,
+                                            int k, int kp, int vec, float sencinv6, float sdec) {
+    bf16_t x[16];
+    load_block(x, src + row * k, b, k, vec);
+    unsigned lo, hi;
+    unsigned sf = quant_block(x, sencinv6, sdec, &lo, &hi);
+    *reinterpret_cast<uint2 *>(packed + row * (kp / 2) + b * 8) = make_uint2(lo, hi);
+    scales[row * (kp / 16) + b] = (unsigned char)sf;
+}
+
+// quant_rows is the per-token recipe: one row per warp, with the row's own
+// global scale. The warp takes the row's amax, quantizes blocks l, l+32, ...
+// in lane l, and writes the row's S_dec.
+extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int rows,
+                                      int k, int kp, int vec) {
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (warp >= rows) return;
-    const bf16_t *row = src + (long long)warp * k;
-    int nb = kp / 16;
-    float amax;
-    if (perRow) {
-        unsigned m = 0;
-        for (int i = lane; i < k; i += 32) m = max(m, (unsigned)(row[i] & 0x7fff));
+    unsigned m = 0;
+    for (int i = lane; i < k; i += 32) m = max(m, (unsigned)(src[(long long)warp * k + i] & 0x7fff));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-        amax = __uint_as_float(m << 16);
-    } else {
-        amax = scale[warp / rowsPerMat];
-    }
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
     float senc, sdec;
-    encode_scale(amax, &senc, &sdec);
-    float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
-    unsigned char *prow = packed + (long long)warp * (kp / 2);
-    unsigned char *srow = scales + (long long)warp * nb;
-    for (int b = lane; b < nb; b += 32) {
-        bf16_t x[16];
-        load_block(x, row, b, k, vec);
-        unsigned lo, hi;
-        unsigned sf = quant_block(x, sencinv6, sdec, &lo, &hi);
-        *reinterpret_cast<uint2 *>(prow + b * 8) = make_uint2(lo, hi);
-        srow[b] = (unsigned char)sf;
-    }
-    if (perRow && lane == 0) scale[warp] = sdec;
+    encode_scale(__uint_as_float(m << 16), &senc, &sdec);
+    const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
+    for (int b = lane; b < kp / 16; b += 32) quant_store(src, packed, scales, warp, b, k, kp, vec, sencinv6, sdec);
+    if (lane == 0) scale[warp] = sdec;
 }
 
 // quant_stack quantizes a weight stack [mats, rowsPerMat, k] with one global
 // scale per matrix in a single cooperative launch, matrix by matrix: all
-// blocks take matrix m's amax (order-free atomic max into amax[m]), meet at
-// a grid barrier (arrive[m] counts the blocks), then quantize m, one
-// 16-element block per thread, while its BF16 values are still in L2 from
-// the amax pass, meant to read the BF16 stack from memory once (measured:
-// no faster than the three-kernel path, the rounding chain being the
-// limit; docs/MOE.md). amax and
-// arrive are zeroed before the launch; quant_scales turns amax into S_dec
-// after it.
+// blocks of a group take matrix m's amax (order-free atomic max into
+// amax[m]), meet at a barrier (arrive[m] counts the group's blocks), then
+// quantize m, one 16-element block per thread, while its BF16 values are
+// still in L2 from the amax pass. It was meant to read the BF16 stack from
+// memory once; measured, it is no faster than the three-kernel path (the
+// rounding chain is the limit; docs/MOE.md). amax and arrive are zeroed
+// before the launch; quant_scales turns amax into S_dec after it.
 extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src, unsigned char *packed, unsigned char *scales,
                                                              unsigned *amax, unsigned *arrive, int mats, int rowsPerMat,
                                                              int k, int kp, int vec, int groups) {
@@ -132,23 +133,7 @@ extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src,
     const int nb = kp / 16;
     const long long blocksPer = (long long)rowsPerMat * nb;
     for (int m = g; m < mats; m += groups) {
-        const bf16_t *ms = src + (long long)m * per;
-        unsigned v = 0;
-        long long i = gtid;
-        if (vec) { // per % 8 == 0 and 16-byte aligned rows
-            const uint4 *p = reinterpret_cast<const uint4 *>(ms);
-            const long long n = per / 8;
-            for (; i + 3 * nthreads < n; i += 4 * nthreads) {
-                uint4 q[4];
-#pragma unroll
-                for (int u = 0; u < 4; u++) q[u] = p[i + u * nthreads];
-#pragma unroll
-                for (int u = 0; u < 4; u++) v = max(v, amax8(q[u]));
-            }
-            for (; i < n; i += nthreads) v = max(v, amax8(p[i]));
-        } else {
-            for (; i < per; i += nthreads) v = max(v, (unsigned)(ms[i] & 0x7fff));
-        }
+        unsigned v = amax_span(src + (long long)m * per, per, gtid, nthreads, vec);
         v = block_reduce(v, scratch, OpMax());
         if (threadIdx.x == 0) {
             atomicMax(&amax[m], v << 16);
@@ -161,36 +146,22 @@ extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src,
         float senc, sdec;
         encode_scale(__uint_as_float(s_amax), &senc, &sdec);
         const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
-        for (long long j = gtid; j < blocksPer; j += nthreads) {
-            const long long row = (long long)m * rowsPerMat + j / nb;
-            const int b = (int)(j % nb);
-            bf16_t x[16];
-            load_block(x, src + row * k, b, k, vec);
-            unsigned lo, hi;
-            unsigned sf = quant_block(x, sencinv6, sdec, &lo, &hi);
-            *reinterpret_cast<uint2 *>(packed + row * (kp / 2) + b * 8) = make_uint2(lo, hi);
-            scales[row * nb + b] = (unsigned char)sf;
-        }
+        for (long long j = gtid; j < blocksPer; j += nthreads)
+            quant_store(src, packed, scales, (long long)m * rowsPerMat + j / nb, (int)(j % nb), k, kp, vec, sencinv6, sdec);
     }
 }
 
 // quant_blocks quantizes with one global scale per matrix, one 16-element
-// block per thread (coalesced 32-byte reads, 8-byte writes); scale[m] holds
+// block per thread (coalesced 32-byte reads, 8-byte writes); amax[m] holds
 // the matrix amax as FP32 bits.
 extern "C" __global__ void quant_blocks(const bf16_t *src, unsigned char *packed, unsigned char *scales, const unsigned *amax,
                                         long long nblocks, int rowsPerMat, int k, int kp, int vec) {
     const int nb = kp / 16;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nblocks; i += (long long)gridDim.x * blockDim.x) {
         const long long row = i / nb;
-        const int b = (int)(i - row * nb);
         float senc, sdec;
         encode_scale(__uint_as_float(amax[row / rowsPerMat]), &senc, &sdec);
-        bf16_t x[16];
-        load_block(x, src + row * k, b, k, vec);
-        unsigned lo, hi;
-        unsigned sf = quant_block(x, __fmul_rn(senc, NVFP4_INV6), sdec, &lo, &hi);
-        *reinterpret_cast<uint2 *>(packed + row * (kp / 2) + b * 8) = make_uint2(lo, hi);
-        scales[i] = (unsigned char)sf;
+        quant_store(src, packed, scales, row, (int)(i - row * nb), k, kp, vec, __fmul_rn(senc, NVFP4_INV6), sdec);
     }
 }
 
@@ -300,12 +271,7 @@ extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *
         int base = 0;
         for (int e0 = 0; e0 < E; e0 += 32) {
             int e = e0 + lane;
-            int v = e < E ? off[e] : 0, incl = v;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                int u = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += u;
-            }
+            const int v = e < E ? off[e] : 0, incl = warp_scan(v);
             if (e < E) off[e] = base + incl - v;
             base += __shfl_sync(0xffffffffu, incl, 31);
         }
@@ -432,13 +398,13 @@ __device__ __forceinline__ void mma16816(float c[4], const unsigned a[4], unsign
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// gg_schedule (warp 0 of a block) finds the expert and the row tile of
+// gg_schedule (warp 0 of a block) finds the expert and the BM-row tile of
 // that expert this block computes, from the tiles of BM rows each expert's
 // offsets range splits into, in expert order: an inclusive warp scan over
 // 32 experts at a time. expert -1: no tile (the grid is an upper bound).
 // Offsets outside [0, R] or decreasing are reported by block (0, 0) and
 // clamped, so nothing is read or written out of bounds.
-__device__ __forceinline__ void gg_schedule_bm(int *err, const int *offsets, int E, int R, int lane, int BM, int *s_expert,
+__device__ __forceinline__ void gg_schedule(int *err, const int *offsets, int E, int R, int lane, int BM, int *s_expert,
                                                int *s_row0, int *s_row1) {
     {
         int expert = -1, row0 = 0, row1 = 0;
@@ -459,12 +425,7 @@ __device__ __forceinline__ void gg_schedule_bm(int *err, const int *offsets, int
                         hi = lo;
                     }
                 }
-                int tiles = (hi - lo + BM - 1) / BM, incl = tiles;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    int v = __shfl_up_sync(0xffffffffu, incl, o);
-                    if (lane >= o) incl += v;
-                }
+                const int tiles = (hi - lo + BM - 1) / BM, incl = warp_scan(tiles);
                 int excl = incl - tiles;
                 unsigned hit = __ballot_sync(0xffffffffu, tiles > 0 && idx >= base + excl && idx < base + incl);
                 if (hit) {
@@ -480,11 +441,6 @@ __device__ __forceinline__ void gg_schedule_bm(int *err, const int *offsets, int
         }
         if (lane == 0) { *s_expert = expert; *s_row0 = row0; *s_row1 = row1; }
     }
-}
-
-__device__ __forceinline__ void gg_schedule(int *err, const int *offsets, int E, int R, int lane, int *s_expert, int *s_row0,
-                                            int *s_row1) {
-    gg_schedule_bm(err, offsets, E, R, lane, GG_BM, s_expert, s_row0, s_row1);
 }
 
 // gg_sources fills src[i] with the A row of sorted row row0+i (-1: none,
@@ -539,13 +495,6 @@ __device__ __forceinline__ void gg_mma_t(const bf16_t *As, const bf16_t *Ws, flo
     }
 }
 
-template <int NK, int LD>
-__device__ __forceinline__ void gg_mma(const bf16_t *As, const bf16_t *Ws, float acc[2][4][4], float accU[2][4][4], bool swiglu,
-                                       int wm, int wn, int g, int t4) {
-    if (swiglu) gg_mma_t<NK, LD, 2, 4, true>(As, Ws, acc, accU, wm, wn, g, t4);
-    else gg_mma_t<NK, LD, 2, 4, false>(As, Ws, acc, accU, wm, wn, g, t4);
-}
-
 // gg_epilogue: global scales in FP32 (acc * per-row scale * alpha), the
 // activation, one rounding to the output type.
 template <int MI, int NJ>
@@ -586,12 +535,6 @@ __device__ __forceinline__ void gg_epilogue_t(float acc[][4][4], float accU[][4]
         }
 }
 
-__device__ __forceinline__ void gg_epilogue(float acc[2][4][4], float accU[2][4][4], const int *src, int row0, int row1, int c0,
-                                            int aFmt, const float *aScale, int wFmt, float alpha, int act, void *out, int outN,
-                                            int outFmt, int wm, int wn, int g, int t4) {
-    gg_epilogue_t<2, 4>(acc, accU, src, row0, row1, c0, aFmt, aScale, wFmt, alpha, act, out, outN, outFmt, wm, wn, g, t4);
-}
-
 extern "C" __global__ void __launch_bounds__(128)
 grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, const unsigned char *aSF,
              const float *aScale, int aK, int aVec, const int *gather, int Ta, int wFmt, const bf16_t *W,
@@ -604,7 +547,7 @@ grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool swiglu = act == 3;
 
-    if (warp == 0) gg_schedule(err, offsets, E, R, lane, &s_expert, &s_row0, &s_row1);
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, GG_BM, &s_expert, &s_row0, &s_row1);
     __syncthreads();
     const int expert = s_expert, row0 = s_row0, row1 = s_row1;
     if (expert < 0) return;
@@ -638,10 +581,11 @@ grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, 
             stage16(&Ws[r * GG_LD + (p & 1) * 16], wFmt, W, wPacked, wSF, wBase + n, wK, kk, wVec, ok);
         }
         __syncthreads();
-        gg_mma<GG_BK / 16, GG_LD>(As, Ws, acc, accU, swiglu, wm, wn, g, t4);
+        if (swiglu) gg_mma_t<GG_BK / 16, GG_LD, 2, 4, true>(As, Ws, acc, accU, wm, wn, g, t4);
+        else gg_mma_t<GG_BK / 16, GG_LD, 2, 4, false>(As, Ws, acc, accU, wm, wn, g, t4);
         __syncthreads();
     }
-    gg_epilogue(acc, accU, s_src, row0, row1, c0, aFmt, aScale, wFmt, wFmt == 1 ? wScale[expert] : 1.f, act, out, outN, outFmt,
+    gg_epilogue_t<2, 4>(acc, accU, s_src, row0, row1, c0, aFmt, aScale, wFmt, wFmt == 1 ? wScale[expert] : 1.f, act, out, outN, outFmt,
                 wm, wn, g, t4);
 }
 
@@ -717,7 +661,7 @@ __device__ __forceinline__ void g4_gemm(int *err, const unsigned char *aPacked, 
     bf16_t *Ws = As + BM * G4_LD;
 
     for (int b = tid; b < 256; b += blockDim.x) lut[b] = __floats2bfloat162_rn(e2m1_decode(b & 15), e2m1_decode(b >> 4));
-    if (warp == 0) gg_schedule_bm(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
     __syncthreads();
     const int expert = s_expert, row0 = s_row0, row1 = s_row1;
     if (expert < 0) return;
