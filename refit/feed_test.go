@@ -107,7 +107,11 @@ func TestRefitLiveAndFallback(t *testing.T) {
 	}
 	workers := make([]*worker, len(cases))
 	for i, tc := range cases {
-		workers[i] = startWorker(t, srv.URL(), a, tc.name, moe.RecipePerToken, func(c *ReceiverConfig) { c.LiveIdle = 50 * time.Millisecond })
+		workers[i] = startWorker(t, srv.URL(), a, tc.name, moe.RecipePerToken, func(c *ReceiverConfig) {
+			// Long enough that a loaded machine (CI runs packages in parallel) never
+			// looks like a lost chunk to the "live" worker; "tail" waits it out once.
+			c.LiveIdle = time.Second
+		})
 		workers[i].r.liveHook = tc.hook // set before Run reads a chunk: Run waits for the bucket and the version first
 		select {
 		case <-workers[i].r.liveReady:
