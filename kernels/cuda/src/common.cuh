@@ -70,20 +70,17 @@ __device__ __forceinline__ float bfround(float x) { return bf2f(f2bf(x)); }
 __device__ __forceinline__ float min32(float a, float b) { return b < a ? b : a; }
 
 // e2m1_encode rounds to the nearest E2M1 code, ties to even, saturating; the
-// sign is kept (-0 is code 8). NaN gives +-6.
+// sign is kept (-0 is code 8). NaN gives +-6. Branch-free: below 1 the grid
+// is 0.5 apart and one FP32 addition of 1.5*2^22 (whose ulp is 0.5) rounds
+// 2|x| to an integer, ties to even; from 1 on, E2M1 is a float with one
+// mantissa bit, so integer round-half-even of the FP32 bits at bit 22 gives
+// the code. Checked against the comparison chain for all 2^32 inputs.
 __device__ __forceinline__ unsigned e2m1_encode(float x) {
-    float a = fabsf(x);
-    unsigned c;
-    if (a <= 0.25f) c = 0;
-    else if (a < 0.75f) c = 1;
-    else if (a <= 1.25f) c = 2;
-    else if (a < 1.75f) c = 3;
-    else if (a <= 2.5f) c = 4;
-    else if (a < 3.5f) c = 5;
-    else if (a <= 5.0f) c = 6;
-    else c = 7; // > 5, Inf and NaN
-    if (__float_as_uint(x) >> 31) c |= 8;
-    return c;
+    const float a = fminf(fabsf(x), 6.0f); // min.f32 returns 6 for NaN
+    const unsigned lo = __float_as_uint(__fadd_rn(a, 6291456.0f)) - 0x4AC00000u;
+    const unsigned b = __float_as_uint(a);
+    const unsigned hi = (b + 0x1FFFFFu + ((b >> 22) & 1u) - (0xFCu << 22)) >> 22;
+    return (a < 1.0f ? lo : hi) | ((__float_as_uint(x) >> 28) & 8u);
 }
 
 __device__ __forceinline__ float e2m1_decode(unsigned c) {
