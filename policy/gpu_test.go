@@ -3,7 +3,6 @@ package policy
 import (
 	"testing"
 
-	"github.com/rollout-worker/rollout-worker/kernels"
 	kcuda "github.com/rollout-worker/rollout-worker/kernels/cuda"
 	"github.com/rollout-worker/rollout-worker/kernels/cuda/cudatest"
 )
@@ -17,10 +16,7 @@ import (
 // the sampling distribution and the KV cache sized from free memory. It
 // skips where there is no GPU.
 func TestGPUEngine(t *testing.T) {
-	be := cudatest.Backend(t)
-	cpuBackend := testBackend
-	testBackend = func(testing.TB) kernels.Backend { return be }
-	t.Cleanup(func() { testBackend = cpuBackend }) // runs before the backend closes
+	be := cudatest.Use(t, &testBackend)
 	for _, tc := range []struct {
 		name string
 		test func(*testing.T)

@@ -3,7 +3,6 @@ package refit
 import (
 	"testing"
 
-	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/kernels/cuda/cudatest"
 )
 
@@ -13,10 +12,7 @@ import (
 // commit requantizes on the GPU, and the result is bitwise a fresh GPU
 // worker loaded with the new weights. It skips where there is no GPU.
 func TestGPURefit(t *testing.T) {
-	be := cudatest.Backend(t)
-	cpuBackend := testBackend
-	testBackend = func(testing.TB) kernels.Backend { return be }
-	t.Cleanup(func() { testBackend = cpuBackend }) // runs before the backend closes
+	cudatest.Use(t, &testBackend)
 	for _, tc := range []struct {
 		name string
 		test func(*testing.T)

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels"
 	kcuda "github.com/rollout-worker/rollout-worker/kernels/cuda"
 )
 
@@ -27,5 +28,17 @@ func Backend(t testing.TB) *kcuda.Backend {
 			t.Error(err)
 		}
 	})
+	return be
+}
+
+// Use opens a CUDA backend (as Backend) and points a package's backend
+// hook at it for the rest of the test; the hook is restored before the
+// backend closes.
+func Use(t testing.TB, hook *func(testing.TB) kernels.Backend) *kcuda.Backend {
+	t.Helper()
+	be := Backend(t)
+	prev := *hook
+	*hook = func(testing.TB) kernels.Backend { return be }
+	t.Cleanup(func() { *hook = prev }) // cleanups run last-in first-out: before Close
 	return be
 }
