@@ -63,10 +63,14 @@ type Backend struct {
 	// in flight at once); 0 takes the three-kernel path (amax, blocks,
 	// scales) instead. Tests compare them.
 	quantGroups int
-	pinned      [2][]byte
-	events      [2]*drv.Event
-	busy        [2]bool // a copy from pinned[i] may still be in flight
-	cap         *capture
+	// fp4Staged selects the staged NVFP4 x NVFP4 GEMM (grouped_gemm_fp4_*:
+	// both operands dequantized into shared memory) instead of the
+	// streamed one (gemm_fp4_stream_*). Tests time them side by side.
+	fp4Staged bool
+	pinned    [2][]byte
+	events    [2]*drv.Event
+	busy      [2]bool // a copy from pinned[i] may still be in flight
+	cap       *capture
 }
 
 var (

@@ -155,27 +155,51 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 // g4LD is grouped_gemm_fp4's shared tile row stride in BF16 elements.
 const g4LD = 128 + 8
 
-// groupedGemmFP4 launches the pipelined NVFP4 x NVFP4 kernel (the
-// per-token recipe's expert GEMMs). Its row tile is 16 when the experts
-// get 16 rows or fewer on average (decode and small batches: less staging
-// and no idle MMAs), else 64. The tile shape never changes an output bit
-// (src/moe.cu, gg_mma_t), so the choice keeps batch invariance.
+// Streamed NVFP4 GEMM geometry (src/moe.cu, g5_gemm): 8 warps, 128 output
+// columns per block (64 for SwiGLU); each 16-row tile of activations takes
+// 4 KB of shared memory per K chunk, double buffered.
+const (
+	streamThreads  = 256
+	streamTileSmem = 2 * 4096
+)
+
+// groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's
+// expert GEMMs). The streamed kernel's row tile is 16, 32 or 64 rows, by
+// the average rows per expert; the staged one's 16 or 64. Neither tile
+// changes an output bit (src/moe.cu), so the choice keeps batch
+// invariance.
 func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) error {
+	args := []any{be.errw, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(s.Kp), ptr(a.Gather), int32(s.Ta),
+		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
+		int32(a.Act), ptr(a.Out), int32(s.OutN)}
+	swiglu := a.Act == kernels.SwiGLU
+	if !be.fp4Staged {
+		bm, name := 64, "gemm_fp4_stream_m64"
+		switch {
+		case s.R <= 8*s.E:
+			bm, name = 16, "gemm_fp4_stream_m16"
+		case s.R <= 24*s.E:
+			bm, name = 32, "gemm_fp4_stream_m32"
+		}
+		cols := 128
+		if swiglu {
+			cols, name = 64, name+"_swiglu"
+		}
+		grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
+		return be.launch(name, grid, drv.Dim3{X: streamThreads}, bm/16*streamTileSmem, args...)
+	}
 	bm, name := 64, "grouped_gemm_fp4_m64"
 	if s.R <= 16*s.E {
 		bm, name = 16, "grouped_gemm_fp4_m16"
 	}
 	wRows := gemmBN
-	if a.Act == kernels.SwiGLU {
+	if swiglu {
 		wRows = 2 * gemmBN
 		name += "_swiglu"
 	}
 	shared := (bm + wRows) * g4LD * 2
 	tiles := s.R/bm + min(s.E, s.R)
-	return be.launch(name, drv.Dim3{X: tiles, Y: (s.OutN + gemmBN - 1) / gemmBN}, drv.Dim3{X: gemmThreads}, shared,
-		be.errw, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(s.Kp), ptr(a.Gather), int32(s.Ta),
-		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
-		int32(a.Act), ptr(a.Out), int32(s.OutN))
+	return be.launch(name, drv.Dim3{X: tiles, Y: (s.OutN + gemmBN - 1) / gemmBN}, drv.Dim3{X: gemmThreads}, shared, args...)
 }
 
 // Route computes the router's scores and top-k, one warp per token.

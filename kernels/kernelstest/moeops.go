@@ -3,9 +3,11 @@ package kernelstest
 import (
 	"bytes"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"testing"
 
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
 	"github.com/rollout-worker/rollout-worker/kernels"
 )
@@ -227,5 +229,101 @@ func testBadIndices(t *testing.T, be kernels.Backend) {
 		if err := be.Sync(); err != nil {
 			t.Errorf("%s: the error is still pending after it was reported: %v", c.name, err)
 		}
+	}
+}
+
+// testGroupedGemmExact runs NVFP4 x NVFP4 products whose sums FP32 holds
+// exactly: random E2M1 codes (every one, both signs and both zeros), block
+// scales 0.5, 1 and 2, global scales powers of two. Every correct backend
+// must then give bf16(exact) bit for bit, whatever its reduction order,
+// tile or dequantization trick; a flushed subnormal, a lost sign or a
+// misplaced block shows up as a wrong bit. The row counts per expert span
+// the tile sizes a backend may choose between, and K includes a partial
+// last block pair.
+func testGroupedGemmExact(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(21, 22))
+	blockScales := []byte{0x30, 0x38, 0x40} // E4M3 0.5, 1, 2
+	for _, c := range []struct {
+		name    string
+		E, N, K int
+		counts  []int32 // rows per expert
+		act     kernels.Activation
+	}{
+		{"decode", 3, 40, 1024, []int32{1, 0, 2}, kernels.Identity},
+		{"small", 3, 136, 208, []int32{13, 7, 20}, kernels.ReLU2},
+		{"mid", 3, 72, 1040, []int32{40, 0, 31}, kernels.Identity},
+		{"large", 2, 264, 592, []int32{150, 77}, kernels.ReLU2},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			kp := nvfp4.PaddedK(c.K)
+			offsets := make([]int32, c.E+1)
+			for e, n := range c.counts {
+				offsets[e+1] = offsets[e] + n
+			}
+			R := int(offsets[c.E])
+			// Operands: codes, block scales and global scales chosen freely
+			// (they need not be what a quantizer would produce).
+			rnd := func(rows int) (packed, scales []byte) {
+				packed, scales = make([]byte, rows*kp/2), make([]byte, rows*kp/16)
+				for i := range packed {
+					packed[i] = byte(r.IntN(256))
+				}
+				for i := range scales {
+					scales[i] = blockScales[r.IntN(len(blockScales))]
+				}
+				return packed, scales
+			}
+			ap, as := rnd(R)
+			wp, ws := rnd(c.E * c.N)
+			aScale := make([]float32, R)
+			for i := range aScale {
+				aScale[i] = float32(math.Ldexp(1, r.IntN(5)-2))
+			}
+			alpha := make([]float32, c.E)
+			for i := range alpha {
+				alpha[i] = float32(math.Ldexp(1, r.IntN(3)-1))
+			}
+			up := func(b []byte, shape ...int) *kernels.Buffer {
+				buf := alloc(t, be, kernels.U8, shape...)
+				upload(t, be, buf, b)
+				return buf
+			}
+			A := kernels.Operand{Q: kernels.NVFP4{Packed: up(ap, R, kp/2), Scales: up(as, R, kp/16), Scale: f32Buf(t, be, aScale, R)}}
+			W := kernels.Operand{Q: kernels.NVFP4{Packed: up(wp, c.E, c.N, kp/2), Scales: up(ws, c.E, c.N, kp/16), Scale: f32Buf(t, be, alpha, c.E)}}
+			out := alloc(t, be, kernels.BF16, R, c.N)
+			if err := be.GroupedGemm(kernels.GroupedGemmArgs{A: A, W: W, Offsets: i32Buf(t, be, offsets, c.E+1), Act: c.act, Out: out}); err != nil {
+				t.Fatal(err)
+			}
+			got := download(t, be, out)
+			deq := func(packed, scales []byte, row int) []float64 {
+				v := make([]float64, kp)
+				for k := range kp {
+					code := packed[row*kp/2+k/2] >> (4 * (k % 2)) & 15
+					v[k] = float64(nvfp4.E2M1Decode(code)) * float64(nvfp4.E4M3Decode(scales[row*kp/16+k/16]))
+				}
+				return v
+			}
+			for e := range c.E {
+				for row := int(offsets[e]); row < int(offsets[e+1]); row++ {
+					a := deq(ap, as, row)
+					for n := range c.N {
+						w := deq(wp, ws, e*c.N+n)
+						var sum float64 // exact: every partial sum is a multiple of 2^-4 below 2^20
+						for k := range kp {
+							sum += a[k] * w[k]
+						}
+						v := float32(float32(float32(sum)*aScale[row]) * alpha[e])
+						if c.act == kernels.ReLU2 {
+							v = max(v, 0)
+							v *= v
+						}
+						want := bf16.FromFloat32(v)
+						if g := uint16(got[2*(row*c.N+n)]) | uint16(got[2*(row*c.N+n)+1])<<8; g != want {
+							t.Fatalf("out[%d,%d] = %#04x (%g), want %#04x (%g): exact sum %g", row, n, g, bf16.ToFloat32(g), want, bf16.ToFloat32(want), sum)
+						}
+					}
+				}
+			}
+		})
 	}
 }

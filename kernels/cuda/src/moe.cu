@@ -728,6 +728,270 @@ G4_KERNEL(grouped_gemm_fp4_m64_swiglu, 64, true)
 G4_KERNEL(grouped_gemm_fp4_m16, 16, false)
 G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 
+// ---- Grouped GEMM, NVFP4 x NVFP4, weights streamed into MMA fragments ----
+//
+// The per-token recipe's expert GEMMs, for every batch size. A block of 8
+// warps computes BM = 16*MI sorted rows of one expert by 128 output columns
+// (64 for SwiGLU, whose warps also take the matching "up" rows). The
+// activations are the MMA's A operand: each 128-wide K chunk of the block's
+// rows is dequantized once into shared memory, laid out so that one
+// LDS.128 gives a lane its whole A fragment, double buffered, every thread
+// taking an equal share. The weights never touch shared memory: lane
+// (g, t4) of a warp loads 16 contiguous bytes (blocks 2t4 and 2t4+1 of the
+// chunk) and their two scale bytes of weight row g of each of its two n8
+// tiles, G5_D chunks ahead, and dequantizes them straight into B fragments.
+// A quad reads 64 contiguous bytes, so every weight byte is read once per
+// row tile.
+//
+// K order: inside a chunk, k16 slice s takes from lane t4 its elements
+// 32*t4 + 8w + {2h, 2h + 4, 2h + 1, 2h + 5}, w = s/2, h = s%2, for both
+// operands. The slices run in order and each output element is one MMA
+// lane's sum over them, so its bits depend on K alone, never on MI, the
+// tile or the batch (batch invariance by construction).
+//
+// Dequantization is exact and needs no table for the codes: g5_pair places
+// E2M1 nibbles i and i+4 of a word as BF16 code * 2^-126 (code 0.5 is
+// subnormal, which BF16 arithmetic keeps), and one packed BF16 multiply by
+// bf16(E4M3 * 2^118) (a 256-entry table in shared memory) gives
+// value * 2^-8: e2m1 * E4M3 has at most 6 significant bits and stays in
+// BF16's normal range. The products in the MMA are then 2^-16 times the
+// true ones, so the FP32 accumulator times 2^16 is exact too.
+// TestConformance/GroupedGemmExact checks all of it bit for bit.
+#define G5_WARPS 8
+#define G5_KC 128 // K per chunk
+#define G5_D 4    // weight chunks in flight per warp
+
+__device__ __forceinline__ unsigned g5_pair(unsigned q, int i) {
+    const unsigned a = ((q >> (4 * i)) & 0x000F000Fu) << 6;
+    return (a | (a << 6)) & 0x81C081C0u;
+}
+
+// g5_scale is x * s for BF16 pairs, exactly (the -0 addend keeps the sign
+// of a zero product).
+__device__ __forceinline__ unsigned g5_scale(unsigned x, unsigned s) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(s), "r"(0x80008000u));
+    return d;
+}
+
+// A lane's share of one weight row's chunk: 16 code bytes, 2 scale bytes.
+struct G5Frag {
+    uint2 x, y;
+    unsigned sf; // block 2t4 in byte 0, 2t4+1 in byte 1
+};
+
+// g5_wload loads chunk c of a lane's weight row share; p and sp point at
+// the row's first chunk (already offset by the lane's t4). Only the last
+// chunk can be partial (Kp is a multiple of 16, not of 128).
+__device__ __forceinline__ void g5_wload(G5Frag &f, const unsigned char *p, const unsigned char *sp, int c, int nfull, int nb,
+                                         int t4) {
+    p += c * (G5_KC / 2);
+    sp += c * (G5_KC / 16);
+    if (c < nfull) {
+        f.x = __ldg(reinterpret_cast<const uint2 *>(p));
+        f.y = __ldg(reinterpret_cast<const uint2 *>(p + 8));
+        f.sf = (unsigned)__ldg(sp) | ((unsigned)__ldg(sp + 1) << 8);
+    } else {
+        const int b0 = c * (G5_KC / 16) + 2 * t4;
+        f.x = b0 < nb ? __ldg(reinterpret_cast<const uint2 *>(p)) : make_uint2(0, 0);
+        f.y = b0 + 1 < nb ? __ldg(reinterpret_cast<const uint2 *>(p + 8)) : make_uint2(0, 0);
+        f.sf = (b0 < nb ? (unsigned)__ldg(sp) : 0u) | (b0 + 1 < nb ? (unsigned)__ldg(sp + 1) << 8 : 0u);
+    }
+}
+
+// g5_slice returns slice s's two fragment words of a lane's share: q is
+// the share's word s/2, sc its block's scale pair.
+__device__ __forceinline__ void g5_slice(unsigned q, unsigned sc, int s, unsigned &lo, unsigned &hi) {
+    lo = g5_scale(g5_pair(q, 2 * (s & 1)), sc);
+    hi = g5_scale(g5_pair(q, 2 * (s & 1) + 1), sc);
+}
+
+// The activation chunk in shared memory: item (i, s, lane) is 4 words, the
+// A fragment of m16 tile i, slice s for that lane: rows 16i+g and 16i+g+8,
+// low then high pair. A thread stages items tid, tid+256, ...: for each it
+// loads one code word and one scale byte of both rows.
+template <int MI>
+struct G5AStage {
+    unsigned q[MI][2], sc[MI][2];
+};
+
+template <int MI>
+__device__ __forceinline__ void g5_aload(G5AStage<MI> &st, const unsigned char *aPacked, const unsigned char *aSF, const int *src,
+                                         int Kp, int c, int tid) {
+    const int nb = Kp / 16;
+#pragma unroll
+    for (int m = 0; m < MI; m++) {
+        const int item = tid + 256 * m, s = (item >> 5) & 7, L = item & 31;
+        const int blk = c * (G5_KC / 16) + 2 * (L & 3) + (s >> 2);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int a = src[16 * m + (L >> 2) + 8 * h]; // item>>8 == m: tile m
+            st.q[m][h] = 0;
+            st.sc[m][h] = 0;
+            if (a >= 0 && blk < nb) {
+                st.q[m][h] = __ldg(reinterpret_cast<const unsigned *>(aPacked + (long long)a * (Kp / 2) + 8 * blk + 4 * ((s >> 1) & 1)));
+                st.sc[m][h] = __ldg(aSF + (long long)a * nb + blk);
+            }
+        }
+    }
+}
+
+template <int MI>
+__device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI> &st, const unsigned *lut, int tid) {
+#pragma unroll
+    for (int m = 0; m < MI; m++) {
+        const int item = tid + 256 * m, s = (item >> 5) & 7;
+        unsigned lo0, hi0, lo1, hi1;
+        g5_slice(st.q[m][0], lut[st.sc[m][0]], s, lo0, hi0);
+        g5_slice(st.q[m][1], lut[st.sc[m][1]], s, lo1, hi1);
+        buf[item] = make_uint4(lo0, lo1, hi0, hi1);
+    }
+}
+
+template <int MI, bool SWIGLU>
+__device__ __forceinline__ void g5_gemm(int *err, const unsigned char *aPacked, const unsigned char *aSF, const float *aScale, int Kp,
+                                        const int *gather, int Ta, const unsigned char *wPacked, const unsigned char *wSF,
+                                        const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out,
+                                        int outN) {
+    constexpr int BM = 16 * MI;
+    extern __shared__ __align__(16) uint4 g5_smem[]; // 2 x MI x 256 items
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[GG_BM];
+    __shared__ unsigned lut[256];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+
+    for (int b = tid; b < 256; b += blockDim.x) {
+        const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
+        lut[b] = h | (h << 16);
+    }
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
+    __syncthreads();
+    const int expert = s_expert, row0 = s_row0, row1 = s_row1;
+    if (expert < 0) return;
+    gg_sources(err, s_src, gather, row0, row1, Ta);
+    __syncthreads();
+
+    // This warp's two n8 tiles of W rows: 16 columns, or 8 gate + 8 up.
+    // Columns past outN read the last row and are never written.
+    const int cw = SWIGLU ? blockIdx.y * 64 + warp * 8 : blockIdx.y * 128 + warp * 16;
+    const int nb = Kp / 16, nfull = Kp / G5_KC, nch = (Kp + G5_KC - 1) / G5_KC;
+    const unsigned char *wp[2], *sp[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int col = min(SWIGLU ? cw + g : cw + 8 * j + g, outN - 1);
+        const long long row = (long long)expert * N + (SWIGLU && j == 1 ? outN + col : col);
+        wp[j] = wPacked + row * (Kp / 2) + 16 * t4;
+        sp[j] = wSF + row * nb + 2 * t4;
+    }
+
+    G5Frag wf[G5_D][2];
+#pragma unroll
+    for (int u = 0; u < G5_D; u++)
+        if (u < nch)
+#pragma unroll
+            for (int j = 0; j < 2; j++) g5_wload(wf[u][j], wp[j], sp[j], u, nfull, nb, t4);
+    G5AStage<MI> ast;
+    g5_aload<MI>(ast, aPacked, aSF, s_src, Kp, 0, tid);
+    g5_astore<MI>(g5_smem, ast, lut, tid);
+    __syncthreads();
+
+    float acc[MI][2][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
+
+    for (int c0 = 0; c0 < nch; c0 += G5_D) {
+#pragma unroll
+        for (int u = 0; u < G5_D; u++) {
+            const int c = c0 + u;
+            if (c >= nch) break;
+            if (c + 1 < nch) g5_aload<MI>(ast, aPacked, aSF, s_src, Kp, c + 1, tid);
+            const uint4 *As = g5_smem + (c & 1) * MI * 256 + lane;
+            unsigned sc[2][2];
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                sc[j][0] = lut[wf[u][j].sf & 0xff];
+                sc[j][1] = lut[(wf[u][j].sf >> 8) & 0xff];
+            }
+#pragma unroll
+            for (int s = 0; s < 8; s++) {
+                uint4 a[MI];
+#pragma unroll
+                for (int i = 0; i < MI; i++) a[i] = As[(i * 8 + s) * 32];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const unsigned q = s < 2 ? wf[u][j].x.x : s < 4 ? wf[u][j].x.y : s < 6 ? wf[u][j].y.x : wf[u][j].y.y;
+                    unsigned b0, b1;
+                    g5_slice(q, sc[j][s >> 2], s, b0, b1);
+#pragma unroll
+                    for (int i = 0; i < MI; i++) {
+                        const unsigned af[4] = {a[i].x, a[i].y, a[i].z, a[i].w};
+                        mma16816(acc[i][j], af, b0, b1);
+                    }
+                }
+            }
+            if (c + G5_D < nch)
+#pragma unroll
+                for (int j = 0; j < 2; j++) g5_wload(wf[u][j], wp[j], sp[j], c + G5_D, nfull, nb, t4);
+            if (c + 1 < nch) g5_astore<MI>(g5_smem + ((c + 1) & 1) * MI * 256, ast, lut, tid);
+            __syncthreads();
+        }
+    }
+
+    // Epilogue: acc * 2^16 (exact), then * per-row scale * alpha, each an
+    // FP32 rounding, the activation, one BF16 rounding.
+    const float alpha = wScale[expert];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int rr = 16 * i + g + 8 * h, r = row0 + rr;
+            if (r >= row1) continue;
+            const int a = s_src[rr];
+            if (a < 0) continue;
+            const float as = aScale[a];
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                float v[2];
+#pragma unroll
+                for (int j = 0; j < 2; j++) v[j] = __fmul_rn(__fmul_rn(acc[i][j][2 * h + q] * 65536.f, as), alpha);
+                if (SWIGLU) {
+                    const int col = cw + 2 * t4 + q;
+                    if (col < outN)
+                        out[(long long)r * outN + col] = f2bf(__fmul_rn(__fdiv_rn(v[0], __fadd_rn(1.f, expf(-v[0]))), v[1]));
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const int col = cw + 8 * j + 2 * t4 + q;
+                        float x = v[j];
+                        if (act == 2) {
+                            x = fmaxf(x, 0.f);
+                            x = __fmul_rn(x, x);
+                        }
+                        if (col < outN) out[(long long)r * outN + col] = f2bf(x);
+                    }
+                }
+            }
+        }
+}
+
+#define G5_KERNEL(NAME, MI, SWIGLU)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * G5_WARPS)                                                               \
+        NAME(int *err, const unsigned char *aPacked, const unsigned char *aSF, const float *aScale, int Kp, const int *gather,  \
+             int Ta, const unsigned char *wPacked, const unsigned char *wSF, const float *wScale, int N, const int *offsets,   \
+             int E, int R, int act, bf16_t *out, int outN) {                                                                   \
+        g5_gemm<MI, SWIGLU>(err, aPacked, aSF, aScale, Kp, gather, Ta, wPacked, wSF, wScale, N, offsets, E, R, act, out, outN); \
+    }
+G5_KERNEL(gemm_fp4_stream_m16, 1, false)
+G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, true)
+G5_KERNEL(gemm_fp4_stream_m32, 2, false)
+G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, true)
+G5_KERNEL(gemm_fp4_stream_m64, 4, false)
+G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, true)
+
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
 // dst[M, N] = a[M, K] * w[N, K]^T for N <= 1024, where the tiled kernel
