@@ -67,10 +67,13 @@ type Backend struct {
 	// both operands dequantized into shared memory) instead of the
 	// streamed one (gemm_fp4_stream_*). Tests time them side by side.
 	fp4Staged bool
-	pinned    [2][]byte
-	events    [2]*drv.Event
-	busy      [2]bool // a copy from pinned[i] may still be in flight
-	cap       *capture
+	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
+	// kernel instead of the streamed one (tests compare them).
+	bf16Generic bool
+	pinned      [2][]byte
+	events      [2]*drv.Event
+	busy        [2]bool // a copy from pinned[i] may still be in flight
+	cap         *capture
 }
 
 var (

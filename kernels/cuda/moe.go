@@ -103,7 +103,7 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 			if dst.DType() == kernels.F32 {
 				out = outF32
 			}
-			return be.launch("gemm_narrow", drv.Dim3{X: (m + 15) / 16, Y: (n + 15) / 16}, drv.Dim3{X: 256}, 0,
+			return be.launch("gemm_narrow", drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
 				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 		}
 		g := gemmLaunch{aFmt: fmtBF16, a: ptr(a), aK: int32(k), aVec: aligned16(a, k), ta: int32(m),
@@ -138,6 +138,11 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 		if a.A.Quantized() && a.W.Quantized() {
 			return be.groupedGemmFP4(a, s)
 		}
+		if !a.A.Quantized() && !a.W.Quantized() {
+			if ok, err := be.groupedGemmBF16(a, s); ok || err != nil {
+				return err
+			}
+		}
 		if a.A.Quantized() {
 			g.aFmt, g.aPacked, g.aSF, g.aScale, g.aK = fmtFP4, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(2*a.A.Q.Packed.Dim(1))
 		} else {
@@ -155,51 +160,80 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 // g4LD is grouped_gemm_fp4's shared tile row stride in BF16 elements.
 const g4LD = 128 + 8
 
-// Streamed NVFP4 GEMM geometry (src/moe.cu, g5_gemm): 8 warps, 128 output
-// columns per block (64 for SwiGLU); each 16-row tile of activations takes
-// 4 KB of shared memory per K chunk, double buffered.
-const (
-	streamThreads  = 256
-	streamTileSmem = 2 * 4096
-)
+// Streamed GEMM geometry (src/moe.cu, g5_gemm): 8 warps of two n8 tiles,
+// 128 output columns per block (64 for SwiGLU: a gate and an up tile per
+// warp). Each 16-row tile of activations takes 4 KB of shared memory per K
+// chunk, double buffered; each warp keeps a ring of weight chunks in
+// flight in shared memory: 8 chunks of 16 B per lane and tile for NVFP4, 4
+// of 64 B for BF16.
+const streamTileSmem = 2 * 4096
+
+func streamSmem(fp4 bool, bm int) int {
+	ring := 4 * 64
+	if fp4 {
+		ring = 8 * 16
+	}
+	return bm/16*streamTileSmem + 8*2*32*ring
+}
+
+// streamLaunch launches a streamed grouped GEMM kernel (family
+// "gemm_fp4_stream" or "gemm_bf16_stream"). Its row tile is 16, 32 or 64
+// rows, by the average rows per expert; the tile never changes an output
+// bit (src/moe.cu), so the choice keeps batch invariance. The kernels
+// address A with 32-bit element offsets.
+func (be *Backend) streamLaunch(family string, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, k int, args ...any) error {
+	if int64(s.Ta)*int64(k) >= 1<<31 {
+		return fmt.Errorf("cuda: grouped gemm: A has %d rows of %d elements; the streamed kernels address at most 2^31", s.Ta, k)
+	}
+	bm, name := 64, family+"_m64"
+	switch {
+	case s.R <= 8*s.E:
+		bm, name = 16, family+"_m16"
+	case s.R <= 24*s.E:
+		bm, name = 32, family+"_m32"
+	}
+	cols := 128
+	if a.Act == kernels.SwiGLU {
+		cols, name = 64, name+"_swiglu"
+	}
+	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
+	return be.launch(name, grid, drv.Dim3{X: 256}, streamSmem(family == "gemm_fp4_stream", bm), args...)
+}
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's
-// expert GEMMs). The streamed kernel's row tile is 16, 32 or 64 rows, by
-// the average rows per expert; the staged one's 16 or 64. Neither tile
-// changes an output bit (src/moe.cu), so the choice keeps batch
-// invariance.
+// expert GEMMs): the streamed one, or the staged one when a test asks.
 func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) error {
 	args := []any{be.errw, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(s.Kp), ptr(a.Gather), int32(s.Ta),
 		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
 		int32(a.Act), ptr(a.Out), int32(s.OutN)}
-	swiglu := a.Act == kernels.SwiGLU
 	if !be.fp4Staged {
-		bm, name := 64, "gemm_fp4_stream_m64"
-		switch {
-		case s.R <= 8*s.E:
-			bm, name = 16, "gemm_fp4_stream_m16"
-		case s.R <= 24*s.E:
-			bm, name = 32, "gemm_fp4_stream_m32"
-		}
-		cols := 128
-		if swiglu {
-			cols, name = 64, name+"_swiglu"
-		}
-		grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
-		return be.launch(name, grid, drv.Dim3{X: streamThreads}, bm/16*streamTileSmem, args...)
+		return be.streamLaunch("gemm_fp4_stream", a, s, s.Kp, args...)
 	}
 	bm, name := 64, "grouped_gemm_fp4_m64"
 	if s.R <= 16*s.E {
 		bm, name = 16, "grouped_gemm_fp4_m16"
 	}
 	wRows := gemmBN
-	if swiglu {
+	if a.Act == kernels.SwiGLU {
 		wRows = 2 * gemmBN
 		name += "_swiglu"
 	}
 	shared := (bm + wRows) * g4LD * 2
 	tiles := s.R/bm + min(s.E, s.R)
 	return be.launch(name, drv.Dim3{X: tiles, Y: (s.OutN + gemmBN - 1) / gemmBN}, drv.Dim3{X: gemmThreads}, shared, args...)
+}
+
+// groupedGemmBF16 launches the streamed BF16 x BF16 kernel (the bf16
+// recipe's expert GEMMs) when both operands can be read 16 bytes at a
+// time; it reports false otherwise (the generic kernel runs instead).
+func (be *Backend) groupedGemmBF16(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) (bool, error) {
+	k := a.A.BF16.Dim(1)
+	if be.bf16Generic || aligned16(a.A.BF16, k) == 0 || aligned16(a.W.BF16, k) == 0 {
+		return false, nil
+	}
+	return true, be.streamLaunch("gemm_bf16_stream", a, s, k, be.errw, ptr(a.A.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(k),
+		ptr(a.Gather), int32(s.Ta), ptr(a.W.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(s.N), ptr(a.Offsets), int32(s.E),
+		int32(s.R), int32(a.Act), ptr(a.Out), int32(s.OutN))
 }
 
 // Route computes the router's scores and top-k, one warp per token.
@@ -218,8 +252,8 @@ func (be *Backend) Route(a kernels.RouteArgs) error {
 		if a.Renormalize {
 			renorm = 1
 		}
-		// Shared memory: each warp's scores and taken flags.
-		shared := warps * e * 5
+		// Shared memory: each warp's scores, chosen scores and taken flags.
+		shared := warps * (e*5 + k*4)
 		if shared > int(be.info.SharedOptin) {
 			return fmt.Errorf("cuda: route: %d experts need %d bytes of shared memory, the device has %d", e, shared, be.info.SharedOptin)
 		}
@@ -252,7 +286,7 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 	})
 }
 
-// Quantize runs the NVFP4 codec: one warp per row. PerMatrix mode first
+// Quantize runs the NVFP4 codec: PerRow with a block per row. PerMatrix mode first
 // takes each matrix's amax into Scale (as FP32 bits, with an order-free
 // atomic max), then quantizes, then turns each amax into S_dec, all on the
 // stream with no host synchronisation.
@@ -269,7 +303,6 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 		if rows == 0 {
 			return nil
 		}
-		const warps = 8
 		vec := aligned16(a.Src, s.K)
 		if a.Mode == kernels.PerMatrix {
 			if err := be.launch("fill_u32", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
@@ -298,7 +331,10 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 			return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
 				ptr(a.Dst.Scale), int32(s.Mats))
 		}
-		return be.launch("quant_rows", drv.Dim3{X: (rows + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
+		// A block per row, no wider than the row's 16-element blocks (the
+		// shape decides, never the batch).
+		threads := min(256, (s.Kp/16+31)/32*32)
+		return be.launch("quant_rows", drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
 			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int32(rows), int32(s.K), int32(s.Kp), vec)
 	})
 }

@@ -89,22 +89,23 @@ __device__ __forceinline__ void quant_store(const bf16_t *src, unsigned char *pa
     scales[row * (kp / 16) + b] = (unsigned char)sf;
 }
 
-// quant_rows is the per-token recipe: one row per warp, with the row's own
-// global scale. The warp takes the row's amax, quantizes blocks l, l+32, ...
-// in lane l, and writes the row's S_dec.
+// quant_rows is the per-token recipe: one row per block, with the row's own
+// global scale. The block takes the row's amax (an order-free max), then
+// quantizes blocks t, t+blockDim, ... in thread t, and writes the row's
+// S_dec. A block per row keeps decode (a handful of rows) from running on
+// a single warp.
 extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int rows,
                                       int k, int kp, int vec) {
-    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (warp >= rows) return;
-    unsigned m = 0;
-    for (int i = lane; i < k; i += 32) m = max(m, (unsigned)(src[(long long)warp * k + i] & 0x7fff));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __shared__ unsigned red[32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const bf16_t *r = src + (long long)row * k;
+    const unsigned m = block_reduce(amax_span(r, k, threadIdx.x, blockDim.x, vec), red, OpMax());
     float senc, sdec;
     encode_scale(__uint_as_float(m << 16), &senc, &sdec);
     const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
-    for (int b = lane; b < kp / 16; b += 32) quant_store(src, packed, scales, warp, b, k, kp, vec, sencinv6, sdec);
-    if (lane == 0) scale[warp] = sdec;
+    for (int b = threadIdx.x; b < kp / 16; b += blockDim.x) quant_store(src, packed, scales, row, b, k, kp, vec, sencinv6, sdec);
+    if (threadIdx.x == 0) scale[row] = sdec;
 }
 
 // quant_stack quantizes a weight stack [mats, rowsPerMat, k] with one global
@@ -167,12 +168,28 @@ extern "C" __global__ void quant_blocks(const bf16_t *src, unsigned char *packed
 
 // ---- Route ----
 
-// ranks_above: the larger score, and any number over NaN.
-__device__ __forceinline__ bool ranks_above(float a, int ia, float b, int ib) {
-    if (ib < 0) return true;
-    bool an = a != a, bn = b != b;
-    if (an || bn) return !an && bn ? true : (an && bn ? ia < ib : false);
-    return a > b || (a == b && ia < ib);
+// route_key orders scores as unsigned integers: numbers by value (-0 as
+// +0), NaN below all of them; equal keys go to the lower expert id.
+__device__ __forceinline__ unsigned route_key(float v) {
+    const unsigned b = __float_as_uint(v == 0.f ? 0.f : v);
+    if (v != v) return 0;
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+
+// route_best returns the key of the best untaken score among a lane's
+// experts and its id in *bi (-1: none left; ties to the lower id).
+__device__ __forceinline__ unsigned route_best(const float *s, const unsigned char *taken, int E, int lane, int *bi) {
+    unsigned bk = 0;
+    *bi = -1;
+    for (int i = lane; i < E; i += 32)
+        if (!taken[i]) {
+            const unsigned k = route_key(s[i]);
+            if (*bi < 0 || k > bk) {
+                bk = k;
+                *bi = i;
+            }
+        }
+    return bk;
 }
 
 // route: one warp per token. Scores in shared memory; top-k by repeated
@@ -182,8 +199,10 @@ extern "C" __global__ void route(const float *logits, int *ids, float *weights, 
     extern __shared__ unsigned char route_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x * (blockDim.x >> 5) + warp;
+    const int warps = blockDim.x >> 5;
     float *s = reinterpret_cast<float *>(route_smem) + warp * E;
-    unsigned char *taken = route_smem + (blockDim.x >> 5) * E * 4 + warp * E;
+    float *sel = reinterpret_cast<float *>(route_smem) + warps * E + warp * K; // the chosen scores, in order
+    unsigned char *taken = route_smem + warps * (E + K) * 4 + warp * E;
     if (t >= T) return;
     const float *l = logits + (long long)t * E;
     if (scoring == 1) { // softmax
@@ -205,34 +224,31 @@ extern "C" __global__ void route(const float *logits, int *ids, float *weights, 
     }
     for (int i = lane; i < E; i += 32) taken[i] = 0;
     __syncwarp();
-    float wsum = 0.f;
+    // Each lane keeps the best of its own experts (lane, lane+32, ...); a
+    // round takes the warp's best by two reductions, on an order-preserving
+    // key (NaN lowest) and then on the id among equal keys, and only the
+    // winning lane looks for its next best.
+    int bi;
+    unsigned bk = route_best(s, taken, E, lane, &bi);
     for (int j = 0; j < K; j++) {
-        float bv = 0.f;
-        int bi = -1;
-        for (int i = lane; i < E; i += 32)
-            if (!taken[i] && ranks_above(s[i], i, bv, bi)) { bv = s[i]; bi = i; }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (oi >= 0 && ranks_above(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) {
-            taken[bi] = 1;
-            ids[(long long)t * K + j] = bi;
-            weights[(long long)t * K + j] = bv;
+        const unsigned kmax = __reduce_max_sync(0xffffffffu, bk);
+        const int win = (int)__reduce_min_sync(0xffffffffu, bi >= 0 && bk == kmax ? (unsigned)bi : 0xffffffffu);
+        if (bi == win) {
+            taken[win] = 1;
+            ids[(long long)t * K + j] = win;
+            sel[j] = s[win];
+            bk = route_best(s, taken, E, lane, &bi);
         }
         __syncwarp();
     }
-    if (lane == 0) {
-        if (renorm) {
-            for (int j = 0; j < K; j++) wsum = __fadd_rn(wsum, weights[(long long)t * K + j]);
-        }
-        for (int j = 0; j < K; j++) {
-            float w = weights[(long long)t * K + j];
-            if (renorm && wsum != 0.f) w = __fdiv_rn(w, wsum);
-            weights[(long long)t * K + j] = __fmul_rn(w, scale);
-        }
+    float wsum = 0.f;
+    if (renorm) { // the sum in k order, as the CPU adds it
+        for (int j = 0; j < K; j++) wsum = __fadd_rn(wsum, sel[j]);
+    }
+    for (int j = lane; j < K; j += 32) {
+        float w = sel[j];
+        if (renorm && wsum != 0.f) w = __fdiv_rn(w, wsum);
+        weights[(long long)t * K + j] = __fmul_rn(w, scale);
     }
 }
 
@@ -728,38 +744,64 @@ G4_KERNEL(grouped_gemm_fp4_m64_swiglu, 64, true)
 G4_KERNEL(grouped_gemm_fp4_m16, 16, false)
 G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 
-// ---- Grouped GEMM, NVFP4 x NVFP4, weights streamed into MMA fragments ----
+// ---- Grouped GEMM, weights streamed into MMA fragments ----
 //
-// The per-token recipe's expert GEMMs, for every batch size. A block of 8
-// warps computes BM = 16*MI sorted rows of one expert by 128 output columns
-// (64 for SwiGLU, whose warps also take the matching "up" rows). The
-// activations are the MMA's A operand: each 128-wide K chunk of the block's
-// rows is dequantized once into shared memory, laid out so that one
-// LDS.128 gives a lane its whole A fragment, double buffered, every thread
-// taking an equal share. The weights never touch shared memory: lane
-// (g, t4) of a warp loads 16 contiguous bytes (blocks 2t4 and 2t4+1 of the
-// chunk) and their two scale bytes of weight row g of each of its two n8
-// tiles, G5_D chunks ahead, and dequantizes them straight into B fragments.
-// A quad reads 64 contiguous bytes, so every weight byte is read once per
-// row tile.
+// The expert GEMMs of both recipes, for every batch size: NVFP4 x NVFP4
+// (per_token) and BF16 x BF16 (bf16). A block of 8 warps computes
+// BM = 16*MI sorted rows of one expert by 128 output columns (64 for
+// SwiGLU, whose warps also take the matching "up" rows). The activations
+// are the MMA's A operand: each 128-wide K chunk of the block's rows is
+// staged once in shared memory (dequantized to BF16 for NVFP4), laid out
+// so that one LDS.128 gives a lane its whole A fragment, double buffered,
+// every thread taking an equal share. The weights never touch shared
+// memory: lane (g, t4) of a warp loads the contiguous quarter t4 of the
+// chunk of weight row g of each of its two n8 tiles (16 code bytes and two
+// block scales for NVFP4, 64 bytes for BF16), D chunks ahead, straight
+// into B fragments (dequantized in registers for NVFP4). A quad reads the
+// row's chunk once, contiguously.
 //
-// K order: inside a chunk, k16 slice s takes from lane t4 its elements
-// 32*t4 + 8w + {2h, 2h + 4, 2h + 1, 2h + 5}, w = s/2, h = s%2, for both
-// operands. The slices run in order and each output element is one MMA
-// lane's sum over them, so its bits depend on K alone, never on MI, the
-// tile or the batch (batch invariance by construction).
+// K order: inside a chunk, k16 slice s takes from lane t4 four of its 32
+// elements (NVFP4: 8w + {2h, 2h + 4, 2h + 1, 2h + 5}, w = s/2, h = s%2;
+// BF16: 4s .. 4s + 3), the same for both operands. The slices run in
+// order and each output element is one MMA lane's sum over them, so its
+// bits depend on K alone, never on MI, the tile or the batch (batch
+// invariance by construction).
 //
-// Dequantization is exact and needs no table for the codes: g5_pair places
-// E2M1 nibbles i and i+4 of a word as BF16 code * 2^-126 (code 0.5 is
-// subnormal, which BF16 arithmetic keeps), and one packed BF16 multiply by
-// bf16(E4M3 * 2^118) (a 256-entry table in shared memory) gives
+// NVFP4 dequantization is exact and needs no table for the codes: g5_pair
+// places E2M1 nibbles i and i+4 of a word as BF16 code * 2^-126 (code 0.5
+// is subnormal, which BF16 arithmetic keeps), and one packed BF16 multiply
+// by bf16(E4M3 * 2^118) (a 256-entry table in shared memory) gives
 // value * 2^-8: e2m1 * E4M3 has at most 6 significant bits and stays in
 // BF16's normal range. The products in the MMA are then 2^-16 times the
 // true ones, so the FP32 accumulator times 2^16 is exact too.
 // TestConformance/GroupedGemmExact checks all of it bit for bit.
-#define G5_WARPS 8
 #define G5_KC 128 // K per chunk
-#define G5_D 4    // weight chunks in flight per warp
+
+// Weight chunks in flight per warp: G5_D. The codes go to a per-warp ring
+// in shared memory by cp.async (16 B per lane and tile for NVFP4, 64 B for
+// BF16), the NVFP4 block scales to a ring of registers.
+#define G5_D(FP4, NWJ) ((FP4) ? 8 : (NWJ) > 16 ? 2 : 4) // NWJ: n8 tiles per block
+#define G5_WB(FP4) ((FP4) ? 16 : 64) // bytes per lane, tile and chunk
+
+__device__ __forceinline__ void cp_async(void *smem, const void *gmem, int bytes, bool full) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    if (bytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 8 : 0) : "memory");
+}
+template <bool B, typename T, typename F>
+struct G5Cond {
+    typedef T type;
+};
+template <typename T, typename F>
+struct G5Cond<false, T, F> {
+    typedef F type;
+};
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ unsigned g5_pair(unsigned q, int i) {
     const unsigned a = ((q >> (4 * i)) & 0x000F000Fu) << 6;
@@ -774,96 +816,132 @@ __device__ __forceinline__ unsigned g5_scale(unsigned x, unsigned s) {
     return d;
 }
 
-// A lane's share of one weight row's chunk: 16 code bytes, 2 scale bytes.
-struct G5Frag {
-    uint2 x, y;
-    unsigned sf; // block 2t4 in byte 0, 2t4+1 in byte 1
-};
-
-// g5_wload loads chunk c of a lane's weight row share; p and sp point at
-// the row's first chunk (already offset by the lane's t4). Only the last
-// chunk can be partial (Kp is a multiple of 16, not of 128).
-__device__ __forceinline__ void g5_wload(G5Frag &f, const unsigned char *p, const unsigned char *sp, int c, int nfull, int nb,
-                                         int t4) {
-    p += c * (G5_KC / 2);
-    sp += c * (G5_KC / 16);
-    if (c < nfull) {
-        f.x = __ldg(reinterpret_cast<const uint2 *>(p));
-        f.y = __ldg(reinterpret_cast<const uint2 *>(p + 8));
-        f.sf = (unsigned)__ldg(sp) | ((unsigned)__ldg(sp + 1) << 8);
-    } else {
-        const int b0 = c * (G5_KC / 16) + 2 * t4;
-        f.x = b0 < nb ? __ldg(reinterpret_cast<const uint2 *>(p)) : make_uint2(0, 0);
-        f.y = b0 + 1 < nb ? __ldg(reinterpret_cast<const uint2 *>(p + 8)) : make_uint2(0, 0);
-        f.sf = (b0 < nb ? (unsigned)__ldg(sp) : 0u) | (b0 + 1 < nb ? (unsigned)__ldg(sp + 1) << 8 : 0u);
-    }
-}
-
-// g5_slice returns slice s's two fragment words of a lane's share: q is
-// the share's word s/2, sc its block's scale pair.
-__device__ __forceinline__ void g5_slice(unsigned q, unsigned sc, int s, unsigned &lo, unsigned &hi) {
+// g5_slice4 returns slice s's two fragment words of a lane's NVFP4 share:
+// q is the share's word s/2, sc its block's scale pair.
+__device__ __forceinline__ void g5_slice4(unsigned q, unsigned sc, int s, unsigned &lo, unsigned &hi) {
     lo = g5_scale(g5_pair(q, 2 * (s & 1)), sc);
     hi = g5_scale(g5_pair(q, 2 * (s & 1) + 1), sc);
+}
+
+// g5_wissue starts the copy of chunk c of a lane's weight share into its
+// slot (dst: the lane's first 16 bytes; BF16 shares are 4 units 512 bytes
+// apart, so each LDS.128 of a warp is contiguous) and returns the NVFP4
+// block scales (block 2t4 in byte 0, 2t4+1 in byte 1). p and sp point at
+// the row's chunk 0, already offset by the lane's quarter. Only the last
+// chunk can be partial: K is a multiple of 16 (NVFP4) or 8 (BF16, checked
+// by the host); what lies past K is zero-filled.
+__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const unsigned char *p, const unsigned char *sp, int c, int nfull, int K,
+                                              int t4, bool v16) {
+    p += c * (G5_KC / 2);
+    sp += c * (G5_KC / 16);
+    const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
+    const bool in0 = c < nfull || b0 < nb, in1 = c < nfull || b0 + 1 < nb;
+    if (v16 && c < nfull) { // 16-byte aligned rows of whole 16-byte units
+        cp_async(dst, p, 16, true);
+    } else {
+        cp_async(dst, p, 8, in0);
+        cp_async(reinterpret_cast<unsigned char *>(dst) + 8, p + 8, 8, in1);
+    }
+    return (in0 ? (unsigned)__ldg(sp) : 0u) | (in1 ? (unsigned)__ldg(sp + 1) << 8 : 0u);
+}
+
+__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const bf16_t *p, const unsigned char *, int c, int nfull, int K, int t4,
+                                              bool) {
+    p += c * G5_KC;
+#pragma unroll
+    for (int v = 0; v < 4; v++) cp_async(dst + 32 * v, p + 8 * v, 16, c < nfull || c * G5_KC + 32 * t4 + 8 * v < K);
+    return 0;
 }
 
 // The activation chunk in shared memory: item (i, s, lane) is 4 words, the
 // A fragment of m16 tile i, slice s for that lane: rows 16i+g and 16i+g+8,
 // low then high pair. A thread stages items tid, tid+256, ...: for each it
-// loads one code word and one scale byte of both rows.
-template <int MI>
+// loads, of both rows, one code word and one block scale (NVFP4) or two
+// words (BF16). Offsets are 32-bit (the host checks that the operand
+// fits); -1 marks a missing row.
+template <int MI, int NT>
 struct G5AStage {
-    unsigned q[MI][2], sc[MI][2];
+    static constexpr int M = (MI * 256 + NT - 1) / NT; // items per thread
+    uint2 q[M][2];
+    unsigned sc[M][2];
+    int off[M][2];  // element offset of the row's slice s in chunk 0
+    int soff[M][2]; // NVFP4: offset of its block scale in chunk 0
 };
 
-template <int MI>
-__device__ __forceinline__ void g5_aload(G5AStage<MI> &st, const unsigned char *aPacked, const unsigned char *aSF, const int *src,
-                                         int Kp, int c, int tid) {
-    const int nb = Kp / 16;
+template <int MI, int NT, bool FP4>
+__device__ __forceinline__ void g5_asetup(G5AStage<MI, NT> &st, const int *src, int K, int tid) {
 #pragma unroll
-    for (int m = 0; m < MI; m++) {
-        const int item = tid + 256 * m, s = (item >> 5) & 7, L = item & 31;
-        const int blk = c * (G5_KC / 16) + 2 * (L & 3) + (s >> 2);
+    for (int m = 0; m < st.M; m++) {
+        const int item = tid + NT * m, i = item >> 8, s = (item >> 5) & 7, L = item & 31;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int a = src[16 * m + (L >> 2) + 8 * h]; // item>>8 == m: tile m
-            st.q[m][h] = 0;
+            const int a = item < MI * 256 ? src[16 * i + (L >> 2) + 8 * h] : -1;
+            st.off[m][h] = a < 0 ? -1 : a * K + 32 * (L & 3) + (FP4 ? 8 * (s >> 1) : 4 * s);
+            st.soff[m][h] = a * (K / 16) + 2 * (L & 3) + (s >> 2);
+        }
+    }
+}
+
+template <int MI, int NT, bool FP4>
+__device__ __forceinline__ void g5_aload(G5AStage<MI, NT> &st, const void *A, const unsigned char *aSF, int K, int c, int tid) {
+#pragma unroll
+    for (int m = 0; m < st.M; m++) {
+        const int item = tid + NT * m, s = (item >> 5) & 7, L = item & 31;
+        const bool in = c * G5_KC + 32 * (L & 3) + (FP4 ? 16 * (s >> 2) : 4 * s) < K;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            st.q[m][h] = make_uint2(0, 0);
             st.sc[m][h] = 0;
-            if (a >= 0 && blk < nb) {
-                st.q[m][h] = __ldg(reinterpret_cast<const unsigned *>(aPacked + (long long)a * (Kp / 2) + 8 * blk + 4 * ((s >> 1) & 1)));
-                st.sc[m][h] = __ldg(aSF + (long long)a * nb + blk);
+            if (st.off[m][h] >= 0 && in) {
+                const int e = st.off[m][h] + c * G5_KC;
+                if constexpr (FP4) {
+                    st.q[m][h].x = __ldg(reinterpret_cast<const unsigned *>(static_cast<const unsigned char *>(A) + e / 2));
+                    st.sc[m][h] = __ldg(aSF + st.soff[m][h] + c * (G5_KC / 16));
+                } else {
+                    st.q[m][h] = __ldg(reinterpret_cast<const uint2 *>(static_cast<const bf16_t *>(A) + e));
+                }
             }
         }
     }
 }
 
-template <int MI>
-__device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI> &st, const unsigned *lut, int tid) {
+template <int MI, int NT, bool FP4>
+__device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT> &st, const unsigned *lut, int tid) {
 #pragma unroll
-    for (int m = 0; m < MI; m++) {
-        const int item = tid + 256 * m, s = (item >> 5) & 7;
-        unsigned lo0, hi0, lo1, hi1;
-        g5_slice(st.q[m][0], lut[st.sc[m][0]], s, lo0, hi0);
-        g5_slice(st.q[m][1], lut[st.sc[m][1]], s, lo1, hi1);
-        buf[item] = make_uint4(lo0, lo1, hi0, hi1);
+    for (int m = 0; m < st.M; m++) {
+        const int item = tid + NT * m, s = (item >> 5) & 7;
+        if (item >= MI * 256) break;
+        if constexpr (FP4) {
+            unsigned lo0, hi0, lo1, hi1;
+            g5_slice4(st.q[m][0].x, lut[st.sc[m][0]], s, lo0, hi0);
+            g5_slice4(st.q[m][1].x, lut[st.sc[m][1]], s, lo1, hi1);
+            buf[item] = make_uint4(lo0, lo1, hi0, hi1);
+        } else {
+            buf[item] = make_uint4(st.q[m][0].x, st.q[m][1].x, st.q[m][0].y, st.q[m][1].y);
+        }
     }
 }
 
-template <int MI, bool SWIGLU>
-__device__ __forceinline__ void g5_gemm(int *err, const unsigned char *aPacked, const unsigned char *aSF, const float *aScale, int Kp,
-                                        const int *gather, int Ta, const unsigned char *wPacked, const unsigned char *wSF,
-                                        const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out,
-                                        int outN) {
-    constexpr int BM = 16 * MI;
-    extern __shared__ __align__(16) uint4 g5_smem[]; // 2 x MI x 256 items
+// g5_gemm: A and W are packed codes (NVFP4, with aSF/wSF block scales and
+// aScale/wScale global ones) or BF16 matrices (the scale pointers unused).
+// K is the padded reduction length for NVFP4, the row length for BF16.
+template <int MI, int J, int NW, bool SWIGLU, bool FP4>
+__device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
+                                        const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
+                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN) {
+    static_assert(J == 2 || !SWIGLU, "SwiGLU pairs a gate and an up tile");
+    constexpr int BM = 16 * MI, D = G5_D(FP4, NW * J), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile and chunk
+    extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; then W: per warp D x J x WU x 32 units
     __shared__ int s_expert, s_row0, s_row1;
     __shared__ int s_src[GG_BM];
     __shared__ unsigned lut[256];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
-    for (int b = tid; b < 256; b += blockDim.x) {
-        const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
-        lut[b] = h | (h << 16);
-    }
+    if (FP4)
+        for (int b = tid; b < 256; b += blockDim.x) {
+            const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
+            lut[b] = h | (h << 16);
+        }
     if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
     __syncthreads();
     const int expert = s_expert, row0 = s_row0, row1 = s_row1;
@@ -871,50 +949,74 @@ __device__ __forceinline__ void g5_gemm(int *err, const unsigned char *aPacked, 
     gg_sources(err, s_src, gather, row0, row1, Ta);
     __syncthreads();
 
-    // This warp's two n8 tiles of W rows: 16 columns, or 8 gate + 8 up.
+    // This warp's J n8 tiles of W rows: 8 or 16 columns, or 8 gate + 8 up.
     // Columns past outN read the last row and are never written.
-    const int cw = SWIGLU ? blockIdx.y * 64 + warp * 8 : blockIdx.y * 128 + warp * 16;
-    const int nb = Kp / 16, nfull = Kp / G5_KC, nch = (Kp + G5_KC - 1) / G5_KC;
-    const unsigned char *wp[2], *sp[2];
+    const int cw = SWIGLU ? blockIdx.y * (8 * NW) + warp * 8 : blockIdx.y * (8 * J * NW) + warp * (8 * J);
+    const int nfull = K / G5_KC, nch = (K + G5_KC - 1) / G5_KC;
+    const bool v16 = K % 32 == 0 && (reinterpret_cast<unsigned long long>(W) & 15) == 0; // NVFP4 rows in 16-byte units
+    using WT = typename G5Cond<FP4, unsigned char, bf16_t>::type;
+    const WT *wp[J];
+    const unsigned char *sp[J] = {};
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
+    for (int j = 0; j < J; j++) {
         const int col = min(SWIGLU ? cw + g : cw + 8 * j + g, outN - 1);
         const long long row = (long long)expert * N + (SWIGLU && j == 1 ? outN + col : col);
-        wp[j] = wPacked + row * (Kp / 2) + 16 * t4;
-        sp[j] = wSF + row * nb + 2 * t4;
+        if constexpr (FP4) {
+            wp[j] = static_cast<const unsigned char *>(W) + row * (K / 2) + 16 * t4;
+            sp[j] = wSF + row * (K / 16) + 2 * t4;
+        } else {
+            wp[j] = static_cast<const bf16_t *>(W) + row * K + 32 * t4;
+        }
     }
 
-    G5Frag wf[G5_D][2];
+    // This lane's units: slot u, tile j, unit v at wsm[((u * J + j) * WU + v) * 32].
+    uint4 *wsm = g5_smem + 2 * MI * 256 + warp * (D * J * WU * 32) + lane;
+    unsigned wsf[D][J]; // NVFP4 block scales of the chunks in flight
 #pragma unroll
-    for (int u = 0; u < G5_D; u++)
-        if (u < nch)
+    for (int u = 0; u < D; u++) {
+        if (u < nch) {
 #pragma unroll
-            for (int j = 0; j < 2; j++) g5_wload(wf[u][j], wp[j], sp[j], u, nfull, nb, t4);
-    G5AStage<MI> ast;
-    g5_aload<MI>(ast, aPacked, aSF, s_src, Kp, 0, tid);
-    g5_astore<MI>(g5_smem, ast, lut, tid);
+            for (int j = 0; j < J; j++) wsf[u][j] = g5_wissue(wsm + (u * J + j) * WU * 32, wp[j], sp[j], u, nfull, K, t4, v16);
+        }
+        cp_async_commit(); // one group per chunk, empty past the end: the wait below counts groups
+    }
+    constexpr int NT = 32 * NW;
+    G5AStage<MI, NT> ast;
+    g5_asetup<MI, NT, FP4>(ast, s_src, K, tid);
+    g5_aload<MI, NT, FP4>(ast, A, aSF, K, 0, tid);
+    g5_astore<MI, NT, FP4>(g5_smem, ast, lut, tid);
     __syncthreads();
 
-    float acc[MI][2][4];
+    float acc[MI][J][4];
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int j = 0; j < J; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
 
-    for (int c0 = 0; c0 < nch; c0 += G5_D) {
+    for (int c0 = 0; c0 < nch; c0 += D) {
 #pragma unroll
-        for (int u = 0; u < G5_D; u++) {
+        for (int u = 0; u < D; u++) {
             const int c = c0 + u;
             if (c >= nch) break;
-            if (c + 1 < nch) g5_aload<MI>(ast, aPacked, aSF, s_src, Kp, c + 1, tid);
+            if (c + 1 < nch) g5_aload<MI, NT, FP4>(ast, A, aSF, K, c + 1, tid);
             const uint4 *As = g5_smem + (c & 1) * MI * 256 + lane;
-            unsigned sc[2][2];
+            cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
+            uint4 wv[J][WU];
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                sc[j][0] = lut[wf[u][j].sf & 0xff];
-                sc[j][1] = lut[(wf[u][j].sf >> 8) & 0xff];
+            for (int j = 0; j < J; j++)
+#pragma unroll
+                for (int v = 0; v < WU; v++) wv[j][v] = wsm[((u * J + j) * WU + v) * 32];
+            unsigned sc[J][2];
+            // (Braces: an unbraced `if` before `#pragma unroll` swallowed the
+            // next loop into its body in NVRTC and nvcc alike.)
+            if constexpr (FP4) {
+#pragma unroll
+                for (int j = 0; j < J; j++) {
+                    sc[j][0] = lut[wsf[u][j] & 0xff];
+                    sc[j][1] = lut[(wsf[u][j] >> 8) & 0xff];
+                }
             }
 #pragma unroll
             for (int s = 0; s < 8; s++) {
@@ -922,10 +1024,17 @@ __device__ __forceinline__ void g5_gemm(int *err, const unsigned char *aPacked, 
 #pragma unroll
                 for (int i = 0; i < MI; i++) a[i] = As[(i * 8 + s) * 32];
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    const unsigned q = s < 2 ? wf[u][j].x.x : s < 4 ? wf[u][j].x.y : s < 6 ? wf[u][j].y.x : wf[u][j].y.y;
+                for (int j = 0; j < J; j++) {
                     unsigned b0, b1;
-                    g5_slice(q, sc[j][s >> 2], s, b0, b1);
+                    if constexpr (FP4) {
+                        const uint4 &w = wv[j][0];
+                        const unsigned q = s < 2 ? w.x : s < 4 ? w.y : s < 6 ? w.z : w.w;
+                        g5_slice4(q, sc[j][s >> 2], s, b0, b1);
+                    } else {
+                        const uint4 &w = wv[j][s >> 1];
+                        b0 = s & 1 ? w.z : w.x;
+                        b1 = s & 1 ? w.w : w.y;
+                    }
 #pragma unroll
                     for (int i = 0; i < MI; i++) {
                         const unsigned af[4] = {a[i].x, a[i].y, a[i].z, a[i].w};
@@ -933,17 +1042,19 @@ __device__ __forceinline__ void g5_gemm(int *err, const unsigned char *aPacked, 
                     }
                 }
             }
-            if (c + G5_D < nch)
+            if (c + D < nch) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) g5_wload(wf[u][j], wp[j], sp[j], c + G5_D, nfull, nb, t4);
-            if (c + 1 < nch) g5_astore<MI>(g5_smem + ((c + 1) & 1) * MI * 256, ast, lut, tid);
+                for (int j = 0; j < J; j++) wsf[u][j] = g5_wissue(wsm + (u * J + j) * WU * 32, wp[j], sp[j], c + D, nfull, K, t4, v16);
+            }
+            cp_async_commit();
+            if (c + 1 < nch) g5_astore<MI, NT, FP4>(g5_smem + ((c + 1) & 1) * MI * 256, ast, lut, tid);
             __syncthreads();
         }
     }
 
-    // Epilogue: acc * 2^16 (exact), then * per-row scale * alpha, each an
-    // FP32 rounding, the activation, one BF16 rounding.
-    const float alpha = wScale[expert];
+    // Epilogue: for NVFP4 acc * 2^16 (exact), then * per-row scale * alpha,
+    // each an FP32 rounding; the activation; one BF16 rounding.
+    const float alpha = FP4 ? wScale[expert] : 1.f;
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
@@ -952,19 +1063,22 @@ __device__ __forceinline__ void g5_gemm(int *err, const unsigned char *aPacked, 
             if (r >= row1) continue;
             const int a = s_src[rr];
             if (a < 0) continue;
-            const float as = aScale[a];
+            const float as = FP4 ? aScale[a] : 1.f;
 #pragma unroll
             for (int q = 0; q < 2; q++) {
-                float v[2];
+                float v[J];
 #pragma unroll
-                for (int j = 0; j < 2; j++) v[j] = __fmul_rn(__fmul_rn(acc[i][j][2 * h + q] * 65536.f, as), alpha);
-                if (SWIGLU) {
+                for (int j = 0; j < J; j++) {
+                    v[j] = acc[i][j][2 * h + q];
+                    if (FP4) v[j] = __fmul_rn(__fmul_rn(v[j] * 65536.f, as), alpha);
+                }
+                if constexpr (SWIGLU) {
                     const int col = cw + 2 * t4 + q;
                     if (col < outN)
                         out[(long long)r * outN + col] = f2bf(__fmul_rn(__fdiv_rn(v[0], __fadd_rn(1.f, expf(-v[0]))), v[1]));
                 } else {
 #pragma unroll
-                    for (int j = 0; j < 2; j++) {
+                    for (int j = 0; j < J; j++) {
                         const int col = cw + 8 * j + 2 * t4 + q;
                         float x = v[j];
                         if (act == 2) {
@@ -978,53 +1092,60 @@ __device__ __forceinline__ void g5_gemm(int *err, const unsigned char *aPacked, 
         }
 }
 
-#define G5_KERNEL(NAME, MI, SWIGLU)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * G5_WARPS)                                                               \
-        NAME(int *err, const unsigned char *aPacked, const unsigned char *aSF, const float *aScale, int Kp, const int *gather,  \
-             int Ta, const unsigned char *wPacked, const unsigned char *wSF, const float *wScale, int N, const int *offsets,   \
-             int E, int R, int act, bf16_t *out, int outN) {                                                                   \
-        g5_gemm<MI, SWIGLU>(err, aPacked, aSF, aScale, Kp, gather, Ta, wPacked, wSF, wScale, N, offsets, E, R, act, out, outN); \
+#define G5_KERNEL(NAME, MI, J, NW, SWIGLU, FP4)                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * NW)                                                                     \
+        NAME(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K, const int *gather, int Ta,          \
+             const void *W, const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act,  \
+             bf16_t *out, int outN) {                                                                                          \
+        g5_gemm<MI, J, NW, SWIGLU, FP4>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN); \
     }
-G5_KERNEL(gemm_fp4_stream_m16, 1, false)
-G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, true)
-G5_KERNEL(gemm_fp4_stream_m32, 2, false)
-G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, true)
-G5_KERNEL(gemm_fp4_stream_m64, 4, false)
-G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, true)
+// Names: the row tile (16, 32 or 64 rows). Measured on the H200 at 16
+// rows, 16 warps of one n8 tile each were 10-15% slower than 8 warps of
+// two (docs/MOE.md), so every tile runs 8 warps.
+G5_KERNEL(gemm_fp4_stream_m16, 1, 2, 8, false, true)
+G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, 2, 8, true, true)
+G5_KERNEL(gemm_fp4_stream_m32, 2, 2, 8, false, true)
+G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, 2, 8, true, true)
+G5_KERNEL(gemm_fp4_stream_m64, 4, 2, 8, false, true)
+G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, 2, 8, true, true)
+G5_KERNEL(gemm_bf16_stream_m16, 1, 2, 8, false, false)
+G5_KERNEL(gemm_bf16_stream_m16_swiglu, 1, 2, 8, true, false)
+G5_KERNEL(gemm_bf16_stream_m32, 2, 2, 8, false, false)
+G5_KERNEL(gemm_bf16_stream_m32_swiglu, 2, 2, 8, true, false)
+G5_KERNEL(gemm_bf16_stream_m64, 4, 2, 8, false, false)
+G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, 2, 8, true, false)
 
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
 // dst[M, N] = a[M, K] * w[N, K]^T for N <= 1024, where the tiled kernel
 // would run only a handful of blocks down a long K. A block computes 16 rows
-// by 16 columns; its 8 warps take the k16 slices s = w, w+8, ... straight
-// from global memory into MMA fragments (no staging, four slices in flight
-// per warp), each warp from zero, and the block adds the eight partials in
-// warp order. That order depends on K alone, so an output row never depends
-// on M or on the other rows. K is even (the caller checks), so BF16 pairs
-// are read 4 bytes at a time; pairs past K read as zeros.
-#define GN_WARPS 8
-#define GN_UNROLL 4
+// by 8 columns; its 16 warps take the k16 slices s = w, w+16, ... straight
+// from global memory into MMA fragments (no staging, eight slices in flight
+// per warp), each warp from zero, and the block adds the sixteen partials
+// in warp order. That order depends on K alone, so an output row never
+// depends on M or on the other rows. K is even (the caller checks), so BF16
+// pairs are read 4 bytes at a time; pairs past K read as zeros. Narrow
+// blocks and deep unrolling keep enough bytes in flight for one token (the
+// router's 256 x 7168 weights are read by 32 blocks).
+#define GN_WARPS 16
+#define GN_UNROLL 8
 
 __device__ __forceinline__ unsigned gn_ld(const bf16_t *row, int k, int K, bool ok) {
-    return ok && k < K ? *reinterpret_cast<const unsigned *>(row + k) : 0u;
+    return ok && k < K ? __ldg(reinterpret_cast<const unsigned *>(row + k)) : 0u;
 }
 
 extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
                                                                         int K, int outFmt) {
-    __shared__ float part[GN_WARPS][16][17];
+    __shared__ float part[GN_WARPS][16][9];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int r0 = blockIdx.x * 16, c0 = blockIdx.y * 16;
+    const int r0 = blockIdx.x * 16, c0 = blockIdx.y * 8;
     const bool ra = r0 + g < M, rb = r0 + g + 8 < M;
     const bf16_t *a0 = A + (long long)min(r0 + g, M - 1) * K, *a1 = A + (long long)min(r0 + g + 8, M - 1) * K;
-    const bool w0ok = c0 + g < N, w1ok = c0 + 8 + g < N;
-    const bf16_t *w0 = W + (long long)min(c0 + g, N - 1) * K, *w1 = W + (long long)min(c0 + 8 + g, N - 1) * K;
-    float acc[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) acc[j][q] = 0.f;
+    const bool wok = c0 + g < N;
+    const bf16_t *w0 = W + (long long)min(c0 + g, N - 1) * K;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int k = warp * 16; k < K; k += 16 * GN_WARPS * GN_UNROLL) {
-        unsigned af[GN_UNROLL][4], bf[GN_UNROLL][4];
+        unsigned af[GN_UNROLL][4], bf[GN_UNROLL][2];
 #pragma unroll
         for (int u = 0; u < GN_UNROLL; u++) { // all loads first: they fly together
             const int ka = k + u * 16 * GN_WARPS + 2 * t4, kb = ka + 8;
@@ -1032,24 +1153,17 @@ extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf
             af[u][1] = gn_ld(a1, ka, K, rb);
             af[u][2] = gn_ld(a0, kb, K, ra);
             af[u][3] = gn_ld(a1, kb, K, rb);
-            bf[u][0] = gn_ld(w0, ka, K, w0ok);
-            bf[u][1] = gn_ld(w0, kb, K, w0ok);
-            bf[u][2] = gn_ld(w1, ka, K, w1ok);
-            bf[u][3] = gn_ld(w1, kb, K, w1ok);
+            bf[u][0] = gn_ld(w0, ka, K, wok);
+            bf[u][1] = gn_ld(w0, kb, K, wok);
         }
 #pragma unroll
-        for (int u = 0; u < GN_UNROLL; u++) { // then the slices in k order
-            mma16816(acc[0], af[u], bf[u][0], bf[u][1]);
-            mma16816(acc[1], af[u], bf[u][2], bf[u][3]);
-        }
+        for (int u = 0; u < GN_UNROLL; u++) mma16816(acc, af[u], bf[u][0], bf[u][1]); // then the slices in k order
     }
 #pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) part[warp][g + 8 * (q >> 1)][j * 8 + 2 * t4 + (q & 1)] = acc[j][q];
+    for (int q = 0; q < 4; q++) part[warp][g + 8 * (q >> 1)][2 * t4 + (q & 1)] = acc[q];
     __syncthreads();
-    {
-        const int r = tid >> 4, c = tid & 15;
+    if (tid < 128) {
+        const int r = tid >> 3, c = tid & 7;
         if (r0 + r < M && c0 + c < N) {
             float v = part[0][r][c];
 #pragma unroll
