@@ -176,15 +176,19 @@ func streamSmem(fp4 bool, bm int) int {
 	return bm/16*streamTileSmem + 8*2*32*ring
 }
 
+// streamFits reports whether the streamed kernels can address an A of ta
+// rows of k elements: they use 32-bit element offsets. Past that (about
+// 300,000 rows at K = 7168) the older kernels run instead, whose bits
+// differ: batch invariance holds below that size.
+func streamFits(ta, k int) bool { return int64(ta)*int64(k) < 1<<31 }
+
 // streamLaunch launches a streamed grouped GEMM kernel (family
 // "gemm_fp4_stream" or "gemm_bf16_stream"). Its row tile is 16, 32 or 64
 // rows, by the average rows per expert; the tile never changes an output
-// bit (src/moe.cu), so the choice keeps batch invariance. The kernels
-// address A with 32-bit element offsets.
-func (be *Backend) streamLaunch(family string, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, k int, args ...any) error {
-	if int64(s.Ta)*int64(k) >= 1<<31 {
-		return fmt.Errorf("cuda: grouped gemm: A has %d rows of %d elements; the streamed kernels address at most 2^31", s.Ta, k)
-	}
+// bit (src/moe.cu), so the choice keeps batch invariance. The shared
+// memory figure must match src/moe.cu's G5_D, G5_WB and G5_KERNEL
+// (8 warps, two n8 tiles); TestStreamSmemFits bounds it.
+func (be *Backend) streamLaunch(family string, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
 	bm, name := 64, family+"_m64"
 	switch {
 	case s.R <= 8*s.E:
@@ -201,13 +205,14 @@ func (be *Backend) streamLaunch(family string, a kernels.GroupedGemmArgs, s kern
 }
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's
-// expert GEMMs): the streamed one, or the staged one when a test asks.
+// expert GEMMs): the streamed one, or the staged one when a test asks or
+// A is too large for 32-bit offsets.
 func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) error {
 	args := []any{be.errw, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(s.Kp), ptr(a.Gather), int32(s.Ta),
 		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
 		int32(a.Act), ptr(a.Out), int32(s.OutN)}
-	if !be.fp4Staged {
-		return be.streamLaunch("gemm_fp4_stream", a, s, s.Kp, args...)
+	if !be.fp4Staged && streamFits(s.Ta, s.Kp) {
+		return be.streamLaunch("gemm_fp4_stream", a, s, args...)
 	}
 	bm, name := 64, "grouped_gemm_fp4_m64"
 	if s.R <= 16*s.E {
@@ -228,10 +233,10 @@ func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGe
 // time; it reports false otherwise (the generic kernel runs instead).
 func (be *Backend) groupedGemmBF16(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) (bool, error) {
 	k := a.A.BF16.Dim(1)
-	if be.bf16Generic || aligned16(a.A.BF16, k) == 0 || aligned16(a.W.BF16, k) == 0 {
+	if be.bf16Generic || aligned16(a.A.BF16, k) == 0 || aligned16(a.W.BF16, k) == 0 || !streamFits(s.Ta, k) {
 		return false, nil
 	}
-	return true, be.streamLaunch("gemm_bf16_stream", a, s, k, be.errw, ptr(a.A.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(k),
+	return true, be.streamLaunch("gemm_bf16_stream", a, s, be.errw, ptr(a.A.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(k),
 		ptr(a.Gather), int32(s.Ta), ptr(a.W.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(s.N), ptr(a.Offsets), int32(s.E),
 		int32(s.R), int32(a.Act), ptr(a.Out), int32(s.OutN))
 }
@@ -333,7 +338,7 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 		}
 		// A block per row, no wider than the row's 16-element blocks (the
 		// shape decides, never the batch).
-		threads := min(256, (s.Kp/16+31)/32*32)
+		threads := max(32, min(256, (s.Kp/16+31)/32*32))
 		return be.launch("quant_rows", drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
 			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int32(rows), int32(s.K), int32(s.Kp), vec)
 	})

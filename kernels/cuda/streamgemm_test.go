@@ -173,3 +173,18 @@ func TestStreamedGemm(t *testing.T) {
 		}
 	}
 }
+
+// TestStreamSmemFits checks, without a GPU, that every streamed kernel's
+// shared memory (the host's figure plus the kernel's static arrays) fits
+// in the 227 KiB an sm_90 block may opt in to, so no tile shape can fail
+// at launch on an H100 or H200.
+func TestStreamSmemFits(t *testing.T) {
+	const optin, static = 227 << 10, 2 << 10 // static: the scale table, the row sources, the schedule
+	for _, fp4 := range []bool{true, false} {
+		for _, bm := range []int{16, 32, 64} {
+			if got := streamSmem(fp4, bm) + static; got > optin {
+				t.Errorf("fp4=%v, %d-row tile: %d bytes of shared memory, more than %d", fp4, bm, got, optin)
+			}
+		}
+	}
+}

@@ -239,7 +239,10 @@ func testBadIndices(t *testing.T, be kernels.Backend) {
 // tile or dequantization trick; a flushed subnormal, a lost sign or a
 // misplaced block shows up as a wrong bit. The row counts per expert span
 // the tile sizes a backend may choose between, and K includes a partial
-// last block pair.
+// last block pair. The one-hot cases give each activation row a single
+// nonzero code, so each output is one product and the weights may take
+// every E4M3 block scale but NaN (subnormals, 448, negative ones): that
+// checks a backend's scale decoding over the whole format.
 func testGroupedGemmExact(t *testing.T, be kernels.Backend) {
 	r := rand.New(rand.NewPCG(21, 22))
 	blockScales := []byte{0x30, 0x38, 0x40} // E4M3 0.5, 1, 2
@@ -248,11 +251,14 @@ func testGroupedGemmExact(t *testing.T, be kernels.Backend) {
 		E, N, K int
 		counts  []int32 // rows per expert
 		act     kernels.Activation
+		oneHot  bool
 	}{
-		{"decode", 3, 40, 1024, []int32{1, 0, 2}, kernels.Identity},
-		{"small", 3, 136, 208, []int32{13, 7, 20}, kernels.ReLU2},
-		{"mid", 3, 72, 1040, []int32{40, 0, 31}, kernels.Identity},
-		{"large", 2, 264, 592, []int32{150, 77}, kernels.ReLU2},
+		{"decode", 3, 40, 1024, []int32{1, 0, 2}, kernels.Identity, false},
+		{"small", 3, 136, 208, []int32{13, 7, 20}, kernels.ReLU2, false},
+		{"mid", 3, 72, 1040, []int32{40, 0, 31}, kernels.Identity, false},
+		{"large", 2, 264, 592, []int32{150, 77}, kernels.ReLU2, false},
+		{"onehot", 2, 136, 1024, []int32{9, 30}, kernels.Identity, true},
+		{"onehot_tail", 2, 72, 208, []int32{40, 3}, kernels.ReLU2, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			kp := nvfp4.PaddedK(c.K)
@@ -275,6 +281,26 @@ func testGroupedGemmExact(t *testing.T, be kernels.Backend) {
 			}
 			ap, as := rnd(R)
 			wp, ws := rnd(c.E * c.N)
+			if c.oneHot {
+				for row := range R {
+					clear(ap[row*kp/2 : (row+1)*kp/2])
+					k := r.IntN(kp)
+					code := byte(1 + r.IntN(14)) // any code but the zeros 0 and 8
+					if code >= 8 {
+						code++
+					}
+					ap[row*kp/2+k/2] = code << (4 * (k % 2))
+					for b := range kp / 16 {
+						as[row*kp/16+b] = 0x38 // 1
+					}
+				}
+				for i := range ws {
+					ws[i] = byte(r.IntN(255)) // every E4M3 byte ...
+					if ws[i]&0x7f == 0x7f {   // ... but NaN
+						ws[i] = 0x7e
+					}
+				}
+			}
 			aScale := make([]float32, R)
 			for i := range aScale {
 				aScale[i] = float32(math.Ldexp(1, r.IntN(5)-2))
