@@ -182,13 +182,17 @@ func streamSmem(fp4 bool, bm int) int {
 // differ: batch invariance holds below that size.
 func streamFits(ta, k int) bool { return int64(ta)*int64(k) < 1<<31 }
 
-// streamLaunch launches a streamed grouped GEMM kernel (family
-// "gemm_fp4_stream" or "gemm_bf16_stream"). Its row tile is 16, 32 or 64
+// streamLaunch launches a streamed grouped GEMM kernel (gemm_fp4_stream_*
+// or gemm_bf16_stream_*). Its row tile is 16, 32 or 64
 // rows, by the average rows per expert; the tile never changes an output
 // bit (src/moe.cu), so the choice keeps batch invariance. The shared
 // memory figure must match src/moe.cu's G5_D, G5_WB and G5_KERNEL
 // (8 warps, two n8 tiles); TestStreamSmemFits bounds it.
-func (be *Backend) streamLaunch(family string, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
+func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
+	family := "gemm_bf16_stream"
+	if fp4 {
+		family = "gemm_fp4_stream"
+	}
 	bm, name := 64, family+"_m64"
 	switch {
 	case s.R <= 8*s.E:
@@ -201,7 +205,7 @@ func (be *Backend) streamLaunch(family string, a kernels.GroupedGemmArgs, s kern
 		cols, name = 64, name+"_swiglu"
 	}
 	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
-	return be.launch(name, grid, drv.Dim3{X: 256}, streamSmem(family == "gemm_fp4_stream", bm), args...)
+	return be.launch(name, grid, drv.Dim3{X: 256}, streamSmem(fp4, bm), args...)
 }
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's
@@ -212,7 +216,7 @@ func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGe
 		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
 		int32(a.Act), ptr(a.Out), int32(s.OutN)}
 	if !be.fp4Staged && streamFits(s.Ta, s.Kp) {
-		return be.streamLaunch("gemm_fp4_stream", a, s, args...)
+		return be.streamLaunch(true, a, s, args...)
 	}
 	bm, name := 64, "grouped_gemm_fp4_m64"
 	if s.R <= 16*s.E {
@@ -236,7 +240,7 @@ func (be *Backend) groupedGemmBF16(a kernels.GroupedGemmArgs, s kernels.GroupedG
 	if be.bf16Generic || aligned16(a.A.BF16, k) == 0 || aligned16(a.W.BF16, k) == 0 || !streamFits(s.Ta, k) {
 		return false, nil
 	}
-	return true, be.streamLaunch("gemm_bf16_stream", a, s, be.errw, ptr(a.A.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(k),
+	return true, be.streamLaunch(false, a, s, be.errw, ptr(a.A.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(k),
 		ptr(a.Gather), int32(s.Ta), ptr(a.W.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(s.N), ptr(a.Offsets), int32(s.E),
 		int32(s.R), int32(a.Act), ptr(a.Out), int32(s.OutN))
 }
