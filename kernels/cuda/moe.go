@@ -305,6 +305,10 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 		if s, err = a.Validate(); err != nil {
 			return err
 		}
+		if a.Mode == kernels.PerMatrix && s.Rows*(s.Kp/16) >= 1<<31 {
+			// The per-matrix kernels index a matrix's blocks in 32 bits.
+			return fmt.Errorf("cuda: quantize: %d 16-element blocks per matrix, the most is 2^31-1", s.Rows*(s.Kp/16))
+		}
 		return packedAligned("quantize", "dst", a.Dst)
 	}
 	return be.issue("quantize", a, validate, func(*drv.Ctx) error {
@@ -331,11 +335,14 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 					return err
 				}
 			}
-			nblocks := rows * (s.Kp / 16)
-			if err := be.launch("quant_blocks", drv.Dim3{X: min((nblocks+255)/256, 65535)}, drv.Dim3{X: 256}, 0,
-				ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int64(nblocks),
-				int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
-				return err
+			blocksPer := s.Rows * (s.Kp / 16)
+			for m0 := 0; m0 < s.Mats; m0 += 65535 {
+				n := min(65535, s.Mats-m0)
+				if err := be.launch("quant_blocks", drv.Dim3{X: min((blocksPer+255)/256, 1<<20), Y: n}, drv.Dim3{X: 256}, 0,
+					ptr(a.Src).Add(2*m0*per), ptr(a.Dst.Packed).Add(m0*s.Rows*s.Kp/2), ptr(a.Dst.Scales).Add(m0*s.Rows*s.Kp/16),
+					ptr(a.Dst.Scale).Add(4*m0), uint32(blocksPer), int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
+					return err
+				}
 			}
 			return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
 				ptr(a.Dst.Scale), int32(s.Mats))

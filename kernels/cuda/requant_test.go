@@ -2,10 +2,12 @@ package cuda
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"testing"
 	"time"
 
+	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
@@ -102,4 +104,29 @@ func TestRequantizeLayer(t *testing.T) {
 		}
 	}
 	t.Logf("fc1 and fc2 copies (%d experts) equal internal/nvfp4 bit for bit on every path, at the same addresses", E)
+}
+
+// TestE4M3Conversion holds the conversion instructions the quantizers use
+// for block scales (cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2) to
+// the software codec that matches internal/nvfp4, over every FP32 input.
+func TestE4M3Conversion(t *testing.T) {
+	be := gpu(t)
+	bad := moetest.Alloc(t, be, kernels.I32, 3)
+	if err := be.Zero(bad); err != nil {
+		t.Fatal(err)
+	}
+	if err := be.dev.Do(func(*drv.Ctx) error {
+		return be.launch("check_e4m3", drv.Dim3{X: 1 << 16}, drv.Dim3{X: 256}, 0, ptr(bad))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 12)
+	if err := be.Download(got, bad, 0); err != nil {
+		t.Fatal(err)
+	}
+	n, first, dec := binary.LittleEndian.Uint32(got), binary.LittleEndian.Uint32(got[4:]), binary.LittleEndian.Uint32(got[8:])
+	if n != 0 || dec != 0 {
+		t.Fatalf("E4M3 conversions differ from the software codec: encode %d of 2^32 inputs (first %#08x), decode %d of 256 bytes", n, first, dec)
+	}
+	t.Logf("E4M3 encode and decode instructions equal the software codec on all 2^32 FP32 inputs and 256 bytes")
 }
