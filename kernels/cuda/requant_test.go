@@ -106,27 +106,36 @@ func TestRequantizeLayer(t *testing.T) {
 	t.Logf("fc1 and fc2 copies (%d experts) equal internal/nvfp4 bit for bit on every path, at the same addresses", E)
 }
 
-// TestE4M3Conversion holds the conversion instructions the quantizers use
-// for block scales (cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2) to
-// the software codec that matches internal/nvfp4, over every FP32 input.
-func TestE4M3Conversion(t *testing.T) {
+// TestFastCodec holds the conversions the quantizers use to the software
+// codec that matches internal/nvfp4, over every FP32 input: the E4M3
+// conversion instructions (cvt.rn.satfinite.e4m3x2.f32,
+// cvt.rn.f16x2.e4m3x2) for block scales, and e2m1_fast for elements.
+func TestFastCodec(t *testing.T) {
 	be := gpu(t)
-	bad := moetest.Alloc(t, be, kernels.I32, 3)
+	bad := moetest.Alloc(t, be, kernels.I32, 5)
 	if err := be.Zero(bad); err != nil {
 		t.Fatal(err)
 	}
 	if err := be.dev.Do(func(*drv.Ctx) error {
-		return be.launch("check_e4m3", drv.Dim3{X: 1 << 16}, drv.Dim3{X: 256}, 0, ptr(bad))
+		return be.launch("check_codec", drv.Dim3{X: 1 << 16}, drv.Dim3{X: 256}, 0, ptr(bad))
 	}); err != nil {
 		t.Fatal(err)
 	}
-	got := make([]byte, 12)
+	got := make([]byte, 20)
 	if err := be.Download(got, bad, 0); err != nil {
 		t.Fatal(err)
 	}
-	n, first, dec := binary.LittleEndian.Uint32(got), binary.LittleEndian.Uint32(got[4:]), binary.LittleEndian.Uint32(got[8:])
-	if n != 0 || dec != 0 {
-		t.Fatalf("E4M3 conversions differ from the software codec: encode %d of 2^32 inputs (first %#08x), decode %d of 256 bytes", n, first, dec)
+	w := func(i int) uint32 { return binary.LittleEndian.Uint32(got[4*i:]) }
+	if w(0) != 0 {
+		t.Errorf("e4m3_satfinite differs from e4m3_encode on %d of 2^32 inputs (one: %#08x)", w(0), w(1))
 	}
-	t.Logf("E4M3 encode and decode instructions equal the software codec on all 2^32 FP32 inputs and 256 bytes")
+	if w(2) != 0 {
+		t.Errorf("e2m1_fast differs from e2m1_encode on %d of 2^32 inputs (one: %#08x)", w(2), w(3))
+	}
+	if w(4) != 0 {
+		t.Errorf("e4m3_value differs from e4m3_decode on %d of 256 bytes", w(4))
+	}
+	if !t.Failed() {
+		t.Logf("E4M3 conversion instructions and e2m1_fast equal the software codec on all 2^32 FP32 inputs (and 256 bytes)")
+	}
 }

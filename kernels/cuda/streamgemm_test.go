@@ -71,7 +71,11 @@ func TestStreamedGemm(t *testing.T) {
 		}
 		return up(b, kernels.BF16, shape...)
 	}
-	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
+	// fc1_ksplit and fc2_ksplit hold the bytes of fc1 and fc2 as twice the
+	// rows of half the length: what a K split in two would give the 1-token
+	// GEMMs (twice the blocks, the same bytes).
+	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I),
+		"fc1_ksplit": randFP4(E, 2*I, H/2), "fc2_ksplit": randFP4(E, 2*H, I/2)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
 	defer func(staged, generic bool) { be.fp4Staged, be.bf16Generic = staged, generic }(be.fp4Staged, be.bf16Generic)
 	for _, c := range []struct {
@@ -80,6 +84,7 @@ func TestStreamedGemm(t *testing.T) {
 		rows, touched int
 	}{
 		{"fc1_relu2", kernels.ReLU2, 1, 8}, {"fc2", kernels.Identity, 1, 8}, {"fc1_swiglu", kernels.SwiGLU, 1, 8},
+		{"fc1_ksplit", kernels.Identity, 1, 8}, {"fc2_ksplit", kernels.Identity, 1, 8},
 		{"fc1_relu2", kernels.ReLU2, 2, 32}, {"fc2", kernels.Identity, 2, 32},
 		{"fc1_relu2", kernels.ReLU2, 4, 32}, {"fc2", kernels.Identity, 4, 32},
 		{"fc1_relu2", kernels.ReLU2, 16, 32}, {"fc2", kernels.Identity, 16, 32}, {"fc1_swiglu", kernels.SwiGLU, 16, 32},

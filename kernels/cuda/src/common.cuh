@@ -154,24 +154,42 @@ __device__ __forceinline__ void encode_scale(float amax, float *senc, float *sde
     *sdec = __fdiv_rn(1.0f, s);
 }
 
-// quant_block quantizes 16 BF16 values (x, zero-padded by the caller) with
+// e2m1_fast is e2m1_encode in fewer instructions (the quantizers' inner
+// loop): with a = min(|x|, 6) and t = max(exponent(a), 0) (t = 0 below 2),
+// the E2M1 grid step near a is 2^(t-1), so adding M = 1.5 * 2^(22+t)
+// (whose ulp is that step) rounds a to the grid, ties to even, and the
+// integer bits above M count steps; code = steps + 2t. M and M - 2t are
+// both linear in max(exponent field, 127). check_codec holds it equal to
+// e2m1_encode over every FP32 input.
+__device__ __forceinline__ unsigned e2m1_fast(float x) {
+    const float a = fminf(fabsf(x), 6.0f); // min.f32 returns 6 for NaN
+    const unsigned e = max(__float_as_uint(a) >> 23, 127u);
+    const unsigned m = e * (1u << 23) + 0x0B400000u;     // 1.5 * 2^(22 + e - 127)
+    const unsigned n = e * ((1u << 23) - 2u) + 0x0B4000FEu; // m - 2 * (e - 127)
+    return (__float_as_uint(__fadd_rn(a, __uint_as_float(m))) - n) | ((__float_as_uint(x) >> 28) & 8u);
+}
+
+// quant_block quantizes 16 BF16 values, given as 8 words of two (element
+// 2i in the low half of w[i]; zero-padded by the caller), with
 // RN(S_enc*INV6) = sencinv6 and S_dec: it returns the scale byte and writes
 // 8 packed bytes as two 32-bit words.
-__device__ __forceinline__ unsigned quant_block(const bf16_t x[16], float sencinv6, float sdec, unsigned *lo, unsigned *hi) {
-    unsigned vm = 0;
+__device__ __forceinline__ unsigned quant_block(const unsigned w[8], float sencinv6, float sdec, unsigned *lo, unsigned *hi) {
+    unsigned m2 = 0;
 #pragma unroll
-    for (int i = 0; i < 16; i++) vm = max(vm, (unsigned)(x[i] & 0x7fff));
+    for (int i = 0; i < 8; i++) m2 = __vmaxu2(m2, w[i] & 0x7fff7fffu);
+    const unsigned vm = max(m2 & 0xffffu, m2 >> 16);
     float sdb = min32(__fmul_rn(bf2f((bf16_t)vm), sencinv6), FLT_MAX_F);
     unsigned sf = e4m3_satfinite(sdb);
     float enc = min32(__fdiv_rn(1.0f, __fmul_rn(e4m3_value(sf), sdec)), FLT_MAX_F);
-    unsigned w[2] = {0, 0};
+    unsigned q[2] = {0, 0};
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        unsigned c = e2m1_encode(__fmul_rn(bf2f(x[i]), enc));
-        w[i / 8] |= c << (4 * (i % 8));
+    for (int i = 0; i < 8; i++) {
+        const unsigned c0 = e2m1_fast(__fmul_rn(__uint_as_float(w[i] << 16), enc));
+        const unsigned c1 = e2m1_fast(__fmul_rn(__uint_as_float(w[i] & 0xffff0000u), enc));
+        q[i / 4] |= (c0 | c1 << 4) << (8 * (i % 4));
     }
-    *lo = w[0];
-    *hi = w[1];
+    *lo = q[0];
+    *hi = q[1];
     return sf;
 }
 

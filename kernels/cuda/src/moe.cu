@@ -58,33 +58,32 @@ extern "C" __global__ void quant_scales(float *scale, int mats) {
     scale[m] = sdec;
 }
 
-// load_block reads the 16 BF16 values of block b of a row of k values,
-// zero past k.
-__device__ __forceinline__ void load_block(bf16_t x[16], const bf16_t *row, int b, int k, int vec) {
+// load_block reads the 16 BF16 values of block b of a row of k values as
+// 8 words of two, zero past k.
+__device__ __forceinline__ void load_block(unsigned w[8], const bf16_t *row, int b, int k, int vec) {
     int lo = b * 16;
     if (vec && lo + 16 <= k) {
         uint4 p0 = *reinterpret_cast<const uint4 *>(row + lo);
         uint4 p1 = *reinterpret_cast<const uint4 *>(row + lo + 8);
-        unsigned w[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            x[2 * i] = (bf16_t)(w[i] & 0xffff);
-            x[2 * i + 1] = (bf16_t)(w[i] >> 16);
-        }
+        w[0] = p0.x, w[1] = p0.y, w[2] = p0.z, w[3] = p0.w;
+        w[4] = p1.x, w[5] = p1.y, w[6] = p1.z, w[7] = p1.w;
         return;
     }
 #pragma unroll
-    for (int i = 0; i < 16; i++) x[i] = lo + i < k ? row[lo + i] : (bf16_t)0;
+    for (int i = 0; i < 8; i++) {
+        const unsigned a = lo + 2 * i < k ? row[lo + 2 * i] : 0u, c = lo + 2 * i + 1 < k ? row[lo + 2 * i + 1] : 0u;
+        w[i] = a | c << 16;
+    }
 }
 
 // quant_store quantizes block b of row `row` (k values, padded to kp) and
 // stores its 8 packed bytes and its scale byte.
 __device__ __forceinline__ void quant_store(const bf16_t *src, unsigned char *packed, unsigned char *scales, long long row, int b,
                                             int k, int kp, int vec, float sencinv6, float sdec) {
-    bf16_t x[16];
-    load_block(x, src + row * k, b, k, vec);
+    unsigned w[8];
+    load_block(w, src + row * k, b, k, vec);
     unsigned lo, hi;
-    unsigned sf = quant_block(x, sencinv6, sdec, &lo, &hi);
+    unsigned sf = quant_block(w, sencinv6, sdec, &lo, &hi);
     *reinterpret_cast<uint2 *>(packed + row * (kp / 2) + b * 8) = make_uint2(lo, hi);
     scales[row * (kp / 16) + b] = (unsigned char)sf;
 }
@@ -179,22 +178,30 @@ extern "C" __global__ void quant_blocks(const bf16_t *src, unsigned char *packed
     }
 }
 
-// check_e4m3 counts, over every FP32 bit pattern x = blockIdx.x * 2^16 +
-// ..., the inputs where e4m3_satfinite(x) differs from e4m3_encode(x) (NaN
-// with the sign bit set excepted: quant_block never passes one), and where
-// e4m3_value differs from e4m3_decode over the 256 bytes; bad[1] keeps the
-// first FP32 input that differed. A self-check run by the tests.
-extern "C" __global__ void check_e4m3(unsigned *bad) {
+// check_codec counts, over every FP32 bit pattern x = blockIdx.x * 2^16 +
+// ..., the inputs where a fast conversion differs from the software codec
+// that matches internal/nvfp4: bad[0] for e4m3_satfinite vs e4m3_encode
+// (NaN with the sign bit set excepted: quant_block never passes one),
+// bad[2] for e2m1_fast vs e2m1_encode, bad[4] for e4m3_value vs
+// e4m3_decode over the 256 bytes; bad[1] and bad[3] keep an input that
+// differed. A self-check run by the tests.
+extern "C" __global__ void check_codec(unsigned *bad) {
     for (unsigned i = threadIdx.x; i < 65536u; i += blockDim.x) {
         const unsigned x = (blockIdx.x << 16) | i;
+        const float f = __uint_as_float(x);
         const bool negNaN = (x & 0x7fffffffu) > 0x7f800000u && (x >> 31);
-        if (!negNaN && e4m3_satfinite(__uint_as_float(x)) != e4m3_encode(__uint_as_float(x))) {
-            if (atomicAdd(&bad[0], 1u) == 0) bad[1] = x;
+        if (!negNaN && e4m3_satfinite(f) != e4m3_encode(f)) {
+            atomicAdd(&bad[0], 1u);
+            bad[1] = x;
+        }
+        if (e2m1_fast(f) != e2m1_encode(f)) {
+            atomicAdd(&bad[2], 1u);
+            bad[3] = x;
         }
     }
     if (blockIdx.x == 0 && threadIdx.x < 256) {
         const float a = e4m3_value(threadIdx.x), b = e4m3_decode(threadIdx.x);
-        if (__float_as_uint(a) != __float_as_uint(b) && !(a != a && b != b)) atomicAdd(&bad[2], 1u);
+        if (__float_as_uint(a) != __float_as_uint(b) && !(a != a && b != b)) atomicAdd(&bad[4], 1u);
     }
 }
 
@@ -835,9 +842,14 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// g5_pair returns nibbles i and i + 4 of q as a BF16 pair of code * 2^-126:
+// sign to bit 15, exponent and mantissa bits to 8..6. One multiply puts two
+// copies of the masked nibble 6 bits apart (x * (2^a + 2^(a+6)) = x << a |
+// x << (a+6): the copies do not overlap, so no carry), the mask keeps the
+// sign of one copy and the magnitude of the other.
 __device__ __forceinline__ unsigned g5_pair(unsigned q, int i) {
-    const unsigned a = ((q >> (4 * i)) & 0x000F000Fu) << 6;
-    return (a | (a << 6)) & 0x81C081C0u;
+    const unsigned x = (i < 2 ? q : q >> 8) & (i & 1 ? 0x00F000F0u : 0x000F000Fu);
+    return (x * (i & 1 ? 0x104u : 0x1040u)) & 0x81C081C0u;
 }
 
 // g5_scale is x * s for BF16 pairs, exactly (the -0 addend keeps the sign
@@ -868,8 +880,9 @@ __device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const unsigned char *p
     sp += c * (G5_KC / 16);
     const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
     const bool in0 = c < nfull || b0 < nb, in1 = c < nfull || b0 + 1 < nb;
-    if (v16 && c < nfull) { // 16-byte aligned rows of whole 16-byte units
+    if (v16 && c < nfull) { // 16-byte aligned rows of whole 16-byte units, 2-byte aligned scale pairs
         cp_async(dst, p, 16, true);
+        return __ldg(reinterpret_cast<const unsigned short *>(sp));
     } else {
         cp_async(dst, p, 8, in0);
         cp_async(reinterpret_cast<unsigned char *>(dst) + 8, p + 8, 8, in1);
@@ -985,7 +998,9 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     // Columns past outN read the last row and are never written.
     const int cw = SWIGLU ? blockIdx.y * (8 * NW) + warp * 8 : blockIdx.y * (8 * J * NW) + warp * (8 * J);
     const int nfull = K / G5_KC, nch = (K + G5_KC - 1) / G5_KC;
-    const bool v16 = K % 32 == 0 && (reinterpret_cast<unsigned long long>(W) & 15) == 0; // NVFP4 rows in 16-byte units
+    // NVFP4 rows in 16-byte units, scale rows of an even length from an even address
+    const bool v16 = K % 32 == 0 && (reinterpret_cast<unsigned long long>(W) & 15) == 0 &&
+                     (reinterpret_cast<unsigned long long>(wSF) & 1) == 0;
     using WT = typename G5Cond<FP4, unsigned char, bf16_t>::type;
     const WT *wp[J];
     const unsigned char *sp[J] = {};
