@@ -52,6 +52,9 @@ type Backend interface {
 	GroupedGemm(args GroupedGemmArgs) error
 	// Finalize combines each token's k expert rows, weighted, in fixed k order.
 	Finalize(args FinalizeArgs) error
+	// FinalizeScattered ends the atomic finalize (see Scatter): out =
+	// bf16(acc), and acc is cleared for the next forward.
+	FinalizeScattered(out, acc *Buffer) error
 
 	// The dense model's ops: embedding, norms, residual adds, RoPE, the
 	// paged KV cache and attention, sampling and scoring.

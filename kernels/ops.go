@@ -259,7 +259,26 @@ type GroupedGemmArgs struct {
 	W       Operand // [E, N, K] BF16, or NVFP4 with per-expert Scale [E]
 	Offsets *Buffer // I32 [E+1]
 	Act     Activation
-	Out     *Buffer // BF16 [R, N] (N/2 for SwiGLU)
+	Out     *Buffer // BF16 [R, N] (N/2 for SwiGLU); nil with Scatter
+	// Scatter, when set, replaces Out with the atomic finalize fused into
+	// the epilogue (see Scatter).
+	Scatter *Scatter
+}
+
+// Scatter is the atomic (fused) finalize: the GEMM writes no rows; each
+// output row r, rounded to BF16 like Out's, is multiplied by its routing
+// weight (an FP32 rounding) and added into Acc[Tokens[r]] with FP32 atomic
+// additions, so the sum's order, and its last bits, may change from run to
+// run and with the batch: it is not batch invariant. The weight of row r is
+// Weights[t, j] for the j with Slots[t*k+j] = r, t = Tokens[r].
+// FinalizeScattered then rounds Acc to BF16 and clears it. This is the
+// faster finalize the deterministic one (GroupedGemm, then Finalize) is
+// measured against.
+type Scatter struct {
+	Acc     *Buffer // F32 [T, N] (N/2 for SwiGLU), zero before the first GEMM of a forward
+	Tokens  *Buffer // I32 [R]: the token of each sorted row (Permute's Rows)
+	Weights *Buffer // F32 [T, k]
+	Slots   *Buffer // I32 [T*k]
 }
 
 // GroupedGemmShape is the geometry Validate derives.
@@ -320,10 +339,21 @@ func (a GroupedGemmArgs) Validate() (GroupedGemmShape, error) {
 	if err := shapeIs("grouped gemm", "offsets", a.Offsets, s.E+1); err != nil {
 		return s, err
 	}
-	if err := check("grouped gemm", "out", a.Out, BF16, 2); err != nil {
-		return s, err
+	if a.Scatter != nil {
+		if a.Out != nil {
+			return s, fmt.Errorf("kernels: grouped gemm: out and scatter are both set; the scatter writes no rows")
+		}
+		if err := check("grouped gemm", "scatter.tokens", a.Scatter.Tokens, I32, 1); err != nil {
+			return s, err
+		}
+		s.R = a.Scatter.Tokens.Dim(0)
+	} else {
+		if err := check("grouped gemm", "out", a.Out, BF16, 2); err != nil {
+			return s, err
+		}
+		s.R = a.Out.Dim(0)
 	}
-	s.R, s.OutN = a.Out.Dim(0), s.N
+	s.OutN = s.N
 	switch a.Act {
 	case Identity, ReLU2:
 	case SwiGLU:
@@ -334,7 +364,11 @@ func (a GroupedGemmArgs) Validate() (GroupedGemmShape, error) {
 	default:
 		return s, fmt.Errorf("kernels: grouped gemm: unknown %s", a.Act)
 	}
-	if err := shapeIs("grouped gemm", "out", a.Out, s.R, s.OutN); err != nil {
+	if a.Scatter != nil {
+		if err := a.Scatter.validate(s.OutN); err != nil {
+			return s, err
+		}
+	} else if err := shapeIs("grouped gemm", "out", a.Out, s.R, s.OutN); err != nil {
 		return s, err
 	}
 	if a.Gather != nil {
@@ -347,9 +381,54 @@ func (a GroupedGemmArgs) Validate() (GroupedGemmShape, error) {
 	} else if s.Ta != s.R {
 		return s, fmt.Errorf("kernels: grouped gemm: no gather, but A has %d rows and out %d", s.Ta, s.R)
 	}
-	return s, disjoint("grouped gemm", []operand{{"out", a.Out}}, []operand{{"A", a.A.BF16}, {"A.packed", a.A.Q.Packed},
+	ins := []operand{{"A", a.A.BF16}, {"A.packed", a.A.Q.Packed},
 		{"A.scales", a.A.Q.Scales}, {"A.scale", a.A.Q.Scale}, {"gather", a.Gather}, {"W", a.W.BF16}, {"W.packed", a.W.Q.Packed},
-		{"W.scales", a.W.Q.Scales}, {"W.scale", a.W.Q.Scale}, {"offsets", a.Offsets}})
+		{"W.scales", a.W.Q.Scales}, {"W.scale", a.W.Q.Scale}, {"offsets", a.Offsets}}
+	if a.Scatter != nil {
+		ins = append(ins, operand{"scatter.tokens", a.Scatter.Tokens}, operand{"scatter.weights", a.Scatter.Weights},
+			operand{"scatter.slots", a.Scatter.Slots})
+		return s, disjoint("grouped gemm", []operand{{"scatter.acc", a.Scatter.Acc}}, ins)
+	}
+	return s, disjoint("grouped gemm", []operand{{"out", a.Out}}, ins)
+}
+
+// validate checks the scatter's operands for outputs n wide (its tokens
+// were checked by the caller).
+func (sc *Scatter) validate(n int) error {
+	if err := check("grouped gemm", "scatter.acc", sc.Acc, F32, 2); err != nil {
+		return err
+	}
+	t := sc.Acc.Dim(0)
+	if err := shapeIs("grouped gemm", "scatter.acc", sc.Acc, t, n); err != nil {
+		return err
+	}
+	if err := check("grouped gemm", "scatter.weights", sc.Weights, F32, 2); err != nil {
+		return err
+	}
+	k := sc.Weights.Dim(1)
+	if err := shapeIs("grouped gemm", "scatter.weights", sc.Weights, t, k); err != nil {
+		return err
+	}
+	if err := check("grouped gemm", "scatter.slots", sc.Slots, I32, 1); err != nil {
+		return err
+	}
+	return shapeIs("grouped gemm", "scatter.slots", sc.Slots, t*k)
+}
+
+// ValidateFinalizeScattered checks FinalizeScattered's operands (out BF16
+// [T, H], acc F32 [T, H]) and returns T and H.
+func ValidateFinalizeScattered(out, acc *Buffer) (t, h int, err error) {
+	if err := check("finalize scattered", "out", out, BF16, 2); err != nil {
+		return 0, 0, err
+	}
+	t, h = out.Dim(0), out.Dim(1)
+	if err := check("finalize scattered", "acc", acc, F32, 2); err != nil {
+		return 0, 0, err
+	}
+	if err := shapeIs("finalize scattered", "acc", acc, t, h); err != nil {
+		return 0, 0, err
+	}
+	return t, h, disjoint("finalize scattered", []operand{{"out", out}, {"acc", acc}}, nil)
 }
 
 // FinalizeArgs are the operands of Backend.Finalize:

@@ -5,7 +5,7 @@ import "reflect"
 var bufferType = reflect.TypeFor[*Buffer]()
 
 // AppendBuffers appends to out every *Buffer reachable from args through
-// exported struct fields, arrays and slices (an op's argument struct and the
+// exported struct fields, pointers to structs, arrays and slices (an op's argument struct and the
 // NVFP4, Operand and KVCache values it nests), each once: seen records the
 // buffers already listed and may be shared across calls. Backends use it to
 // check ownership and to list a captured graph's buffers.
@@ -29,6 +29,8 @@ func appendBuffers(out []*Buffer, seen map[*Buffer]bool, v reflect.Value) []*Buf
 				out = appendBuffers(out, seen, v.Field(i))
 			}
 		}
+	case v.Kind() == reflect.Pointer && !v.IsNil() && v.Elem().Kind() == reflect.Struct: // optional operands (GroupedGemmArgs.Scatter)
+		out = appendBuffers(out, seen, v.Elem())
 	case v.Kind() == reflect.Slice || v.Kind() == reflect.Array:
 		for i := range v.Len() {
 			out = appendBuffers(out, seen, v.Index(i))

@@ -97,6 +97,13 @@ type Config struct {
 	// MaxTokens is the largest batch Forward accepts; workspaces are sized
 	// for it once, in New.
 	MaxTokens int
+	// AtomicFinalize fuses the finalize into FC2's epilogue with atomic
+	// FP32 additions (kernels.Scatter): no expert rows are written, but a
+	// token's sum is taken in no fixed order, so outputs may change in
+	// their last bits from run to run and with the batch. The default, the
+	// deterministic finalize, is batch invariant; this option exists to
+	// measure what that costs.
+	AtomicFinalize bool
 }
 
 // fc1Rows is the number of FC1 rows per expert.

@@ -35,6 +35,7 @@ type Layer struct {
 	logits  *kernels.Buffer // F32 [T, E]
 	ids     *kernels.Buffer // I32 [T, k]
 	weights *kernels.Buffer // F32 [T, k]
+	acc     *kernels.Buffer // F32 [T, H]: the atomic finalize's sums (AtomicFinalize), else nil
 	offsets *kernels.Buffer // I32 [E+1]
 	gather  *kernels.Buffer // I32 [R]
 	slots   *kernels.Buffer // I32 [R]
@@ -109,7 +110,11 @@ func (l *Layer) alloc() error {
 		l.hq = quant([]int{R}, Ip, R)
 	}
 	l.h = buf(kernels.BF16, R, I)
-	l.y = buf(kernels.BF16, R, H)
+	if c.AtomicFinalize {
+		l.acc = buf(kernels.F32, T, H) // zero from Alloc; FinalizeScattered clears it after each forward
+	} else {
+		l.y = buf(kernels.BF16, R, H)
+	}
 	return err
 }
 
@@ -240,7 +245,13 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 	R := T * c.TopK
 	v := kernels.Views{}
 	logits, ids, weights := v.Rows(l.logits, T), v.Rows(l.ids, T), v.Rows(l.weights, T)
-	gather, slots, h, y := v.Rows(l.gather, R), v.Rows(l.slots, R), v.Rows(l.h, R), v.Rows(l.y, R)
+	gather, slots, h := v.Rows(l.gather, R), v.Rows(l.slots, R), v.Rows(l.h, R)
+	var y, acc *kernels.Buffer
+	if l.cfg.AtomicFinalize {
+		acc = v.Rows(l.acc, T)
+	} else {
+		y = v.Rows(l.y, R)
+	}
 	var xq, hq kernels.NVFP4
 	if l.spec.quantActs {
 		xq, hq = v.NVFP4Rows(l.xq, T), v.NVFP4Rows(l.hq, R)
@@ -281,6 +292,14 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 			return err
 		}
 		fc2In = kernels.Operand{Q: hq}
+	}
+	if l.cfg.AtomicFinalize {
+		err = l.be.GroupedGemm(kernels.GroupedGemmArgs{A: fc2In, W: fc2W, Offsets: l.offsets, Act: kernels.Identity,
+			Scatter: &kernels.Scatter{Acc: acc, Tokens: gather, Weights: weights, Slots: slots}})
+		if err != nil {
+			return err
+		}
+		return l.be.FinalizeScattered(out, acc)
 	}
 	err = l.be.GroupedGemm(kernels.GroupedGemmArgs{A: fc2In, W: fc2W, Offsets: l.offsets, Act: kernels.Identity, Out: y})
 	if err != nil {

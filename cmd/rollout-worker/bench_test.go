@@ -73,6 +73,41 @@ func TestBenchMoE(t *testing.T) {
 	}
 }
 
+// TestBenchMoEFinalize runs both finalizes: the atomic one alone, and side
+// by side with the deterministic one (its columns, with a time each).
+func TestBenchMoEFinalize(t *testing.T) {
+	tiny := []string{"bench", "moe", "--device", "cpu", "--hidden", "64", "--intermediate", "32", "--experts", "4", "--topk", "2",
+		"--tokens", "1,5", "--iters", "2", "--warmup", "0"}
+	for _, tc := range []struct {
+		flag string
+		want []string
+	}{
+		{"--batch-invariant=false", []string{"atomic finalize (not batch invariant)"}},
+		{"--compare-finalize", []string{"side by side", "nvfp4 atomic (us)", "nvfp4 det/atomic", "bf16 det/atomic"}},
+	} {
+		t.Run(tc.flag, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			if code := run(context.Background(), append(append([]string(nil), tiny...), tc.flag), &stdout, &stderr); code != 0 {
+				t.Fatalf("exit %d, stderr:\n%s", code, stderr.String())
+			}
+			all := stdout.String() + stderr.String()
+			for _, w := range tc.want {
+				if !strings.Contains(all, w) {
+					t.Errorf("output lacks %q:\n%s", w, all)
+				}
+			}
+			if tc.flag == "--compare-finalize" {
+				// Every row has an atomic time and a ratio, not a dash.
+				for _, line := range strings.Split(strings.TrimSpace(stdout.String()), "\n")[1:] {
+					if f := strings.Fields(line); len(f) < 4 || f[len(f)-1] == "-" || !strings.HasSuffix(f[len(f)-1], "x") {
+						t.Errorf("row without a finalize comparison: %q", line)
+					}
+				}
+			}
+		})
+	}
+}
+
 func TestBenchRefit(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	code := run(context.Background(), []string{"bench", "refit", "--device", "cpu", "--hidden", "72", "--intermediate", "40",
@@ -141,7 +176,7 @@ func TestBenchErrors(t *testing.T) {
 		{"zero hidden", []string{"bench", "moe", "--hidden", "0"}, 2, "--hidden 0: want a positive number"},
 		{"zero top-k", []string{"bench", "moe", "--topk", "0"}, 2, "--top-k 0: want a positive number"},
 		{"bad device", []string{"bench", "moe", "--device", "tpu"}, 2, `--device "tpu"`},
-		{"not batch invariant", moeArgs("--batch-invariant=false"), 2, "--batch-invariant=false: the cpu backend has no atomic"},
+		{"compare without the deterministic finalize", moeArgs("--batch-invariant=false", "--compare-finalize"), 2, "leave --batch-invariant at true"},
 		{"top-k above experts", moeArgs("--topk", "5"), 1, "top-5 of 4 experts"},
 		{"refit bad activation", []string{"bench", "refit", "--activation", "gelu"}, 2, `--activation "gelu"`},
 		{"refit no experts", []string{"bench", "refit", "--experts", "0"}, 2, "--experts 0: want a positive number"},

@@ -3,6 +3,7 @@ package cpu
 import (
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
@@ -225,6 +226,9 @@ func (be *Backend) prepGroupedGemm(a kernels.GroupedGemmArgs) (func() error, err
 	bufs := map[string]*kernels.Buffer{"offsets": a.Offsets, "out": a.Out, "gather": a.Gather,
 		"A": a.A.BF16, "A.packed": a.A.Q.Packed, "A.scales": a.A.Q.Scales, "A.scale": a.A.Q.Scale,
 		"W": a.W.BF16, "W.packed": a.W.Q.Packed, "W.scales": a.W.Q.Scales, "W.scale": a.W.Q.Scale}
+	if sc := a.Scatter; sc != nil {
+		bufs["scatter.acc"], bufs["scatter.tokens"], bufs["scatter.weights"], bufs["scatter.slots"] = sc.Acc, sc.Tokens, sc.Weights, sc.Slots
+	}
 	if err := be.owns("grouped gemm", bufs); err != nil {
 		return nil, err
 	}
@@ -247,8 +251,22 @@ func (be *Backend) prepGroupedGemm(a kernels.GroupedGemmArgs) (func() error, err
 				}
 			}
 		}
+		// The scatter: each sorted row's routing weight, found before any
+		// output is touched.
+		var rowWeight []float32
+		if a.Scatter != nil {
+			var err error
+			if rowWeight, err = scatterWeights(a.Scatter, int(offsets[0]), int(offsets[s.E])); err != nil {
+				return err
+			}
+		}
 		A, W := be.newOperand(a.A, s.Kp), be.newOperand(a.W, s.Kp)
-		out := u16s(a.Out)
+		var out []uint16
+		if a.Scatter != nil {
+			out = make([]uint16, s.R*s.OutN) // the rows, scattered below
+		} else {
+			out = u16s(a.Out)
+		}
 
 		// Work items: (expert, tile of its rows, tile of output columns).
 		type item struct{ e, r0, r1, c0, c1 int }
@@ -325,8 +343,39 @@ func (be *Backend) prepGroupedGemm(a kernels.GroupedGemmArgs) (func() error, err
 				}
 			}
 		})
+		if a.Scatter != nil {
+			// Sequential here; the GPU's atomic additions run in any order.
+			acc, tokens := f32s(a.Scatter.Acc), i32s(a.Scatter.Tokens)
+			for r := int(offsets[0]); r < int(offsets[s.E]); r++ {
+				dst := acc[int(tokens[r])*s.OutN:][:s.OutN]
+				for c, v := range out[r*s.OutN:][:s.OutN] {
+					dst[c] += float32(rowWeight[r-int(offsets[0])] * bf16.ToFloat32(v))
+				}
+			}
+		}
 		return nil
 	}, nil
+}
+
+// scatterWeights returns the routing weight of sorted rows r0..r1-1: row r
+// belongs to token t = Tokens[r], and its weight is Weights[t, j] for the j
+// with Slots[t*k+j] = r.
+func scatterWeights(sc *kernels.Scatter, r0, r1 int) ([]float32, error) {
+	tokens, slots, weights := i32s(sc.Tokens), i32s(sc.Slots), f32s(sc.Weights)
+	t, k := sc.Weights.Dim(0), sc.Weights.Dim(1)
+	w := make([]float32, r1-r0)
+	for r := r0; r < r1; r++ {
+		tok := int(tokens[r])
+		if tok < 0 || tok >= t {
+			return nil, fmt.Errorf("cpu: grouped gemm: scatter: sorted row %d names token %d of %d", r, tok, t)
+		}
+		j := slices.Index(slots[tok*k:(tok+1)*k], int32(r))
+		if j < 0 {
+			return nil, fmt.Errorf("cpu: grouped gemm: scatter: sorted row %d is none of token %d's %d slots", r, tok, k)
+		}
+		w[r-r0] = weights[tok*k+j]
+	}
+	return w, nil
 }
 
 // epilogue applies the FP32 global scales: acc * per_token_scale * alpha.

@@ -215,3 +215,23 @@ func (be *Backend) prepFinalize(a kernels.FinalizeArgs) (func() error, error) {
 		return nil
 	}, nil
 }
+
+// FinalizeScattered rounds the atomic finalize's sums to BF16 and clears them.
+func (be *Backend) FinalizeScattered(out, acc *kernels.Buffer) error {
+	return issue(be, "finalize scattered", [2]*kernels.Buffer{out, acc}, func(b [2]*kernels.Buffer) (func() error, error) {
+		if _, _, err := kernels.ValidateFinalizeScattered(b[0], b[1]); err != nil {
+			return nil, err
+		}
+		if err := be.owns("finalize scattered", map[string]*kernels.Buffer{"out": b[0], "acc": b[1]}); err != nil {
+			return nil, err
+		}
+		return func() error {
+			o, a := u16s(b[0]), f32s(b[1])
+			for i, v := range a {
+				o[i] = bf16.FromFloat32(v)
+			}
+			clear(a)
+			return nil
+		}, nil
+	})
+}

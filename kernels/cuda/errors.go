@@ -72,6 +72,12 @@ var devErrors = map[int32]func(a, b, c int32) string{
 	22: func(a, b, c int32) string {
 		return fmt.Sprintf("attention: query start decreases at sequence %d (%d > %d)", a, b, c)
 	},
+	23: func(a, b, c int32) string {
+		return fmt.Sprintf("grouped gemm: scatter: sorted row %d names token %d of %d", a, b, c)
+	},
+	24: func(a, b, c int32) string {
+		return fmt.Sprintf("grouped gemm: scatter: sorted row %d is none of token %d's %d slots", a, b, c)
+	},
 }
 
 func f32(bits int32) float32 { return math.Float32frombits(uint32(bits)) }

@@ -143,6 +143,9 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 				return err
 			}
 		}
+		if a.Scatter != nil {
+			return errScatter
+		}
 		if a.A.Quantized() {
 			g.aFmt, g.aPacked, g.aSF, g.aScale, g.aK = fmtFP4, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(2*a.A.Q.Packed.Dim(1))
 		} else {
@@ -204,7 +207,13 @@ func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.G
 	if a.Act == kernels.SwiGLU {
 		cols, name = 64, name+"_swiglu"
 	}
-	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
+	// Z: the two blocks of a cluster, which split K (src/moe.cu g5_gemm).
+	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 2}
+	if sc := a.Scatter; sc != nil {
+		args = append(args, ptr(sc.Acc), ptr(sc.Tokens), ptr(sc.Weights), ptr(sc.Slots), int32(sc.Acc.Dim(0)), int32(sc.Weights.Dim(1)))
+	} else {
+		args = append(args, drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), int32(0), int32(0))
+	}
 	return be.launch(name, grid, drv.Dim3{X: 256}, streamSmem(fp4, bm), args...)
 }
 
@@ -217,6 +226,9 @@ func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGe
 		int32(a.Act), ptr(a.Out), int32(s.OutN)}
 	if !be.fp4Staged && streamFits(s.Ta, s.Kp) {
 		return be.streamLaunch(true, a, s, args...)
+	}
+	if a.Scatter != nil {
+		return errScatter
 	}
 	bm, name := 64, "grouped_gemm_fp4_m64"
 	if s.R <= 16*s.E {
@@ -384,6 +396,27 @@ func (be *Backend) quantStack(a kernels.QuantizeArgs, s kernels.QuantizeShape, v
 		return err
 	}
 	return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0, ptr(a.Dst.Scale), int32(s.Mats))
+}
+
+// errScatter refuses the atomic finalize where only the older grouped GEMM
+// kernels apply.
+var errScatter = errors.New("cuda: grouped gemm: the scatter (atomic finalize) runs only in the streamed kernels: " +
+	"both operands NVFP4, or BF16 rows of whole 16-byte units, and A below 2^31 elements")
+
+// FinalizeScattered rounds the atomic finalize's sums to BF16 and clears them.
+func (be *Backend) FinalizeScattered(out, acc *kernels.Buffer) error {
+	var t, h int
+	validate := func() (err error) {
+		t, h, err = kernels.ValidateFinalizeScattered(out, acc)
+		return err
+	}
+	return be.issue("finalize scattered", [2]*kernels.Buffer{out, acc}, validate, func(*drv.Ctx) error {
+		n := t * h
+		if n == 0 {
+			return nil
+		}
+		return be.launch("finalize_scattered", drv.Dim3{X: min((n+255)/256, 4096)}, drv.Dim3{X: 256}, 0, ptr(out), ptr(acc), int64(n))
+	})
 }
 
 // Finalize sums each token's weighted expert rows in fixed k order.

@@ -58,6 +58,7 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("Quantize", func(t *testing.T) { testQuantize(t, newBackend(t)) })
 	t.Run("GroupedGemm", func(t *testing.T) { testGroupedGemm(t, newBackend(t)) })
 	t.Run("Finalize", func(t *testing.T) { testFinalize(t, newBackend(t)) })
+	t.Run("Scatter", func(t *testing.T) { testScatter(t, newBackend(t)) })
 	t.Run("GroupedGemmExact", func(t *testing.T) { testGroupedGemmExact(t, newBackend(t)) })
 	t.Run("GroupedGemmRows", func(t *testing.T) { testGroupedGemmRows(t, newBackend(t)) })
 	t.Run("QuantizeSlice", func(t *testing.T) { testQuantizeSlice(t, newBackend(t)) })

@@ -40,6 +40,11 @@ type Config struct {
 	// and the graphs are replayed round-robin: the launch overhead of a
 	// dozen ops is what graphs remove in serving, so it is not timed.
 	Eager bool
+	// CompareFinalize also times every recipe with the atomic finalize
+	// (moe.Config.AtomicFinalize) in the same run, right after the
+	// deterministic one, on the same inputs: Result.AtomicMean. Layer's
+	// own AtomicFinalize then must be false.
+	CompareFinalize bool
 }
 
 // Result is one (tokens, recipe) measurement.
@@ -51,6 +56,9 @@ type Result struct {
 	CosMin  float64
 	Floor   Floor  // the NVFP4 floor at this batch size, the same for every recipe
 	Timing  string // how Mean was measured: "graphs" or "eager", then "events" or "wall"
+	// AtomicMean is the same forward with the atomic finalize, with
+	// Config.CompareFinalize; else 0.
+	AtomicMean time.Duration
 }
 
 // eventTimer is implemented by backends that time enqueued work on the
@@ -104,23 +112,36 @@ func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer
 			return nil, fmt.Errorf("moebench: batch of %d tokens", T)
 		}
 	}
-	layers := make(map[moe.Recipe]*moe.Layer)
+	if cfg.CompareFinalize && cfg.Layer.AtomicFinalize {
+		return nil, fmt.Errorf("moebench: compare finalize: the layer config asks for the atomic finalize already")
+	}
+	// layers[0]: the configured finalize; layers[1]: the atomic one, with
+	// CompareFinalize.
+	layers := [2]map[moe.Recipe]*moe.Layer{{}, {}}
 	defer func() {
-		for _, l := range layers {
-			err = errors.Join(err, l.Close())
+		for _, m := range layers {
+			for _, l := range m {
+				err = errors.Join(err, l.Close())
+			}
 		}
 	}()
 	w := RandomWeightsFast(cfg.Layer, cfg.Seed)
 	for _, rc := range cfg.Recipes {
-		lc := cfg.Layer
-		lc.Recipe, lc.MaxTokens = rc, slices.Max(cfg.Tokens)
-		l, err := moe.New(be, lc)
-		if err != nil {
-			return nil, fmt.Errorf("moebench: %s layer: %w", rc, err)
-		}
-		layers[rc] = l
-		if err := Load(be, l, w); err != nil {
-			return nil, fmt.Errorf("moebench: load %s layer: %w", rc, err)
+		for v := range 2 {
+			if v == 1 && !cfg.CompareFinalize {
+				break
+			}
+			lc := cfg.Layer
+			lc.Recipe, lc.MaxTokens = rc, slices.Max(cfg.Tokens)
+			lc.AtomicFinalize = lc.AtomicFinalize || v == 1
+			l, err := moe.New(be, lc)
+			if err != nil {
+				return nil, fmt.Errorf("moebench: %s layer: %w", rc, err)
+			}
+			layers[v][rc] = l
+			if err := Load(be, l, w); err != nil {
+				return nil, fmt.Errorf("moebench: load %s layer: %w", rc, err)
+			}
 		}
 	}
 	w = Weights{}                                // 15 GB of host memory at the seed's shapes
@@ -136,7 +157,7 @@ func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer
 }
 
 // runTokens measures every recipe at one batch size.
-func runTokens(ctx context.Context, be kernels.Backend, cfg Config, layers map[moe.Recipe]*moe.Layer, r *rand.Rand, T int, progress io.Writer) (results []Result, err error) {
+func runTokens(ctx context.Context, be kernels.Backend, cfg Config, layers [2]map[moe.Recipe]*moe.Layer, r *rand.Rand, T int, progress io.Writer) (results []Result, err error) {
 	H := cfg.Layer.Hidden
 	var bufs []*kernels.Buffer
 	defer func() {
@@ -162,16 +183,26 @@ func runTokens(ctx context.Context, be kernels.Backend, cfg Config, layers map[m
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
-		res, out, err := runRecipe(be, cfg, layers[rc], ins, outs)
+		res, out, err := runRecipe(be, cfg, layers[0][rc], ins, outs)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", rc, err)
 		}
 		res.Tokens, res.Recipe, res.Floor = T, rc, floor
 		outputs[rc] = out
-		results = append(results, res)
 		if progress != nil {
 			fmt.Fprintf(progress, "  tokens %5d  %-11s %10.1f us  (%s)\n", T, RecipeName(rc), us(res.Mean), res.Timing)
 		}
+		if l := layers[1][rc]; l != nil {
+			ares, _, err := runRecipe(be, cfg, l, ins, outs)
+			if err != nil {
+				return nil, fmt.Errorf("%s, atomic finalize: %w", rc, err)
+			}
+			res.AtomicMean = ares.Mean
+			if progress != nil {
+				fmt.Fprintf(progress, "  tokens %5d  %-11s %10.1f us  (%s, atomic finalize)\n", T, RecipeName(rc), us(ares.Mean), ares.Timing)
+			}
+		}
+		results = append(results, res)
 	}
 	for i := range results {
 		var s cosineStats

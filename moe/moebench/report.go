@@ -26,6 +26,7 @@ type arranged struct {
 	floors    map[int]Floor
 	byKey     map[key]Result
 	timing    string
+	atomic    bool // some result has AtomicMean: the finalize comparison's columns are shown
 }
 
 type key struct {
@@ -50,8 +51,19 @@ func arrange(results []Result) arranged {
 		if a.timing == "" {
 			a.timing = r.Timing
 		}
+		a.atomic = a.atomic || r.AtomicMean > 0
 	}
 	return a
+}
+
+// finalizeCost returns a recipe's time with the deterministic finalize over
+// its time with the atomic one (1.05: the deterministic one costs 5%).
+func (a arranged) finalizeCost(T int, rc moe.Recipe) (atomic time.Duration, cost float64, ok bool) {
+	r, found := a.byKey[key{T, rc}]
+	if !found || r.AtomicMean <= 0 || r.Mean <= 0 {
+		return 0, 0, false
+	}
+	return r.AtomicMean, float64(r.Mean) / float64(r.AtomicMean), true
 }
 
 // ratios returns a recipe's time over the floor and the BF16 recipe's time
@@ -92,6 +104,12 @@ func Table(w io.Writer, results []Result) error {
 		n := RecipeName(rc)
 		fmt.Fprintf(tw, "%s vs floor\t%s vs bf16\t%s cos mean\t%s cos min\t", n, n, n, n)
 	}
+	if a.atomic {
+		for _, rc := range a.recipes {
+			n := RecipeName(rc)
+			fmt.Fprintf(tw, "%s atomic (us)\t%s det/atomic\t", n, n)
+		}
+	}
 	fmt.Fprintln(tw)
 	dash := func(ok bool, format string, v float64) string {
 		if !ok {
@@ -116,6 +134,16 @@ func Table(w io.Writer, results []Result) error {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t", dash(okf, "%.2fx", vf), dash(okb, "%.2fx", vb),
 				dash(ok, "%.4f", r.CosMean), dash(ok, "%.4f", r.CosMin))
 		}
+		if a.atomic {
+			for _, rc := range a.recipes {
+				at, c, ok := a.finalizeCost(T, rc)
+				if ok {
+					fmt.Fprintf(tw, "%s\t%.3fx\t", fmtUS(at), c)
+				} else {
+					fmt.Fprint(tw, "-\t-\t")
+				}
+			}
+		}
 		fmt.Fprintln(tw)
 	}
 	return tw.Flush()
@@ -134,6 +162,12 @@ func CSV(w io.Writer, results []Result) error {
 	for _, rc := range a.quantized {
 		n := RecipeName(rc)
 		fmt.Fprintf(&b, ",%s_vs_floor,%s_vs_bf16,%s_cos_mean,%s_cos_min", n, n, n, n)
+	}
+	if a.atomic {
+		for _, rc := range a.recipes {
+			n := RecipeName(rc)
+			fmt.Fprintf(&b, ",%s_atomic_us,%s_det_vs_atomic", n, n)
+		}
 	}
 	b.WriteString(",timing\n")
 	opt := func(ok bool, format string, v float64) string {
@@ -154,6 +188,12 @@ func CSV(w io.Writer, results []Result) error {
 			vf, vb, okf, okb := a.ratios(T, rc)
 			fmt.Fprintf(&b, ",%s,%s,%s,%s", opt(okf, "%.4f", vf), opt(okb, "%.4f", vb),
 				opt(ok, "%.6f", r.CosMean), opt(ok, "%.6f", r.CosMin))
+		}
+		if a.atomic {
+			for _, rc := range a.recipes {
+				at, c, ok := a.finalizeCost(T, rc)
+				fmt.Fprintf(&b, ",%s,%s", opt(ok, "%.3f", us(at)), opt(ok, "%.4f", c))
+			}
 		}
 		fmt.Fprintf(&b, ",%s\n", a.timing)
 	}

@@ -27,6 +27,46 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("NVFP4MatchesBF16", func(t *testing.T) { testNVFP4MatchesBF16(t, newBackend(t)) })
 	t.Run("BatchInvariance", func(t *testing.T) { testBatchInvariance(t, newBackend(t)) })
 	t.Run("RequantizeInPlace", func(t *testing.T) { testRequantizeInPlace(t, newBackend(t)) })
+	t.Run("AtomicFinalize", func(t *testing.T) { testAtomicFinalize(t, newBackend(t)) })
+}
+
+// testAtomicFinalize runs the layer with the atomic finalize beside the
+// deterministic one, for both recipes and activations: top-2 gives the same
+// bits (two FP32 additions onto zero commute exactly), top-4 the same to
+// the last bits of BF16; two forwards in a row agree, so no sum is left
+// over between them.
+func testAtomicFinalize(t *testing.T, be kernels.Backend) {
+	const T = 37
+	for _, k := range []int{2, 4} {
+		for _, act := range []moe.Activation{moe.ReLU2, moe.SwiGLU} {
+			for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken} {
+				cfg := moe.Config{Hidden: 256, Intermediate: 96, Experts: 6, TopK: k, Activation: act, Scoring: moe.Softmax,
+					Renormalize: true, MaxTokens: T, Recipe: recipe}
+				t.Run(fmt.Sprintf("k%d_%s_%s", k, act, recipe), func(t *testing.T) {
+					w := moebench.RandomWeights(cfg, 7)
+					x := moebench.RandomBF16(rand.New(rand.NewPCG(7, 8)), T*cfg.Hidden, 1)
+					want := Forward(t, be, NewLayer(t, be, cfg, w), x)
+					cfg.AtomicFinalize = true
+					l := NewLayer(t, be, cfg, w)
+					for rep := range 2 {
+						got := Forward(t, be, l, x)
+						if k == 2 {
+							if !bytes.Equal(got, want) {
+								t.Fatalf("forward %d: the atomic finalize differs from the deterministic one at top-2", rep)
+							}
+							continue
+						}
+						g, r := moebench.Floats(got), moebench.Floats(want)
+						for i := range r {
+							if math.Abs(g[i]-r[i]) > math.Ldexp(math.Abs(r[i]), -6)+1e-6 {
+								t.Fatalf("forward %d: out[%d, %d] atomic %g, deterministic %g", rep, i/cfg.Hidden, i%cfg.Hidden, g[i], r[i])
+							}
+						}
+					}
+				})
+			}
+		}
+	}
 }
 
 // NewLayer makes a layer with the weights w, closed when the test ends.

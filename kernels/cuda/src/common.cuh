@@ -36,6 +36,8 @@ typedef unsigned short bf16_t; // BF16 bit pattern, as stored in buffers
 #define E_LOGPROBS_LOGIT 20
 #define E_LOGPROBS_ALLNEG 21
 #define E_ATT_DECREASE 22
+#define E_SCATTER_TOKEN 23
+#define E_SCATTER_SLOT 24
 
 // report records the first error since the last Sync: err[0] = code, then
 // three values. Later errors are dropped.

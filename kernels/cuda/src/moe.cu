@@ -819,7 +819,9 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 // Weight chunks in flight per warp: G5_D. The codes go to a per-warp ring
 // in shared memory by cp.async (16 B per lane and tile for NVFP4, 64 B for
 // BF16), the NVFP4 block scales to a ring of registers.
-#define G5_D(FP4, NWJ) ((FP4) ? 8 : (NWJ) > 16 ? 2 : 4) // NWJ: n8 tiles per block
+#define G5_D(FP4) ((FP4) ? 8 : 4)
+#define G5_NW 8 // warps per block
+#define G5_J 2  // n8 tiles per warp
 #define G5_WB(FP4) ((FP4) ? 16 : 64) // bytes per lane, tile and chunk
 
 __device__ __forceinline__ void cp_async(void *smem, const void *gmem, int bytes, bool full) {
@@ -871,31 +873,52 @@ __device__ __forceinline__ void g5_slice4(unsigned q, unsigned sc, int s, unsign
 // slot (dst: the lane's first 16 bytes; BF16 shares are 4 units 512 bytes
 // apart, so each LDS.128 of a warp is contiguous) and returns the NVFP4
 // block scales (block 2t4 in byte 0, 2t4+1 in byte 1). p and sp point at
-// the row's chunk 0, already offset by the lane's quarter. Only the last
-// chunk can be partial: K is a multiple of 16 (NVFP4) or 8 (BF16, checked
-// by the host); what lies past K is zero-filled.
-__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const unsigned char *p, const unsigned char *sp, int c, int nfull, int K,
-                                              int t4, bool v16) {
-    p += c * (G5_KC / 2);
-    sp += c * (G5_KC / 16);
-    const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
-    const bool in0 = c < nfull || b0 < nb, in1 = c < nfull || b0 + 1 < nb;
-    if (v16 && c < nfull) { // 16-byte aligned rows of whole 16-byte units, 2-byte aligned scale pairs
+// the lane's quarter of chunk c, row the row's chunk 0 (a valid source
+// address for the zero-filled copies). Only the last chunk can be partial:
+// K is a multiple of 16 (NVFP4) or 8 (BF16, checked by the host); what lies
+// past K is zero-filled. V16: rows of whole 16-byte units from 16-byte
+// aligned addresses, scale pairs 2-byte aligned.
+template <bool V16>
+__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const unsigned char *p, const unsigned char *sp, const unsigned char *row,
+                                              int c, int nfull, int K, int t4) {
+    if (V16 && c < nfull) {
         cp_async(dst, p, 16, true);
         return __ldg(reinterpret_cast<const unsigned short *>(sp));
-    } else {
-        cp_async(dst, p, 8, in0);
-        cp_async(reinterpret_cast<unsigned char *>(dst) + 8, p + 8, 8, in1);
     }
+    const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
+    const bool in0 = c < nfull || b0 < nb, in1 = c < nfull || b0 + 1 < nb;
+    cp_async(dst, in0 ? p : row, 8, in0);
+    cp_async(reinterpret_cast<unsigned char *>(dst) + 8, in1 ? p + 8 : row, 8, in1);
     return (in0 ? (unsigned)__ldg(sp) : 0u) | (in1 ? (unsigned)__ldg(sp + 1) << 8 : 0u);
 }
 
-__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const bf16_t *p, const unsigned char *, int c, int nfull, int K, int t4,
-                                              bool) {
-    p += c * G5_KC;
+template <bool V16>
+__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const bf16_t *p, const unsigned char *, const bf16_t *row, int c, int nfull,
+                                              int K, int t4) {
 #pragma unroll
-    for (int v = 0; v < 4; v++) cp_async(dst + 32 * v, p + 8 * v, 16, c < nfull || c * G5_KC + 32 * t4 + 8 * v < K);
+    for (int v = 0; v < 4; v++) {
+        const bool in = c < nfull || c * G5_KC + 32 * t4 + 8 * v < K;
+        cp_async(dst + 32 * v, in ? p + 8 * v : row, 16, in);
+    }
     return 0;
+}
+
+// Thread block clusters of two split K: block z of a pair takes chunks
+// [z*h, (z+1)*h), h = ceil(chunks/2), and block 0 adds block 1's sums
+// (read from its shared memory) to its own, in that order, for every tile
+// size: the split depends on K alone, so batch invariance holds.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// ld_peer4 reads a float4 at p in the shared memory of cluster block rank.
+__device__ __forceinline__ float4 ld_peer4(const void *p, unsigned rank) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    unsigned ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(ra) : "memory");
+    return v;
 }
 
 // The activation chunk in shared memory: item (i, s, lane) is 4 words, the
@@ -970,12 +993,14 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT> &st
 // g5_gemm: A and W are packed codes (NVFP4, with aSF/wSF block scales and
 // aScale/wScale global ones) or BF16 matrices (the scale pointers unused).
 // K is the padded reduction length for NVFP4, the row length for BF16.
-template <int MI, int J, int NW, bool SWIGLU, bool FP4>
+// Launched as clusters of two along z (the K split above); V16 as in
+// g5_wissue, decided once per launch.
+template <int MI, bool SWIGLU, bool FP4, bool V16>
 __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
-                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN) {
-    static_assert(J == 2 || !SWIGLU, "SwiGLU pairs a gate and an up tile");
-    constexpr int BM = 16 * MI, D = G5_D(FP4, NW * J), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile and chunk
+                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
+                                        const int *stok, const float *swt, const int *sslots, int sT, int sk) {
+    constexpr int J = G5_J, NW = G5_NW, BM = 16 * MI, D = G5_D(FP4), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
     extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; then W: per warp D x J x WU x 32 units
     __shared__ int s_expert, s_row0, s_row1;
     __shared__ int s_src[GG_BM];
@@ -990,29 +1015,30 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
     __syncthreads();
     const int expert = s_expert, row0 = s_row0, row1 = s_row1;
-    if (expert < 0) return;
+    if (expert < 0) return; // both blocks of the pair: they share the tile
     gg_sources(err, s_src, gather, row0, row1, Ta);
     __syncthreads();
 
-    // This warp's J n8 tiles of W rows: 8 or 16 columns, or 8 gate + 8 up.
+    // This warp's J n8 tiles of W rows: 16 columns, or 8 gate + 8 up.
     // Columns past outN read the last row and are never written.
     const int cw = SWIGLU ? blockIdx.y * (8 * NW) + warp * 8 : blockIdx.y * (8 * J * NW) + warp * (8 * J);
-    const int nfull = K / G5_KC, nch = (K + G5_KC - 1) / G5_KC;
-    // NVFP4 rows in 16-byte units, scale rows of an even length from an even address
-    const bool v16 = K % 32 == 0 && (reinterpret_cast<unsigned long long>(W) & 15) == 0 &&
-                     (reinterpret_cast<unsigned long long>(wSF) & 1) == 0;
+    const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = (nch + 1) / 2;
+    const int cbeg = blockIdx.z * half, cend = min(nch, cbeg + half);
     using WT = typename G5Cond<FP4, unsigned char, bf16_t>::type;
-    const WT *wp[J];
-    const unsigned char *sp[J] = {};
+    constexpr int WSTEP = FP4 ? G5_KC / 2 : G5_KC; // W elements per row and chunk
+    const WT *wrow[J], *wp[J];                     // the lane's row start; its share of the next chunk to issue
+    const unsigned char *sp[J] = {};               // NVFP4: its block scales of that chunk
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int col = min(SWIGLU ? cw + g : cw + 8 * j + g, outN - 1);
         const long long row = (long long)expert * N + (SWIGLU && j == 1 ? outN + col : col);
         if constexpr (FP4) {
-            wp[j] = static_cast<const unsigned char *>(W) + row * (K / 2) + 16 * t4;
-            sp[j] = wSF + row * (K / 16) + 2 * t4;
+            wrow[j] = static_cast<const unsigned char *>(W) + row * (K / 2);
+            wp[j] = wrow[j] + 16 * t4 + cbeg * WSTEP;
+            sp[j] = wSF + row * (K / 16) + 2 * t4 + cbeg * (G5_KC / 16);
         } else {
-            wp[j] = static_cast<const bf16_t *>(W) + row * K + 32 * t4;
+            wrow[j] = static_cast<const bf16_t *>(W) + row * K;
+            wp[j] = wrow[j] + 32 * t4 + cbeg * WSTEP;
         }
     }
 
@@ -1021,17 +1047,23 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     unsigned wsf[D][J]; // NVFP4 block scales of the chunks in flight
 #pragma unroll
     for (int u = 0; u < D; u++) {
-        if (u < nch) {
+        if (cbeg + u < cend) {
 #pragma unroll
-            for (int j = 0; j < J; j++) wsf[u][j] = g5_wissue(wsm + (u * J + j) * WU * 32, wp[j], sp[j], u, nfull, K, t4, v16);
+            for (int j = 0; j < J; j++) {
+                wsf[u][j] = g5_wissue<V16>(wsm + (u * J + j) * WU * 32, wp[j], sp[j], wrow[j], cbeg + u, nfull, K, t4);
+                wp[j] += WSTEP;
+                if (FP4) sp[j] += G5_KC / 16;
+            }
         }
         cp_async_commit(); // one group per chunk, empty past the end: the wait below counts groups
     }
     constexpr int NT = 32 * NW;
     G5AStage<MI, NT> ast;
     g5_asetup<MI, NT, FP4>(ast, s_src, K, tid);
-    g5_aload<MI, NT, FP4>(ast, A, aSF, K, 0, tid);
-    g5_astore<MI, NT, FP4>(g5_smem, ast, lut, tid);
+    if (cbeg < cend) {
+        g5_aload<MI, NT, FP4>(ast, A, aSF, K, cbeg, tid);
+        g5_astore<MI, NT, FP4>(g5_smem, ast, lut, tid);
+    }
     __syncthreads();
 
     float acc[MI][J][4];
@@ -1042,13 +1074,13 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
 
-    for (int c0 = 0; c0 < nch; c0 += D) {
+    for (int c0 = cbeg; c0 < cend; c0 += D) {
 #pragma unroll
         for (int u = 0; u < D; u++) {
             const int c = c0 + u;
-            if (c >= nch) break;
-            if (c + 1 < nch) g5_aload<MI, NT, FP4>(ast, A, aSF, K, c + 1, tid);
-            const uint4 *As = g5_smem + (c & 1) * MI * 256 + lane;
+            if (c >= cend) break;
+            if (c + 1 < cend) g5_aload<MI, NT, FP4>(ast, A, aSF, K, c + 1, tid);
+            const uint4 *As = g5_smem + ((c - cbeg) & 1) * MI * 256 + lane;
             cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
             uint4 wv[J][WU];
 #pragma unroll
@@ -1089,18 +1121,52 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
                     }
                 }
             }
-            if (c + D < nch) {
+            if (c + D < cend) {
 #pragma unroll
-                for (int j = 0; j < J; j++) wsf[u][j] = g5_wissue(wsm + (u * J + j) * WU * 32, wp[j], sp[j], c + D, nfull, K, t4, v16);
+                for (int j = 0; j < J; j++) {
+                    wsf[u][j] = g5_wissue<V16>(wsm + (u * J + j) * WU * 32, wp[j], sp[j], wrow[j], c + D, nfull, K, t4);
+                    wp[j] += WSTEP;
+                    if (FP4) sp[j] += G5_KC / 16;
+                }
             }
             cp_async_commit();
-            if (c + 1 < nch) g5_astore<MI, NT, FP4>(g5_smem + ((c + 1) & 1) * MI * 256, ast, lut, tid);
+            if (c + 1 < cend) g5_astore<MI, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
             __syncthreads();
         }
     }
 
+    // The K split: block 1 leaves its sums in its activation buffers (free
+    // now: every copy has landed and the last barrier has passed), block 0
+    // adds them to its own, block 1 waits until they are read.
+    cp_async_wait<0>();
+    __syncthreads();
+    float4 *xs = reinterpret_cast<float4 *>(g5_smem);
+    if (blockIdx.z == 1) {
+#pragma unroll
+        for (int i = 0; i < MI; i++)
+#pragma unroll
+            for (int j = 0; j < J; j++) xs[(i * J + j) * NT + tid] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
+    }
+    cluster_sync();
+    if (blockIdx.z == 0) {
+#pragma unroll
+        for (int i = 0; i < MI; i++)
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                const float4 o = ld_peer4(&xs[(i * J + j) * NT + tid], 1);
+                acc[i][j][0] = __fadd_rn(acc[i][j][0], o.x);
+                acc[i][j][1] = __fadd_rn(acc[i][j][1], o.y);
+                acc[i][j][2] = __fadd_rn(acc[i][j][2], o.z);
+                acc[i][j][3] = __fadd_rn(acc[i][j][3], o.w);
+            }
+    }
+    cluster_sync();
+    if (blockIdx.z == 1) return;
+
     // Epilogue: for NVFP4 acc * 2^16 (exact), then * per-row scale * alpha,
-    // each an FP32 rounding; the activation; one BF16 rounding.
+    // each an FP32 rounding; the activation; one BF16 rounding. With a
+    // scatter (sacc), the BF16 value times the row's routing weight is added
+    // into the token's FP32 sums instead (kernels.Scatter).
     const float alpha = FP4 ? wScale[expert] : 1.f;
 #pragma unroll
     for (int i = 0; i < MI; i++)
@@ -1111,6 +1177,23 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
             const int a = s_src[rr];
             if (a < 0) continue;
             const float as = FP4 ? aScale[a] : 1.f;
+            float *srow = nullptr;
+            float sw = 0.f;
+            if (sacc) {
+                const int t = stok[r];
+                if (t < 0 || t >= sT) {
+                    report(err, E_SCATTER_TOKEN, r, t, sT);
+                    continue;
+                }
+                int j = 0;
+                while (j < sk && sslots[(long long)t * sk + j] != r) j++;
+                if (j == sk) {
+                    report(err, E_SCATTER_SLOT, r, t, sk);
+                    continue;
+                }
+                sw = swt[(long long)t * sk + j];
+                srow = sacc + (long long)t * outN;
+            }
 #pragma unroll
             for (int q = 0; q < 2; q++) {
                 float v[J];
@@ -1121,8 +1204,11 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
                 }
                 if constexpr (SWIGLU) {
                     const int col = cw + 2 * t4 + q;
-                    if (col < outN)
-                        out[(long long)r * outN + col] = f2bf(__fmul_rn(__fdiv_rn(v[0], __fadd_rn(1.f, expf(-v[0]))), v[1]));
+                    const bf16_t y = f2bf(__fmul_rn(__fdiv_rn(v[0], __fadd_rn(1.f, expf(-v[0]))), v[1]));
+                    if (col < outN) {
+                        if (srow) atomicAdd(srow + col, __fmul_rn(sw, bf2f(y)));
+                        else out[(long long)r * outN + col] = y;
+                    }
                 } else {
 #pragma unroll
                     for (int j = 0; j < J; j++) {
@@ -1132,35 +1218,55 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
                             x = fmaxf(x, 0.f);
                             x = __fmul_rn(x, x);
                         }
-                        if (col < outN) out[(long long)r * outN + col] = f2bf(x);
+                        if (col < outN) {
+                            if (srow) atomicAdd(srow + col, __fmul_rn(sw, bfround(x)));
+                            else out[(long long)r * outN + col] = f2bf(x);
+                        }
                     }
                 }
             }
         }
 }
 
-#define G5_KERNEL(NAME, MI, J, NW, SWIGLU, FP4)                                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * NW)                                                                     \
+// finalize_scattered: out = bf16(acc), then acc = 0 for the next forward
+// (the atomic finalize's last step; kernels.Scatter).
+extern "C" __global__ void finalize_scattered(bf16_t *out, float *acc, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        out[i] = f2bf(acc[i]);
+        acc[i] = 0.f;
+    }
+}
+
+// The kernels: clusters of two blocks along z (grid z = 2). V16 needs
+// whole 16-byte units per row (K % 32 == 0 for NVFP4, K % 8 == 0 for
+// BF16), 16-byte aligned W and (NVFP4) 2-byte aligned block scales.
+#define G5_KERNEL(NAME, MI, SWIGLU, FP4)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW) __cluster_dims__(1, 1, 2)                                          \
         NAME(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K, const int *gather, int Ta,          \
              const void *W, const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act,  \
-             bf16_t *out, int outN) {                                                                                          \
-        g5_gemm<MI, J, NW, SWIGLU, FP4>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN); \
+             bf16_t *out, int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk) {       \
+        const bool v16 = (FP4 ? K % 32 == 0 && (reinterpret_cast<unsigned long long>(wSF) & 1) == 0 : K % 8 == 0) &&           \
+                         (reinterpret_cast<unsigned long long>(W) & 15) == 0;                                                  \
+        if (v16)                                                                                                               \
+            g5_gemm<MI, SWIGLU, FP4, true>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out,      \
+                                           outN, sacc, stok, swt, sslots, sT, sk);                                             \
+        else                                                                                                                   \
+            g5_gemm<MI, SWIGLU, FP4, false>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out,     \
+                                            outN, sacc, stok, swt, sslots, sT, sk);                                            \
     }
-// Names: the row tile (16, 32 or 64 rows). Measured on the H200 at 16
-// rows, 16 warps of one n8 tile each were 10-15% slower than 8 warps of
-// two (docs/MOE.md), so every tile runs 8 warps.
-G5_KERNEL(gemm_fp4_stream_m16, 1, 2, 8, false, true)
-G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, 2, 8, true, true)
-G5_KERNEL(gemm_fp4_stream_m32, 2, 2, 8, false, true)
-G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, 2, 8, true, true)
-G5_KERNEL(gemm_fp4_stream_m64, 4, 2, 8, false, true)
-G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, 2, 8, true, true)
-G5_KERNEL(gemm_bf16_stream_m16, 1, 2, 8, false, false)
-G5_KERNEL(gemm_bf16_stream_m16_swiglu, 1, 2, 8, true, false)
-G5_KERNEL(gemm_bf16_stream_m32, 2, 2, 8, false, false)
-G5_KERNEL(gemm_bf16_stream_m32_swiglu, 2, 2, 8, true, false)
-G5_KERNEL(gemm_bf16_stream_m64, 4, 2, 8, false, false)
-G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, 2, 8, true, false)
+
+G5_KERNEL(gemm_fp4_stream_m16, 1, false, true)
+G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, true, true)
+G5_KERNEL(gemm_fp4_stream_m32, 2, false, true)
+G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, true, true)
+G5_KERNEL(gemm_fp4_stream_m64, 4, false, true)
+G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, true, true)
+G5_KERNEL(gemm_bf16_stream_m16, 1, false, false)
+G5_KERNEL(gemm_bf16_stream_m16_swiglu, 1, true, false)
+G5_KERNEL(gemm_bf16_stream_m32, 2, false, false)
+G5_KERNEL(gemm_bf16_stream_m32_swiglu, 2, true, false)
+G5_KERNEL(gemm_bf16_stream_m64, 4, false, false)
+G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, true, false)
 
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
