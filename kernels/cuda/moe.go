@@ -185,6 +185,14 @@ func streamSmem(fp4 bool, bm int) int {
 // differ: batch invariance holds below that size.
 func streamFits(ta, k int) bool { return int64(ta)*int64(k) < 1<<31 }
 
+// splitK reports whether the NVFP4 streamed GEMM splits K over a cluster
+// of two blocks: for rows of 4096 elements or more (the seed's FC1, K =
+// 7168). Measured on the H200 (docs/MOE.md): FC1 at 1 token 74.6 -> 43.6
+// us, at 2-4 rows per expert 182 -> 149 us; FC2 (K = 2048) and the BF16
+// kernels only lost (more blocks, each too short to fill its pipeline).
+// K alone decides, never the batch: batch invariance holds.
+func splitK(k int) bool { return k >= 4096 }
+
 // streamLaunch launches a streamed grouped GEMM kernel (gemm_fp4_stream_*
 // or gemm_bf16_stream_*). Its row tile is 16, 32 or 64
 // rows, by the average rows per expert; the tile never changes an output
@@ -207,8 +215,11 @@ func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.G
 	if a.Act == kernels.SwiGLU {
 		cols, name = 64, name+"_swiglu"
 	}
-	// Z: the two blocks of a cluster, which split K (src/moe.cu g5_gemm).
-	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 2}
+	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
+	if fp4 && splitK(s.Kp) {
+		// Z: the two blocks of a cluster, which split K (src/moe.cu g5_gemm).
+		name, grid.Z = name+"_ks2", 2
+	}
 	if sc := a.Scatter; sc != nil {
 		args = append(args, ptr(sc.Acc), ptr(sc.Tokens), ptr(sc.Weights), ptr(sc.Slots), int32(sc.Acc.Dim(0)), int32(sc.Weights.Dim(1)))
 	} else {

@@ -71,11 +71,7 @@ func TestStreamedGemm(t *testing.T) {
 		}
 		return up(b, kernels.BF16, shape...)
 	}
-	// fc1_ksplit and fc2_ksplit hold the bytes of fc1 and fc2 as twice the
-	// rows of half the length: what a K split in two would give the 1-token
-	// GEMMs (twice the blocks, the same bytes).
-	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I),
-		"fc1_ksplit": randFP4(E, 2*I, H/2), "fc2_ksplit": randFP4(E, 2*H, I/2)}
+	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
 	defer func(staged, generic bool) { be.fp4Staged, be.bf16Generic = staged, generic }(be.fp4Staged, be.bf16Generic)
 	for _, c := range []struct {
@@ -84,7 +80,6 @@ func TestStreamedGemm(t *testing.T) {
 		rows, touched int
 	}{
 		{"fc1_relu2", kernels.ReLU2, 1, 8}, {"fc2", kernels.Identity, 1, 8}, {"fc1_swiglu", kernels.SwiGLU, 1, 8},
-		{"fc1_ksplit", kernels.Identity, 1, 8}, {"fc2_ksplit", kernels.Identity, 1, 8},
 		{"fc1_relu2", kernels.ReLU2, 2, 32}, {"fc2", kernels.Identity, 2, 32},
 		{"fc1_relu2", kernels.ReLU2, 4, 32}, {"fc2", kernels.Identity, 4, 32},
 		{"fc1_relu2", kernels.ReLU2, 16, 32}, {"fc2", kernels.Identity, 16, 32}, {"fc1_swiglu", kernels.SwiGLU, 16, 32},
@@ -189,6 +184,78 @@ func TestStreamSmemFits(t *testing.T) {
 		for _, bm := range []int{16, 32, 64} {
 			if got := streamSmem(fp4, bm) + static; got > optin {
 				t.Errorf("fp4=%v, %d-row tile: %d bytes of shared memory, more than %d", fp4, bm, got, optin)
+			}
+		}
+	}
+}
+
+// TestStreamedGemmSplitInvariance checks batch invariance where the NVFP4
+// kernels split K over a cluster (K >= 4096, splitK): each expert's first
+// sorted row gathers the same activation row in a batch of 1 row per
+// expert (16-row tiles) and in one of 80 rows per expert (64-row tiles);
+// its output must not change by a bit. Both K values leave a partial last
+// chunk in one half or the other.
+func TestStreamedGemmSplitInvariance(t *testing.T) {
+	be := gpu(t)
+	r := rand.New(rand.NewPCG(51, 52))
+	const E, N = 4, 256
+	for _, K := range []int{4096, 7168 + 32} {
+		if !splitK(K) {
+			t.Fatalf("K %d: no split, nothing to check", K)
+		}
+		bytesOf := func(n int, f func() byte) []byte {
+			b := make([]byte, n)
+			for i := range b {
+				b[i] = f()
+			}
+			return b
+		}
+		up := func(data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
+			b := moetest.Alloc(t, be, dt, shape...)
+			if err := be.Upload(b, 0, data); err != nil {
+				t.Fatal(err)
+			}
+			return b
+		}
+		scale := func() byte { return byte(0x28 + r.IntN(0x20)) }
+		code := func() byte { return byte(r.Uint32()) }
+		const Ta = 96
+		W := kernels.Operand{Q: kernels.NVFP4{Packed: up(bytesOf(E*N*K/2, code), kernels.U8, E, N, K/2),
+			Scales: up(bytesOf(E*N*K/16, scale), kernels.U8, E, N, K/16), Scale: up(kernels.Float32Bytes([]float32{1, 0.5, 2, 0.25}), kernels.F32, E)}}
+		ascale := make([]float32, Ta)
+		for i := range ascale {
+			ascale[i] = 1 / float32(1+i%7)
+		}
+		A := kernels.Operand{Q: kernels.NVFP4{Packed: up(bytesOf(Ta*K/2, code), kernels.U8, Ta, K/2),
+			Scales: up(bytesOf(Ta*K/16, scale), kernels.U8, Ta, K/16), Scale: up(kernels.Float32Bytes(ascale), kernels.F32, Ta)}}
+		run := func(perExpert int) [][]byte {
+			R := E * perExpert
+			offs, gather := make([]int32, E+1), make([]int32, R)
+			for e := range E {
+				offs[e+1] = offs[e] + int32(perExpert)
+				for j := range perExpert {
+					gather[e*perExpert+j] = int32((e*7 + j*13) % Ta) // row e*7 first
+				}
+			}
+			out := moetest.Alloc(t, be, kernels.BF16, R, N)
+			if err := be.GroupedGemm(kernels.GroupedGemmArgs{A: A, Gather: up(kernels.Int32Bytes(gather), kernels.I32, R), W: W,
+				Offsets: up(kernels.Int32Bytes(offs), kernels.I32, E+1), Act: kernels.ReLU2, Out: out}); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, out.Size())
+			if err := be.Download(got, out, 0); err != nil {
+				t.Fatal(err)
+			}
+			rows := make([][]byte, E)
+			for e := range E {
+				rows[e] = got[e*perExpert*N*2:][:N*2]
+			}
+			return rows
+		}
+		alone, batched := run(1), run(80)
+		for e := range E {
+			if string(alone[e]) != string(batched[e]) {
+				t.Errorf("K %d, expert %d: the row's output differs between 1 and 80 rows per expert", K, e)
 			}
 		}
 	}

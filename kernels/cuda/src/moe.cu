@@ -903,10 +903,12 @@ __device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const bf16_t *p, const
     return 0;
 }
 
-// Thread block clusters of two split K: block z of a pair takes chunks
-// [z*h, (z+1)*h), h = ceil(chunks/2), and block 0 adds block 1's sums
-// (read from its shared memory) to its own, in that order, for every tile
-// size: the split depends on K alone, so batch invariance holds.
+// The _ks2 kernels split K over thread block clusters of two: block z of a
+// pair takes chunks [z*h, (z+1)*h), h = ceil(chunks/2), and block 0 adds
+// block 1's sums (read from its shared memory) to its own, in that order,
+// for every tile size. The host picks them by K alone (long NVFP4 rows,
+// where one block per tile leaves the GPU half idle at small batch), so
+// batch invariance holds.
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -995,7 +997,7 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT> &st
 // K is the padded reduction length for NVFP4, the row length for BF16.
 // Launched as clusters of two along z (the K split above); V16 as in
 // g5_wissue, decided once per launch.
-template <int MI, bool SWIGLU, bool FP4, bool V16>
+template <int MI, bool SWIGLU, bool FP4, bool V16, int KS>
 __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
                                         int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
@@ -1022,8 +1024,9 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     // This warp's J n8 tiles of W rows: 16 columns, or 8 gate + 8 up.
     // Columns past outN read the last row and are never written.
     const int cw = SWIGLU ? blockIdx.y * (8 * NW) + warp * 8 : blockIdx.y * (8 * J * NW) + warp * (8 * J);
-    const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = (nch + 1) / 2;
-    const int cbeg = blockIdx.z * half, cend = min(nch, cbeg + half);
+    const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
+    const int rank = KS == 2 ? (int)blockIdx.z : 0;
+    const int cbeg = rank * half, cend = min(nch, cbeg + half);
     using WT = typename G5Cond<FP4, unsigned char, bf16_t>::type;
     constexpr int WSTEP = FP4 ? G5_KC / 2 : G5_KC; // W elements per row and chunk
     const WT *wrow[J], *wp[J];                     // the lane's row start; its share of the next chunk to issue
@@ -1138,30 +1141,32 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     // The K split: block 1 leaves its sums in its activation buffers (free
     // now: every copy has landed and the last barrier has passed), block 0
     // adds them to its own, block 1 waits until they are read.
-    cp_async_wait<0>();
-    __syncthreads();
-    float4 *xs = reinterpret_cast<float4 *>(g5_smem);
-    if (blockIdx.z == 1) {
+    if constexpr (KS == 2) {
+        cp_async_wait<0>();
+        __syncthreads();
+        float4 *xs = reinterpret_cast<float4 *>(g5_smem);
+        if (rank == 1) {
 #pragma unroll
-        for (int i = 0; i < MI; i++)
+            for (int i = 0; i < MI; i++)
 #pragma unroll
-            for (int j = 0; j < J; j++) xs[(i * J + j) * NT + tid] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
+                for (int j = 0; j < J; j++) xs[(i * J + j) * NT + tid] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
+        }
+        cluster_sync();
+        if (rank == 0) {
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < J; j++) {
+                    const float4 o = ld_peer4(&xs[(i * J + j) * NT + tid], 1);
+                    acc[i][j][0] = __fadd_rn(acc[i][j][0], o.x);
+                    acc[i][j][1] = __fadd_rn(acc[i][j][1], o.y);
+                    acc[i][j][2] = __fadd_rn(acc[i][j][2], o.z);
+                    acc[i][j][3] = __fadd_rn(acc[i][j][3], o.w);
+                }
+        }
+        cluster_sync();
+        if (rank == 1) return;
     }
-    cluster_sync();
-    if (blockIdx.z == 0) {
-#pragma unroll
-        for (int i = 0; i < MI; i++)
-#pragma unroll
-            for (int j = 0; j < J; j++) {
-                const float4 o = ld_peer4(&xs[(i * J + j) * NT + tid], 1);
-                acc[i][j][0] = __fadd_rn(acc[i][j][0], o.x);
-                acc[i][j][1] = __fadd_rn(acc[i][j][1], o.y);
-                acc[i][j][2] = __fadd_rn(acc[i][j][2], o.z);
-                acc[i][j][3] = __fadd_rn(acc[i][j][3], o.w);
-            }
-    }
-    cluster_sync();
-    if (blockIdx.z == 1) return;
 
     // Epilogue: for NVFP4 acc * 2^16 (exact), then * per-row scale * alpha,
     // each an FP32 rounding; the activation; one BF16 rounding. With a
@@ -1237,22 +1242,28 @@ extern "C" __global__ void finalize_scattered(bf16_t *out, float *acc, long long
     }
 }
 
-// The kernels: clusters of two blocks along z (grid z = 2). V16 needs
-// whole 16-byte units per row (K % 32 == 0 for NVFP4, K % 8 == 0 for
-// BF16), 16-byte aligned W and (NVFP4) 2-byte aligned block scales.
+// The kernels; the _ks2 ones run as clusters of two blocks along z (grid z
+// = 2). V16 needs whole 16-byte units per row (K % 32 == 0 for NVFP4,
+// K % 8 == 0 for BF16), 16-byte aligned W and (NVFP4) 2-byte aligned
+// block scales.
+#define G5_BODY(MI, SWIGLU, FP4, KS)                                                                                           \
+    const bool v16 = (FP4 ? K % 32 == 0 && (reinterpret_cast<unsigned long long>(wSF) & 1) == 0 : K % 8 == 0) &&               \
+                     (reinterpret_cast<unsigned long long>(W) & 15) == 0;                                                      \
+    if (v16)                                                                                                                   \
+        g5_gemm<MI, SWIGLU, FP4, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, \
+                                           sacc, stok, swt, sslots, sT, sk);                                                   \
+    else                                                                                                                       \
+        g5_gemm<MI, SWIGLU, FP4, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out,     \
+                                            outN, sacc, stok, swt, sslots, sT, sk);
+#define G5_PARAMS                                                                                                              \
+    (int *err, const void *A, const unsigned char *aSF, const float *aScale, int K, const int *gather, int Ta, const void *W,   \
+     const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN,    \
+     float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk)
 #define G5_KERNEL(NAME, MI, SWIGLU, FP4)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * G5_NW) __cluster_dims__(1, 1, 2)                                          \
-        NAME(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K, const int *gather, int Ta,          \
-             const void *W, const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act,  \
-             bf16_t *out, int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk) {       \
-        const bool v16 = (FP4 ? K % 32 == 0 && (reinterpret_cast<unsigned long long>(wSF) & 1) == 0 : K % 8 == 0) &&           \
-                         (reinterpret_cast<unsigned long long>(W) & 15) == 0;                                                  \
-        if (v16)                                                                                                               \
-            g5_gemm<MI, SWIGLU, FP4, true>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out,      \
-                                           outN, sacc, stok, swt, sslots, sT, sk);                                             \
-        else                                                                                                                   \
-            g5_gemm<MI, SWIGLU, FP4, false>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out,     \
-                                            outN, sacc, stok, swt, sslots, sT, sk);                                            \
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW) NAME G5_PARAMS { G5_BODY(MI, SWIGLU, FP4, 1) }
+#define G5_KERNEL_KS2(NAME, MI, SWIGLU)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW) __cluster_dims__(1, 1, 2) NAME G5_PARAMS {                        \
+        G5_BODY(MI, SWIGLU, true, 2)                                                                                           \
     }
 
 G5_KERNEL(gemm_fp4_stream_m16, 1, false, true)
@@ -1261,6 +1272,12 @@ G5_KERNEL(gemm_fp4_stream_m32, 2, false, true)
 G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, true, true)
 G5_KERNEL(gemm_fp4_stream_m64, 4, false, true)
 G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, true, true)
+G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2, 1, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m16_swiglu_ks2, 1, true)
+G5_KERNEL_KS2(gemm_fp4_stream_m32_ks2, 2, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m32_swiglu_ks2, 2, true)
+G5_KERNEL_KS2(gemm_fp4_stream_m64_ks2, 4, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m64_swiglu_ks2, 4, true)
 G5_KERNEL(gemm_bf16_stream_m16, 1, false, false)
 G5_KERNEL(gemm_bf16_stream_m16_swiglu, 1, true, false)
 G5_KERNEL(gemm_bf16_stream_m32, 2, false, false)
