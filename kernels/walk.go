@@ -5,10 +5,11 @@ import "reflect"
 var bufferType = reflect.TypeFor[*Buffer]()
 
 // AppendBuffers appends to out every *Buffer reachable from args through
-// exported struct fields, pointers to structs, arrays and slices (an op's argument struct and the
-// NVFP4, Operand and KVCache values it nests), each once: seen records the
-// buffers already listed and may be shared across calls. Backends use it to
-// check ownership and to list a captured graph's buffers.
+// exported struct fields, pointers to structs, arrays and slices (an op's
+// argument struct and the NVFP4, Operand, Scatter and KVCache values it
+// nests), each once: seen records the buffers already listed and may be
+// shared across calls. Backends use it to check ownership and to list a
+// captured graph's buffers.
 func AppendBuffers(out []*Buffer, seen map[*Buffer]bool, args any) []*Buffer {
 	if args == nil {
 		return out
