@@ -271,9 +271,10 @@ type GroupedGemmArgs struct {
 // additions, so the sum's order, and its last bits, may change from run to
 // run and with the batch: it is not batch invariant. The weight of row r is
 // Weights[t, j] for the j with Slots[t*k+j] = r, t = Tokens[r].
-// FinalizeScattered then rounds Acc to BF16 and clears it. This is the
-// faster finalize the deterministic one (GroupedGemm, then Finalize) is
-// measured against.
+// FinalizeScattered then rounds Acc to BF16 and clears it. It writes and
+// reads no expert rows; the deterministic finalize (GroupedGemm, then
+// Finalize) is measured against it (on the H200 it is not faster:
+// docs/MOE.md).
 type Scatter struct {
 	Acc     *Buffer // F32 [T, N] (N/2 for SwiGLU), zero before the first GEMM of a forward
 	Tokens  *Buffer // I32 [R]: the token of each sorted row (Permute's Rows)
