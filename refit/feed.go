@@ -28,7 +28,7 @@ const DefaultLiveIdle = 250 * time.Millisecond
 // what it cannot deliver and does not replay, so the live path is only a
 // fast path: a chunk that is missing, out of order or fails a check sends
 // the receiver to the stream for the rest of the version, and the
-// manifest's SHA-256 is checked whatever path the bytes came by. The
+// manifest's digest is checked whatever path the bytes came by. The
 // stream stays the store of record for late joiners, gaps and restarts.
 
 // liveSub is the receiver's core-NATS subscription to every version
@@ -178,6 +178,8 @@ func (f *chunkFeed) check(c Chunk, data []byte, want expect) error {
 	switch {
 	case c.Version != f.a.Version:
 		return fmt.Errorf("chunk of version %d on the subject of version %d", c.Version, f.a.Version)
+	case c.Protocol != f.a.Protocol:
+		return fmt.Errorf("version %d: chunk %d of protocol %d, the version is announced in protocol %d", f.a.Version, c.Seq, c.Protocol, f.a.Protocol)
 	case c.Seq != want.seq || c.Offset != want.offset:
 		return fmt.Errorf("version %d: chunk %d at offset %d, want chunk %d at offset %d", f.a.Version, c.Seq, c.Offset, want.seq, want.offset)
 	case want.total >= 0 && (c.Total != want.total || c.Chunks != want.chunks):
@@ -389,9 +391,9 @@ func versionOfSubject(model, subject string) (uint64, bool) {
 	return v, err == nil
 }
 
-// digester computes a SHA-256 on its own goroutine, so that the costliest
-// per-byte step of a version runs beside the receive loop (on another core)
-// rather than in it. The slices it is given must not change afterwards
+// digester computes the SHA-256 of a protocol-1 version on its own
+// goroutine, so that the costliest per-byte step of such a version runs
+// beside the receive loop (on another core) rather than in it. The slices it is given must not change afterwards
 // (chunk payloads are not reused). The receive call that makes it owns it
 // and must call close; at most depth slices wait to be hashed.
 type digester struct {

@@ -58,7 +58,7 @@ func chunkSeq(msg *nats.Msg) int {
 // live path misses or gets wrong comes from the stream. Workers that miss
 // the first chunks (a late subscriber), one in the middle, or the last
 // ones, or get a corrupted chunk live, or live bytes that pass the chunk's
-// CRC but not the manifest's digest, all apply the version, bit for bit;
+// CRC but not the manifest's chunk table, all apply the version, bit for bit;
 // a worker that misses nothing takes every chunk live.
 func TestRefitLiveAndFallback(t *testing.T) {
 	srv := refittest.StartServer(t)
@@ -91,7 +91,9 @@ func TestRefitLiveAndFallback(t *testing.T) {
 			return false
 		}, mixed},
 		{"live bytes not the manifest's", func(msg *nats.Msg) bool {
-			if chunkSeq(msg) == 4 { // consistent (its CRC fits) but not what was stored
+			// Consistent (its CRC fits its header) but not what was stored:
+			// its CRC is not the manifest's chunk table entry.
+			if chunkSeq(msg) == 4 {
 				msg.Data[7] ^= 1
 				msg.Header.Set(HeaderCRC, fmt.Sprintf("%08x", CRC32C(msg.Data)))
 			}

@@ -74,6 +74,9 @@ type Publisher struct {
 	// onInflight, when set (by tests), sees the unacknowledged chunk bytes
 	// after every chunk is published.
 	onInflight func(bytes int64)
+	// protocol is what Publish speaks: ProtocolVersion, or Protocol1 in
+	// tests that play an older publisher.
+	protocol int
 }
 
 // NewPublisher checks cfg, fills in its defaults and returns a Publisher
@@ -133,7 +136,7 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 	if err != nil {
 		return fail("jetstream: %v", err)
 	}
-	return &Publisher{nc: nc, js: js, cfg: cfg, log: log.With(zap.String("model", cfg.Model))}, nil
+	return &Publisher{nc: nc, js: js, cfg: cfg, log: log.With(zap.String("model", cfg.Model)), protocol: ProtocolVersion}, nil
 }
 
 // Config returns the configuration with its defaults filled in.
@@ -188,7 +191,7 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		return Manifest{}, fmt.Errorf("%d chunks of %d bytes: too many", nChunks, chunkBytes)
 	}
 	m := Manifest{
-		Announce: Announce{Protocol: ProtocolVersion, Model: model, Version: version, Full: full,
+		Announce: Announce{Protocol: p.protocol, Model: model, Version: version, Full: full,
 			Subject: VersionSubject(model, version), TotalBytes: size, ChunkBytes: p.cfg.ChunkBytes, Chunks: int(nChunks)},
 		HeaderBytes: int(hdr.Len),
 		Tensors:     len(hdr.Tensors),
@@ -229,14 +232,18 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	if err != nil {
 		return Manifest{}, err
 	}
-	m.SHA256 = sum
+	if p.protocol == Protocol1 {
+		m.SHA256 = sum
+	} else {
+		m.ChunkTableSHA256 = sum
+	}
 	m.PublishedAt = time.Now().UTC()
 	if err := p.put(ctx, kv, KeyManifest, m); err != nil {
 		return Manifest{}, err
 	}
 	elapsed := time.Since(start)
 	log.Info("refit: published", zap.Duration("took", elapsed),
-		zap.Float64("mib_per_s", float64(size)/(1<<20)/max(elapsed.Seconds(), 1e-9)), zap.String("sha256", sum))
+		zap.Float64("mib_per_s", float64(size)/(1<<20)/max(elapsed.Seconds(), 1e-9)), zap.String("digest", sum))
 
 	// Retention is housekeeping: the version is out, so a failure is only
 	// logged.
@@ -490,12 +497,14 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 type inflightChunk struct {
 	seq int
 	buf []byte
+	crc uint32
 	fut jetstream.PubAckFuture
 }
 
 // sendChunks publishes the chunks of src on the version's subject within
-// the byte window and returns the stream's SHA-256 once every chunk is
-// acknowledged.
+// the byte window and returns the manifest's digest once every chunk is
+// acknowledged: the chunk table's SHA-256 (protocol 2), or the stream's
+// (protocol 1).
 //
 // The window is a FIFO of published chunks. A chunk is published when it
 // fits in the window; otherwise the oldest is awaited. When the oldest
@@ -509,18 +518,24 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 	nChunks := int((size + chunkBytes - 1) / chunkBytes)
 	chunkLen := func(seq int) int { return int(min(chunkBytes, size-int64(seq)*chunkBytes)) }
 
-	// The SHA-256 for the manifest is computed beside the chunks, by its
-	// own goroutine reading src (io.ReaderAt allows concurrent reads): it
-	// is the costliest per-byte step and would otherwise hold up every
-	// chunk. It is needed only once every chunk is acknowledged.
-	// sendChunks owns the goroutine: it is stopped and awaited on return.
-	hctx, stopHash := context.WithCancel(ctx)
-	hashed := make(chan hashResult, 1)
-	go func() { hashed <- p.hashSource(hctx, src, size) }()
-	defer func() {
-		stopHash()
-		<-hashed // the sum, or its refill below once taken
-	}()
+	// Protocol 2's digest is the chunk table's SHA-256, entries added as
+	// chunks are acknowledged (in order, each once: a failure rewinds to
+	// the oldest unacknowledged chunk).
+	table := NewChunkTable()
+	// Protocol 1's SHA-256 of the whole stream is computed beside the
+	// chunks, by its own goroutine reading src (io.ReaderAt allows
+	// concurrent reads). sendChunks owns the goroutine: it is stopped and
+	// awaited on return.
+	var hashed chan hashResult
+	if p.protocol == Protocol1 {
+		hctx, stopHash := context.WithCancel(ctx)
+		hashed = make(chan hashResult, 1)
+		go func() { hashed <- p.hashSource(hctx, src, size) }()
+		defer func() {
+			stopHash()
+			<-hashed // the sum, or its refill below once taken
+		}()
+	}
 
 	var (
 		next     int // next chunk to publish
@@ -579,7 +594,8 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 			if err := readFull(src, buf, off); err != nil {
 				return "", fmt.Errorf("read chunk %d: %w", next, err)
 			}
-			h := Chunk{Version: version, Seq: next, Offset: off, Total: size, Chunks: nChunks, CRC: CRC32C(buf)}.Header()
+			crc := CRC32C(buf)
+			h := Chunk{Protocol: p.protocol, Version: version, Seq: next, Offset: off, Total: size, Chunks: nChunks, CRC: crc}.Header()
 			h.Set(jetstream.MsgIDHeader, MsgID(model, version, next))
 			if next > 0 {
 				h.Set(jetstream.ExpectedLastMsgIDHeader, MsgID(model, version, next-1))
@@ -592,7 +608,7 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 				}
 				continue
 			}
-			queue = append(queue, inflightChunk{seq: next, buf: buf, fut: fut})
+			queue = append(queue, inflightChunk{seq: next, buf: buf, crc: crc, fut: fut})
 			inflight += int64(n)
 			if p.onInflight != nil {
 				p.onInflight(inflight)
@@ -606,6 +622,7 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 			queue = queue[1:]
 			inflight -= int64(len(c.buf))
 			free = append(free, c.buf) // acknowledged: the library holds it no more
+			table.Add(int64(c.seq)*chunkBytes, len(c.buf), c.crc)
 			acked = c.seq + 1
 			wait = retryMin
 		case err := <-c.fut.Err():
@@ -618,6 +635,9 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 	}
 	if retries > 0 {
 		log.Info("refit: all chunks stored after retries", zap.Int("retries", retries))
+	}
+	if hashed == nil {
+		return table.Sum(), nil
 	}
 	var h hashResult
 	select {

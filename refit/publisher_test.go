@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"hash/crc32"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -179,7 +181,20 @@ func ptCheckVersion(t *testing.T, nc *nats.Conn, m Manifest, src []byte, chunkBy
 			t.Fatalf("chunk %+v", c)
 		}
 	}
-	sum := sha256.Sum256(src)
+	// The digest, computed here from PROTOCOL.md's definition: protocol 2
+	// hashes the chunk table (offset u64, length u32, CRC-32C u32, each
+	// little-endian), protocol 1 the whole stream.
+	var table []byte
+	for off := 0; off < len(src); off += chunkBytes {
+		c := src[off:min(off+chunkBytes, len(src))]
+		table = binary.LittleEndian.AppendUint64(table, uint64(off))
+		table = binary.LittleEndian.AppendUint32(table, uint32(len(c)))
+		table = binary.LittleEndian.AppendUint32(table, crc32.Checksum(c, crc32.MakeTable(crc32.Castagnoli)))
+	}
+	sum := sha256.Sum256(table)
+	if m.Protocol == Protocol1 {
+		sum = sha256.Sum256(src)
+	}
 	a, err := ParseAnnounce(ptBucketValue(t, nc, m.Model, KeyAnnounce))
 	if err != nil {
 		t.Fatal(err)
@@ -192,20 +207,20 @@ func ptCheckVersion(t *testing.T, nc *nats.Conn, m Manifest, src []byte, chunkBy
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := Announce{Protocol: 1, Model: m.Model, Version: m.Version, Full: m.Full, Subject: VersionSubject(m.Model, m.Version),
+	want := Announce{Protocol: m.Protocol, Model: m.Model, Version: m.Version, Full: m.Full, Subject: VersionSubject(m.Model, m.Version),
 		TotalBytes: int64(len(src)), ChunkBytes: chunkBytes, Chunks: wantChunks}
 	switch {
 	case a != want:
 		t.Errorf("announce %+v, want %+v", a, want)
 	case got.Announce != want:
 		t.Errorf("manifest %+v, want %+v", got.Announce, want)
-	case got.SHA256 != hex.EncodeToString(sum[:]):
-		t.Errorf("manifest sha256 %s, want %x", got.SHA256, sum)
+	case got.Digest() != hex.EncodeToString(sum[:]):
+		t.Errorf("manifest of protocol %d: digest %s, want %x", got.Protocol, got.Digest(), sum)
 	case got.HeaderBytes != int(h.Len) || got.Tensors != len(h.Tensors) || got.Tensors < 2:
 		t.Errorf("manifest header %d bytes, %d tensors; want %d, %d", got.HeaderBytes, got.Tensors, h.Len, len(h.Tensors))
 	case time.Since(got.PublishedAt) > time.Minute || got.PublishedAt.After(time.Now()):
 		t.Errorf("published at %v", got.PublishedAt)
-	case got.SHA256 != m.SHA256 || !got.PublishedAt.Equal(m.PublishedAt):
+	case got.SHA256 != m.SHA256 || got.ChunkTableSHA256 != m.ChunkTableSHA256 || !got.PublishedAt.Equal(m.PublishedAt):
 		t.Errorf("Publish returned %+v, the bucket holds %+v", m, got)
 	}
 }
@@ -223,10 +238,22 @@ func TestPublishRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if m.Protocol != ProtocolVersion || m.ChunkTableSHA256 == "" || m.SHA256 != "" {
+		t.Errorf("manifest %+v: want protocol %d with a chunk table digest only", m, ProtocolVersion)
+	}
 	ptCheckVersion(t, nc, m, src, chunk)
 	if peak > window || peak <= 2*chunk {
 		t.Errorf("peak unacknowledged bytes %d: want more than two chunks (pipelined) and at most %d", peak, window)
 	}
+	// As an older publisher: protocol 1, the stream's SHA-256.
+	p.protocol = Protocol1
+	if m, err = p.Publish(ptContext(t, 10*time.Second), 4, bytes.NewReader(src), int64(len(src)), true); err != nil {
+		t.Fatal(err)
+	}
+	if m.Protocol != Protocol1 || m.SHA256 == "" || m.ChunkTableSHA256 != "" {
+		t.Errorf("manifest %+v: want protocol 1 with a stream digest only", m)
+	}
+	ptCheckVersion(t, nc, m, src, chunk)
 
 	// The stream's settings are the protocol's.
 	js, _ := jetstream.New(nc)

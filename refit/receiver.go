@@ -366,7 +366,8 @@ func (r *Receiver) catchUpTo(ctx context.Context, kv jetstream.KeyValue, m Manif
 // live says to take its chunks from the live subscription while it keeps
 // up (a version being published now), rather than from the stream alone.
 func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce, live bool) error {
-	st := Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: a.Version}
+	// Reported in the version's protocol, which its publisher reads.
+	st := Status{Protocol: a.Protocol, Worker: r.cfg.Worker, Version: a.Version}
 	var err error
 	switch {
 	case a.Version <= r.current || r.seen[a.Version]:
@@ -383,7 +384,7 @@ func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce
 			// bytes, say): the stream, not the live path, has the last word.
 			r.log.Warn("refit: digest mismatch on live chunks; receiving the version again from the stream",
 				zap.Uint64("version", a.Version), zap.Error(err))
-			st = Status{Protocol: ProtocolVersion, Worker: r.cfg.Worker, Version: a.Version}
+			st = Status{Protocol: a.Protocol, Worker: r.cfg.Worker, Version: a.Version}
 			err = r.receive(ctx, kv, a, false, &st)
 		}
 	}
@@ -546,8 +547,16 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	}
 	feed := r.newFeed(a, ls)
 	defer feed.close()
-	digest := newDigester(8)
-	defer digest.close()
+	// The digest the manifest is checked against: the chunk table's
+	// SHA-256 (protocol 2; the entries come from chunks whose CRC-32C was
+	// checked against their payload), or for a protocol-1 version the
+	// SHA-256 of the whole stream, on a goroutine of its own.
+	table := NewChunkTable()
+	var digest *digester
+	if a.Protocol == Protocol1 {
+		digest = newDigester(8)
+		defer digest.close()
+	}
 
 	var (
 		hdr      Header
@@ -576,23 +585,36 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		data := c.data
 		total, chunks = c.Total, c.Chunks
 		next++
-		if err := digest.write(ctx, data); err != nil {
-			return err
+		table.Add(c.Offset, len(data), c.CRC)
+		if digest != nil {
+			if err := digest.write(ctx, data); err != nil {
+				return err
+			}
 		}
 		now := time.Now()
 		chunkStart := received
 		received += int64(len(data))
 		r.received.Store(received)
 		if !parsed {
-			prefix = append(prefix, data...)
-			n, ok, err := HeaderLen(prefix)
+			// The header is read in place when the first chunk holds it
+			// whole (the usual case): copying a whole chunk into fresh
+			// memory costs a page fault every 4 KiB.
+			head := data
+			if len(prefix) > 0 || int64(len(data)) < 8 {
+				prefix = append(prefix, data...)
+				head = prefix
+			}
+			n, ok, err := HeaderLen(head)
 			if err != nil {
 				return fmt.Errorf("version %d: %w", a.Version, err)
 			}
-			if !ok || int64(len(prefix)) < 8+n {
+			if !ok || int64(len(head)) < 8+n {
+				if len(prefix) == 0 {
+					prefix = append(prefix, data...)
+				}
 				continue
 			}
-			if hdr, err = ParseHeader(prefix[8:8+n], total); err != nil {
+			if hdr, err = ParseHeader(head[8:8+n], total); err != nil {
 				return fmt.Errorf("version %d: %w", a.Version, err)
 			}
 			if ws, err = r.plan(hdr); err != nil {
@@ -608,7 +630,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 				}
 			}
 			// The data bytes that came with the header.
-			data, chunkStart = prefix[8+n:], 8+n
+			data, chunkStart = head[8+n:], 8+n
 			prefix = nil
 			if len(data) == 0 {
 				continue
@@ -634,9 +656,16 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	}
 	r.liveChunks.Store(int64(feed.fromNet))
 	r.storedChunks.Store(int64(feed.fromJS))
-	if sum := digest.sum(); sum != m.SHA256 || m.TotalBytes != total || m.Chunks != chunks {
-		err := fmt.Errorf("version %d: sha256 %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
-			a.Version, sum, total, chunks, m.SHA256, m.TotalBytes, m.Chunks)
+	if m.Protocol != a.Protocol {
+		return fmt.Errorf("version %d: announced in protocol %d, the manifest is protocol %d", a.Version, a.Protocol, m.Protocol)
+	}
+	field, sum := "chunk table sha256", table.Sum()
+	if digest != nil {
+		field, sum = "sha256", digest.sum()
+	}
+	if sum != m.Digest() || m.TotalBytes != total || m.Chunks != chunks {
+		err := fmt.Errorf("version %d: %s %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
+			a.Version, field, sum, total, chunks, m.Digest(), m.TotalBytes, m.Chunks)
 		if feed.fromNet > 0 {
 			return fmt.Errorf("%w: %w", errLiveDigest, err)
 		}

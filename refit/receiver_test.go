@@ -326,11 +326,45 @@ func TestRefitPartialFromStart(t *testing.T) {
 	sameRollouts(t, "experts-only refit vs fresh mix", gotS, gotSc, wantS, wantSc)
 }
 
+// TestRefitProtocol1: versions from an older publisher (protocol 1: the
+// manifest carries the whole stream's SHA-256) are still applied, and
+// reported in protocol 1, which that publisher reads; a protocol-2 version
+// follows on the same worker.
+func TestRefitProtocol1(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b, c := modelDir(t, 40), modelDir(t, 41), modelDir(t, 42)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	old := newPublisher(t, srv.URL())
+	old.protocol = Protocol1
+	publish(t, old, 1, subset(t, b, nil), true)
+	if st := w.waitStatus(t, 1); st.State != StateApplied || st.Protocol != Protocol1 {
+		t.Fatalf("protocol-1 version: %+v", st)
+	}
+	gotS, gotSc := rollouts(t, w.e)
+	wantS, wantSc := fresh(t, b, moe.RecipePerToken)
+	sameRollouts(t, "protocol-1 version vs fresh", gotS, gotSc, wantS, wantSc)
+	publish(t, newPublisher(t, srv.URL()), 2, subset(t, c, experts), false)
+	if st := w.waitStatus(t, 2); st.State != StateApplied || st.Protocol != ProtocolVersion {
+		t.Fatalf("protocol-2 version after a protocol-1 one: %+v", st)
+	}
+	gotS, gotSc = rollouts(t, w.e)
+	wantS, wantSc = fresh(t, mixDir(t, b, c, experts), moe.RecipePerToken)
+	sameRollouts(t, "protocol-2 experts over a protocol-1 version vs fresh", gotS, gotSc, wantS, wantSc)
+}
+
 // rawPublish publishes a version chunk by chunk without the Publisher's
 // checks: mutate may change a chunk's payload or headers, and stopAfter >= 0
 // stops (a dead publisher) after that many chunks, without a manifest.
-// A partial version is announced as a delta on base.
+// A partial version is announced as a delta on base. The manifest's digest
+// is that of the stream as given, before mutate.
 func rawPublish(t *testing.T, url string, v uint64, stream []byte, full bool, base uint64, chunk int, stopAfter int, mutate func(seq int, h nats.Header, data []byte) []byte) {
+	t.Helper()
+	rawPublishProtocol(t, ProtocolVersion, url, v, stream, full, base, chunk, stopAfter, mutate)
+}
+
+// rawPublishProtocol is rawPublish in the given protocol (Protocol1 plays
+// an older publisher).
+func rawPublishProtocol(t *testing.T, protocol int, url string, v uint64, stream []byte, full bool, base uint64, chunk int, stopAfter int, mutate func(seq int, h nats.Header, data []byte) []byte) {
 	t.Helper()
 	ctx := context.Background()
 	p := newPublisher(t, url)
@@ -339,7 +373,7 @@ func rawPublish(t *testing.T, url string, v uint64, stream []byte, full bool, ba
 		t.Fatal(err)
 	}
 	chunks := (len(stream) + chunk - 1) / chunk
-	a := Announce{Protocol: ProtocolVersion, Model: testModel, Version: v, Full: full, Subject: VersionSubject(testModel, v),
+	a := Announce{Protocol: protocol, Model: testModel, Version: v, Full: full, Subject: VersionSubject(testModel, v),
 		TotalBytes: int64(len(stream)), ChunkBytes: chunk, Chunks: chunks}
 	if !full {
 		a.Base = base
@@ -352,12 +386,14 @@ func rawPublish(t *testing.T, url string, v uint64, stream []byte, full bool, ba
 	}
 	put(KeyAnnounce, a)
 	js, _ := jetstream.New(p.nc)
+	table := NewChunkTable()
 	for seq := range chunks {
 		if seq == stopAfter {
 			return
 		}
 		data := stream[seq*chunk : min((seq+1)*chunk, len(stream))]
-		c := Chunk{Version: v, Seq: seq, Offset: int64(seq * chunk), Total: int64(len(stream)), Chunks: chunks, CRC: CRC32C(data)}
+		c := Chunk{Protocol: protocol, Version: v, Seq: seq, Offset: int64(seq * chunk), Total: int64(len(stream)), Chunks: chunks, CRC: CRC32C(data)}
+		table.Add(c.Offset, len(data), c.CRC)
 		msg := &nats.Msg{Subject: a.Subject, Header: c.Header(), Data: data}
 		if mutate != nil {
 			msg.Data = mutate(seq, msg.Header, slices.Clone(data))
@@ -366,8 +402,12 @@ func rawPublish(t *testing.T, url string, v uint64, stream []byte, full bool, ba
 			t.Fatal(err)
 		}
 	}
-	sum := sha256.Sum256(stream)
-	put(KeyManifest, Manifest{Announce: a, SHA256: hex.EncodeToString(sum[:]), PublishedAt: time.Now()})
+	m := Manifest{Announce: a, ChunkTableSHA256: table.Sum(), PublishedAt: time.Now()}
+	if protocol == Protocol1 {
+		sum := sha256.Sum256(stream)
+		m.ChunkTableSHA256, m.SHA256 = "", hex.EncodeToString(sum[:])
+	}
+	put(KeyManifest, m)
 }
 
 // servesA checks the worker still generates exactly what model dir A does.
@@ -450,15 +490,32 @@ func TestRefitRejections(t *testing.T) {
 		{"Inf", func(v uint64) {
 			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 5, float32(math.Inf(-1))), false, 0, 4096, -1, nil)
 		}, "NaN or Inf"},
-		{"digest mismatch", func(v uint64) {
+		{"chunk table mismatch", func(v uint64) {
 			rawPublish(t, srv.URL(), v, good, false, 0, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
-				if seq == 2 { // a consistent chunk (good CRC) that differs from what the manifest hashed
+				if seq == 2 { // a consistent chunk (good CRC) that differs from the manifest's chunk table
+					d[10] ^= 1
+					h.Set(HeaderCRC, fmt.Sprintf("%08x", CRC32C(d)))
+				}
+				return d
+			})
+		}, "chunk table sha256"},
+		{"protocol 1: sha256 mismatch", func(v uint64) {
+			rawPublishProtocol(t, Protocol1, srv.URL(), v, good, false, 0, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+				if seq == 2 {
 					d[10] ^= 1
 					h.Set(HeaderCRC, fmt.Sprintf("%08x", CRC32C(d)))
 				}
 				return d
 			})
 		}, "sha256"},
+		{"chunk of another protocol", func(v uint64) {
+			rawPublish(t, srv.URL(), v, good, false, 0, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+				if seq == 2 {
+					h.Set(HeaderProtocol, "1")
+				}
+				return d
+			})
+		}, "protocol 1"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			v++

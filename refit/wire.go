@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash"
 	"hash/crc32"
 	"math"
 	"regexp"
@@ -18,8 +19,16 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// ProtocolVersion is the version of PROTOCOL.md this package speaks.
-const ProtocolVersion = 1
+// ProtocolVersion is the version of PROTOCOL.md this package publishes.
+// Workers also accept Protocol1 versions from older publishers.
+const ProtocolVersion = 2
+
+// Protocol1 is the first protocol: its manifest carries the SHA-256 of the
+// whole stream instead of the chunk table's (see PROTOCOL.md, "Manifest").
+const Protocol1 = 1
+
+// knownProtocol reports whether p is a protocol this package reads.
+func knownProtocol(p int) bool { return p == Protocol1 || p == ProtocolVersion }
 
 // NATS headers of a chunk.
 const (
@@ -73,18 +82,23 @@ func CRC32C(b []byte) uint32 { return crc32.Checksum(b, crcTable) }
 
 // Chunk is the header of one chunk message.
 type Chunk struct {
-	Version uint64
-	Seq     int
-	Offset  int64
-	Total   int64
-	Chunks  int
-	CRC     uint32
+	Protocol int // 0 encodes as ProtocolVersion
+	Version  uint64
+	Seq      int
+	Offset   int64
+	Total    int64
+	Chunks   int
+	CRC      uint32
 }
 
 // Header encodes c as NATS headers.
 func (c Chunk) Header() nats.Header {
 	h := nats.Header{}
-	h.Set(HeaderProtocol, strconv.Itoa(ProtocolVersion))
+	proto := c.Protocol
+	if proto == 0 {
+		proto = ProtocolVersion
+	}
+	h.Set(HeaderProtocol, strconv.Itoa(proto))
 	h.Set(HeaderVersion, strconv.FormatUint(c.Version, 10))
 	h.Set(HeaderSeq, strconv.Itoa(c.Seq))
 	h.Set(HeaderOffset, strconv.FormatInt(c.Offset, 10))
@@ -101,10 +115,15 @@ func ParseChunk(h nats.Header, payloadLen int) (Chunk, error) {
 	bad := func(format string, args ...any) (Chunk, error) {
 		return Chunk{}, fmt.Errorf("%w: chunk: %s", ErrProtocol, fmt.Sprintf(format, args...))
 	}
-	if p := h.Get(HeaderProtocol); p != strconv.Itoa(ProtocolVersion) {
-		return bad("protocol %q, want %d", p, ProtocolVersion)
-	}
 	var err error
+	switch p := h.Get(HeaderProtocol); p {
+	case "1":
+		c.Protocol = Protocol1
+	case "2":
+		c.Protocol = ProtocolVersion
+	default:
+		return bad("protocol %q, want %d or %d", p, Protocol1, ProtocolVersion)
+	}
 	if c.Version, err = strconv.ParseUint(h.Get(HeaderVersion), 10, 64); err != nil || c.Version == 0 {
 		return bad("version %q", h.Get(HeaderVersion))
 	}
@@ -168,17 +187,29 @@ type Announce struct {
 // Manifest is the bucket's "manifest" value: the newest complete version.
 type Manifest struct {
 	Announce
-	HeaderBytes int       `json:"header_bytes"`
-	Tensors     int       `json:"tensors"`
-	SHA256      string    `json:"sha256"`
+	HeaderBytes int `json:"header_bytes"`
+	Tensors     int `json:"tensors"`
+	// ChunkTableSHA256 is the hex SHA-256 of the version's chunk table
+	// (ChunkTable): protocol 2.
+	ChunkTableSHA256 string `json:"chunk_table_sha256,omitempty"`
+	// SHA256 is the hex SHA-256 of the whole stream: protocol 1 only.
+	SHA256      string    `json:"sha256,omitempty"`
 	PublishedAt time.Time `json:"published_at"`
+}
+
+// Digest returns the manifest's digest field, by its protocol.
+func (m Manifest) Digest() string {
+	if m.Protocol == Protocol1 {
+		return m.SHA256
+	}
+	return m.ChunkTableSHA256
 }
 
 // check validates an announcement's fields.
 func (a Announce) check(what string) error {
 	switch {
-	case a.Protocol != ProtocolVersion:
-		return fmt.Errorf("%w: %s: protocol %d", ErrProtocol, what, a.Protocol)
+	case !knownProtocol(a.Protocol):
+		return fmt.Errorf("%w: %s: protocol %d, want %d or %d", ErrProtocol, what, a.Protocol, Protocol1, ProtocolVersion)
 	case !ValidModelID(a.Model):
 		return fmt.Errorf("%w: %s: model %q", ErrProtocol, what, a.Model)
 	case a.Version == 0:
@@ -215,11 +246,54 @@ func ParseManifest(b []byte) (Manifest, error) {
 	if err := m.check("manifest"); err != nil {
 		return m, err
 	}
-	if b, err := hex.DecodeString(m.SHA256); err != nil || len(b) != sha256.Size || strings.ToLower(m.SHA256) != m.SHA256 {
-		return m, fmt.Errorf("%w: manifest: sha256 %q: want 64 lowercase hex digits", ErrProtocol, m.SHA256)
+	field, other := "chunk_table_sha256", "sha256"
+	if m.Protocol == Protocol1 {
+		field, other = other, field
+	}
+	sum := m.Digest()
+	if b, err := hex.DecodeString(sum); err != nil || len(b) != sha256.Size || strings.ToLower(sum) != sum {
+		return m, fmt.Errorf("%w: manifest: protocol %d: %s %q: want 64 lowercase hex digits", ErrProtocol, m.Protocol, field, sum)
+	}
+	// One digest per protocol: a manifest carrying the other one was made
+	// by a publisher that mixed the two.
+	if m.Protocol == Protocol1 && m.ChunkTableSHA256 != "" || m.Protocol != Protocol1 && m.SHA256 != "" {
+		return m, fmt.Errorf("%w: manifest: protocol %d carries %s", ErrProtocol, m.Protocol, other)
 	}
 	return m, nil
 }
+
+// ChunkTableEntryBytes is the size of one chunk's entry in the chunk table.
+const ChunkTableEntryBytes = 16
+
+// ChunkTable computes the digest of a protocol-2 version (PROTOCOL.md,
+// "Manifest"): the SHA-256 of its chunk table, which holds for every chunk,
+// in order, its offset (uint64), length (uint32) and CRC-32C (uint32),
+// little-endian, 16 bytes an entry. The CRC-32C of every chunk is computed
+// anyway, so the digest costs no pass over the bytes; the table's hash
+// still binds every chunk's content (through its CRC) to the manifest.
+type ChunkTable struct {
+	h hash.Hash
+	n int
+}
+
+// NewChunkTable returns an empty table.
+func NewChunkTable() *ChunkTable { return &ChunkTable{h: sha256.New()} }
+
+// Add appends the entry of the next chunk.
+func (t *ChunkTable) Add(offset int64, length int, crc uint32) {
+	var e [ChunkTableEntryBytes]byte
+	binary.LittleEndian.PutUint64(e[0:], uint64(offset))
+	binary.LittleEndian.PutUint32(e[8:], uint32(length))
+	binary.LittleEndian.PutUint32(e[12:], crc)
+	t.h.Write(e[:])
+	t.n++
+}
+
+// Len is the number of entries added.
+func (t *ChunkTable) Len() int { return t.n }
+
+// Sum returns the hex SHA-256 of the entries added so far.
+func (t *ChunkTable) Sum() string { return hex.EncodeToString(t.h.Sum(nil)) }
 
 // Worker states in a Status.
 const (
@@ -256,8 +330,8 @@ func ParseStatus(b []byte) (Status, error) {
 		return s, fmt.Errorf("%w: status: %v", ErrProtocol, err)
 	}
 	switch {
-	case s.Protocol != ProtocolVersion:
-		return s, fmt.Errorf("%w: status: protocol %d", ErrProtocol, s.Protocol)
+	case !knownProtocol(s.Protocol):
+		return s, fmt.Errorf("%w: status: protocol %d, want %d or %d", ErrProtocol, s.Protocol, Protocol1, ProtocolVersion)
 	case s.State != StateApplied && s.State != StateRejected && s.State != StateNeedsFull:
 		return s, fmt.Errorf("%w: status: state %q", ErrProtocol, s.State)
 	case s.Worker == "" || s.Version == 0:

@@ -37,6 +37,8 @@ func FuzzParseChunk(f *testing.F) {
 	f.Add("1", "7", "0", "0", "10000", "3", "DEADBEEF", uint32(10))
 	f.Add("1", "7", "0", "0", "10000", "3", "dead", uint32(10))
 	f.Add("2", "7", "0", "0", "10000", "3", "deadbeef", uint32(10))
+	f.Add("3", "7", "0", "0", "10000", "3", "deadbeef", uint32(10))
+	f.Add(" 2", "7", "0", "0", "10000", "3", "deadbeef", uint32(10))
 	f.Add("", "", "", "", "", "", "", uint32(0))
 	f.Add("1", "+7", "00", "0x0", "1e4", "3", "-eadbeef", uint32(10))
 	f.Fuzz(func(t *testing.T, protocol, version, seq, offset, total, chunks, crc string, payload uint32) {
@@ -56,6 +58,8 @@ func FuzzParseChunk(f *testing.F) {
 			return
 		}
 		switch {
+		case !knownProtocol(c.Protocol) || strconv.Itoa(c.Protocol) != protocol:
+			t.Fatalf("accepted protocol %q as %d", protocol, c.Protocol)
 		case c.Version == 0:
 			t.Fatalf("accepted version 0: %+v", c)
 		case c.Seq < 0 || c.Seq >= c.Chunks:
@@ -81,6 +85,7 @@ func FuzzParseAnnounce(f *testing.F) {
 	f.Add([]byte(strings.Replace(wtAnnounce, `"chunks":3`, `"chunks":2`, 1)))
 	f.Add([]byte(strings.Replace(wtAnnounce, `"total_bytes":10000`, `"total_bytes":4398046511105`, 1)))
 	f.Add([]byte(`{"protocol":1,"model":"m","version":1,"subject":"refit.m.v.1","total_bytes":9,"chunk_bytes":4194304,"chunks":1}`))
+	f.Add([]byte(`{"protocol":3,"model":"m","version":1,"subject":"refit.m.v.1","total_bytes":9,"chunk_bytes":4194304,"chunks":1}`))
 	f.Add([]byte(`{"PROTOCOL":1,"Model":"m","version":1e0,"subject":"refit.m.v.1","total_bytes":9,"chunk_bytes":9,"chunks":1,"chunks":1}`))
 	f.Add([]byte(`{"protocol":1,"model":"m","version":18446744073709551615,"subject":"refit.m.v.18446744073709551615","total_bytes":9,"chunk_bytes":1,"chunks":9}`))
 	f.Add([]byte(`null`))
@@ -111,7 +116,7 @@ func FuzzParseAnnounce(f *testing.F) {
 func wtCheckAnnounce(t *testing.T, a Announce) {
 	t.Helper()
 	switch {
-	case a.Protocol != ProtocolVersion || !ValidModelID(a.Model) || a.Version == 0:
+	case !knownProtocol(a.Protocol) || !ValidModelID(a.Model) || a.Version == 0:
 		t.Fatalf("accepted %+v", a)
 	case a.Subject != VersionSubject(a.Model, a.Version):
 		t.Fatalf("accepted subject %q for %+v", a.Subject, a)
@@ -127,6 +132,10 @@ func wtCheckAnnounce(t *testing.T, a Announce) {
 
 func FuzzParseManifest(f *testing.F) {
 	f.Add([]byte(wtManifest))
+	f.Add([]byte(wtManifest1))
+	f.Add([]byte(strings.Replace(wtManifest, `"chunk_table_sha256"`, `"sha256"`, 1)))
+	f.Add([]byte(strings.Replace(wtManifest1, `"sha256"`, `"chunk_table_sha256"`, 1)))
+	f.Add([]byte(strings.Replace(wtManifest, `"chunk_table_sha256"`, `"sha256":"`+wtSHA+`","chunk_table_sha256"`, 1)))
 	f.Add([]byte(strings.Replace(wtManifest, wtSHA, strings.ToUpper(wtSHA), 1)))
 	f.Add([]byte(strings.Replace(wtManifest, wtSHA, wtSHA[:63], 1)))
 	f.Add([]byte(strings.Replace(wtManifest, `"2026-12-02T16:00:00Z"`, `"2026-12-02T16:00:00.123456789+05:30"`, 1)))
@@ -143,11 +152,16 @@ func FuzzParseManifest(f *testing.F) {
 			return
 		}
 		wtCheckAnnounce(t, m.Announce)
-		if len(m.SHA256) != 64 {
-			t.Fatalf("accepted sha256 %q", m.SHA256)
+		// The protocol's digest, 64 lowercase hex digits, and not the other.
+		sum, other := m.ChunkTableSHA256, m.SHA256
+		if m.Protocol == Protocol1 {
+			sum, other = other, sum
 		}
-		if _, err := strconv.ParseUint(m.SHA256[:16], 16, 64); err != nil {
-			t.Fatalf("accepted sha256 %q", m.SHA256)
+		if len(sum) != 64 || other != "" || sum != strings.ToLower(sum) || sum != m.Digest() {
+			t.Fatalf("accepted digests %+v", m)
+		}
+		if _, err := strconv.ParseUint(sum[:16], 16, 64); err != nil {
+			t.Fatalf("accepted digest %q", sum)
 		}
 		b, err := json.Marshal(m)
 		if err != nil {
@@ -172,6 +186,8 @@ func FuzzParseStatus(f *testing.F) {
 	f.Add([]byte(`{"protocol":1,"state":"applied","phases_ms":{"receive":1e309}}`))
 	f.Add([]byte(`{"protocol":1,"state":"Applied"}`))
 	f.Add([]byte(`{"protocol":2,"state":"applied"}`))
+	f.Add([]byte(`{"protocol":2,"worker":"w","version":3,"state":"applied"}`))
+	f.Add([]byte(`{"protocol":3,"worker":"w","version":3,"state":"applied"}`))
 	f.Add([]byte(`{"protocol":1,"state":"applied","bytes":-1,"layers":null}`))
 	f.Add([]byte(`"applied"`))
 	f.Fuzz(func(t *testing.T, data []byte) {
@@ -182,7 +198,7 @@ func FuzzParseStatus(f *testing.F) {
 			}
 			return
 		}
-		if s.Protocol != ProtocolVersion || (s.State != StateApplied && s.State != StateRejected && s.State != StateNeedsFull) {
+		if !knownProtocol(s.Protocol) || (s.State != StateApplied && s.State != StateRejected && s.State != StateNeedsFull) {
 			t.Fatalf("accepted %+v", s)
 		}
 		b, err := json.Marshal(s)

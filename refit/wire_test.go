@@ -9,13 +9,17 @@ import (
 )
 
 // wtChunk is a valid chunk of a 10000-byte stream in chunks of 4000 bytes.
-var wtChunk = Chunk{Version: 7, Seq: 1, Offset: 4000, Total: 10000, Chunks: 3, CRC: 0xdeadbeef}
+var wtChunk = Chunk{Protocol: ProtocolVersion, Version: 7, Seq: 1, Offset: 4000, Total: 10000, Chunks: 3, CRC: 0xdeadbeef}
 
 const (
-	wtAnnounce = `{"protocol":1,"model":"m-1","version":7,"full":true,"subject":"refit.m-1.v.7",` +
+	wtAnnounce = `{"protocol":2,"model":"m-1","version":7,"full":true,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3}`
 	wtSHA      = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
-	wtManifest = `{"protocol":1,"model":"m-1","version":7,"full":false,"subject":"refit.m-1.v.7",` +
+	wtManifest = `{"protocol":2,"model":"m-1","version":7,"full":false,"subject":"refit.m-1.v.7",` +
+		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
+		`"chunk_table_sha256":"` + wtSHA + `","published_at":"2026-12-02T16:00:00Z"}`
+	// wtManifest1 is a protocol-1 manifest: the whole stream's SHA-256.
+	wtManifest1 = `{"protocol":1,"model":"m-1","version":7,"full":false,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
 		`"sha256":"` + wtSHA + `","published_at":"2026-12-02T16:00:00Z"}`
 	wtStatus = `{"protocol":1,"worker":"w-1","version":7,"state":"applied","current_version":7,"bytes":10000,` +
@@ -72,7 +76,8 @@ func TestParseChunkRejects(t *testing.T) {
 		want             string
 	}{
 		{"no protocol", HeaderProtocol, "<none>", 4000, "protocol"},
-		{"protocol 2", HeaderProtocol, "2", 4000, "protocol"},
+		{"protocol 3", HeaderProtocol, "3", 4000, "protocol"},
+		{"protocol 02", HeaderProtocol, "02", 4000, "protocol"},
 		{"no version", HeaderVersion, "<none>", 4000, "version"},
 		{"version 0", HeaderVersion, "0", 4000, "version"},
 		{"negative version", HeaderVersion, "-7", 4000, "version"},
@@ -121,7 +126,8 @@ func TestParseChunkOffsetOverflow(t *testing.T) {
 func TestParseAnnounceRejects(t *testing.T) {
 	tests := []struct{ name, from, to, want string }{
 		{"not json", `{"protocol"`, `{"protocol"x`, "announce"},
-		{"protocol 0", `"protocol":1`, `"protocol":0`, "protocol 0"},
+		{"protocol 0", `"protocol":2`, `"protocol":0`, "protocol 0"},
+		{"protocol 3", `"protocol":2`, `"protocol":3`, "protocol 3"},
 		{"bad model", `"model":"m-1"`, `"model":"m.1"`, "model"},
 		{"version 0", `"version":7`, `"version":0`, "version 0"},
 		{"negative version", `"version":7`, `"version":-7`, "announce"},
@@ -149,31 +155,66 @@ func TestParseAnnounceRejects(t *testing.T) {
 }
 
 func TestParseManifestRejects(t *testing.T) {
-	tests := []struct{ name, from, to, want string }{
-		{"no sha256", `"sha256":"` + wtSHA + `",`, ``, "sha256"},
-		{"short sha256", wtSHA, wtSHA[:63], "sha256"},
-		{"not hex", wtSHA, "z" + wtSHA[1:], "sha256"},
-		{"bad time", `2026-12-02T16:00:00Z`, `yesterday`, "manifest"},
-		{"announce fields", `"chunks":3`, `"chunks":4`, "manifest"},
-		{"protocol", `"protocol":1`, `"protocol":2`, "protocol 2"},
+	tests := []struct{ name, manifest, from, to, want string }{
+		{"no chunk table sha256", wtManifest, `"chunk_table_sha256":"` + wtSHA + `",`, ``, "protocol 2: chunk_table_sha256"},
+		{"short chunk table sha256", wtManifest, wtSHA, wtSHA[:63], "chunk_table_sha256"},
+		{"chunk table sha256 not hex", wtManifest, wtSHA, "z" + wtSHA[1:], "chunk_table_sha256"},
+		{"chunk table sha256 upper case", wtManifest, wtSHA, strings.ToUpper(wtSHA), "chunk_table_sha256"},
+		{"protocol 2 with a sha256", wtManifest, `"chunk_table_sha256"`, `"sha256":"` + wtSHA + `","chunk_table_sha256"`, "protocol 2 carries sha256"},
+		{"protocol 2 with only a sha256", wtManifest, `"chunk_table_sha256"`, `"sha256"`, "protocol 2: chunk_table_sha256"},
+		{"protocol 1 without sha256", wtManifest1, `"sha256":"` + wtSHA + `",`, ``, "protocol 1: sha256"},
+		{"protocol 1 short sha256", wtManifest1, wtSHA, wtSHA[:63], "sha256"},
+		{"protocol 1 with only a chunk table sha256", wtManifest1, `"sha256"`, `"chunk_table_sha256"`, "protocol 1: sha256"},
+		{"protocol 1 with both", wtManifest1, `"sha256"`, `"chunk_table_sha256":"` + wtSHA + `","sha256"`, "protocol 1 carries chunk_table_sha256"},
+		{"bad time", wtManifest, `2026-12-02T16:00:00Z`, `yesterday`, "manifest"},
+		{"announce fields", wtManifest, `"chunks":3`, `"chunks":4`, "manifest"},
+		{"protocol", wtManifest, `"protocol":2`, `"protocol":3`, "protocol 3"},
 	}
 	m, err := ParseManifest([]byte(wtManifest))
 	if err != nil {
 		t.Fatalf("valid manifest: %v", err)
 	}
-	if m.HeaderBytes != 120 || m.Tensors != 2 || m.Full || m.Version != 7 || m.SHA256 != wtSHA {
+	if m.HeaderBytes != 120 || m.Tensors != 2 || m.Full || m.Version != 7 || m.ChunkTableSHA256 != wtSHA || m.Digest() != wtSHA {
 		t.Errorf("valid manifest decoded as %+v", m)
+	}
+	m, err = ParseManifest([]byte(wtManifest1))
+	if err != nil {
+		t.Fatalf("valid protocol-1 manifest: %v", err)
+	}
+	if m.Protocol != Protocol1 || m.SHA256 != wtSHA || m.Digest() != wtSHA {
+		t.Errorf("valid protocol-1 manifest decoded as %+v", m)
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			in := strings.Replace(wtManifest, tc.from, tc.to, 1)
-			if in == wtManifest {
+			in := strings.Replace(tc.manifest, tc.from, tc.to, 1)
+			if in == tc.manifest {
 				t.Fatalf("%q not in the manifest", tc.from)
 			}
 			if _, err := ParseManifest([]byte(in)); !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("%s: got %v, want an ErrProtocol naming %q", in, err, tc.want)
 			}
 		})
+	}
+}
+
+// TestChunkTable checks the chunk table's digest against the worked
+// example of PROTOCOL.md ("Manifest"), computed there with Python's struct
+// and hashlib.
+func TestChunkTable(t *testing.T) {
+	tab := NewChunkTable()
+	for _, e := range []struct {
+		off int64
+		n   int
+		crc uint32
+	}{{0, 4000, 0xdeadbeef}, {4000, 4000, 0x01234567}, {8000, 2000, 0x89abcdef}} {
+		tab.Add(e.off, e.n, e.crc)
+	}
+	const want = "7bfacf0a6878da970aa6dde1edd631418ad06b1c3263972f04e6a606274abe7e"
+	if got := tab.Sum(); got != want || tab.Len() != 3 {
+		t.Errorf("chunk table of 3 entries: sha256 %s, want %s", got, want)
+	}
+	if got := NewChunkTable().Sum(); got != "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855" {
+		t.Errorf("empty chunk table: sha256 %s", got)
 	}
 }
 

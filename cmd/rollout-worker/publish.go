@@ -177,5 +177,9 @@ func writeManifestSummary(w io.Writer, m refit.Manifest, took time.Duration) {
 	fmt.Fprintf(w, "published %s version %d of model %s on %s\n", kind, m.Version, m.Model, m.Subject)
 	fmt.Fprintf(w, "  %d tensors, %d bytes (header %d) in %d chunks of %d bytes, %.2fs (%.1f MiB/s)\n",
 		m.Tensors, m.TotalBytes, m.HeaderBytes, m.Chunks, m.ChunkBytes, took.Seconds(), rate)
-	fmt.Fprintf(w, "  sha256 %s\n", m.SHA256)
+	if m.Protocol == refit.Protocol1 {
+		fmt.Fprintf(w, "  sha256 %s\n", m.SHA256)
+	} else {
+		fmt.Fprintf(w, "  chunk table sha256 %s\n", m.ChunkTableSHA256)
+	}
 }

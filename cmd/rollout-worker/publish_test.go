@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"net"
 	"os"
@@ -117,7 +115,7 @@ func pubtWorker(ctx context.Context, t *testing.T, url, model, worker, state str
 			continue
 		}
 		current = m.Version
-		st := refit.Status{Protocol: 1, Worker: worker, Version: m.Version, State: state, CurrentVersion: m.Version,
+		st := refit.Status{Protocol: m.Protocol, Worker: worker, Version: m.Version, State: state, CurrentVersion: m.Version,
 			Bytes: m.TotalBytes, PhasesMS: map[string]float64{"receive": 5, "copy": 1, "requantize": 2, "commit": 3},
 			Layers: []refit.LayerTiming{{Layer: 0, ReceiveMS: 2, CopyMS: 0.5, RequantizeMS: 1}, {Layer: 1, ReceiveMS: 3, CopyMS: 0.5, RequantizeMS: 1}}}
 		if state != refit.StateApplied {
@@ -153,8 +151,12 @@ func TestPublishCommand(t *testing.T) {
 		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
 	}
 	data, m := pubtVersion(t, srv.URL(), "tiny", 1)
-	sum := sha256.Sum256(data)
-	if m.Full || m.Tensors != 2 || m.ChunkBytes != 1000 || m.TotalBytes != int64(len(data)) || m.SHA256 != hex.EncodeToString(sum[:]) {
+	table := refit.NewChunkTable()
+	for off := 0; off < len(data); off += 1000 {
+		c := data[off:min(off+1000, len(data))]
+		table.Add(int64(off), len(c), refit.CRC32C(c))
+	}
+	if m.Full || m.Tensors != 2 || m.ChunkBytes != 1000 || m.TotalBytes != int64(len(data)) || m.ChunkTableSHA256 != table.Sum() {
 		t.Errorf("manifest %+v for %d bytes", m, len(data))
 	}
 	f, err := stfile.Open(pubtWriteStream(t, data))
@@ -176,7 +178,7 @@ func TestPublishCommand(t *testing.T) {
 		"published partial version 1 of model tiny on refit.tiny.v.1",
 		"2 tensors, " + strconv.Itoa(len(data)) + " bytes",
 		"in " + strconv.Itoa(m.Chunks) + " chunks of 1000 bytes",
-		"sha256 " + m.SHA256,
+		"chunk table sha256 " + m.ChunkTableSHA256,
 		"worker w-1: applied version 1 (serving 1)",
 		"worker w-2: applied version 1",
 		"phases: receive 5.0 ms, copy 1.0 ms, requantize 2.0 ms, commit 3.0 ms",
