@@ -1,6 +1,7 @@
 package refit
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -67,6 +68,11 @@ type Receiver struct {
 	// recipe reads them), allocated once.
 	staging map[*kernels.Buffer]*kernels.Buffer
 	direct  bool // expert tensors are written straight into the stacks
+	// The model's tensors under their canonical names, resolved once:
+	// resolving every name of every version (a regexp each) was a
+	// millisecond of the first chunk's time.
+	targets []policy.Target
+	byName  map[string]policy.Target
 
 	mu      sync.Mutex
 	current uint64
@@ -150,6 +156,10 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	targets, err := m.Tensors()
 	if err != nil {
 		return nil, err
+	}
+	r.targets, r.byName = targets, make(map[string]policy.Target, len(targets))
+	for _, t := range targets {
+		r.byName[t.Name] = t
 	}
 	for _, t := range targets {
 		if (t.IsExpert() && r.direct) || r.staging[t.Buffer] != nil {
@@ -457,7 +467,11 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 	var problems []string
 	var ws []*write
 	for _, t := range h.Tensors {
-		tg, err := r.m.Resolve(t.Name)
+		tg, ok := r.byName[t.Name]
+		var err error
+		if !ok { // another naming the model knows (fused experts, Mixtral's)
+			tg, err = r.m.Resolve(t.Name)
+		}
 		switch {
 		case err != nil:
 			problems = append(problems, fmt.Sprintf("unknown tensor %q", t.Name))
@@ -512,21 +526,26 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 }
 
 // isFull reports whether a version's tensors cover every weight of the
-// model.
-func (r *Receiver) isFull(ws []*write) (bool, error) {
-	targets, err := r.m.Tensors()
-	if err != nil {
-		return false, err
+// model. The spans written are sorted per buffer: plan rejected overlaps,
+// so the one starting last at or before a weight is the only one that can
+// cover it (a search, where a scan of every tensor per weight was
+// quadratic in the tensors).
+func (r *Receiver) isFull(ws []*write) bool {
+	written := map[*kernels.Buffer][]span{}
+	for _, w := range ws {
+		written[w.target.Buffer] = append(written[w.target.Buffer], span{w.target.Buffer, w.target.Offset, w.target.Size(), ""})
 	}
-	for _, t := range targets {
-		want := span{t.Buffer, t.Offset, t.Size(), t.Name}
-		if !slices.ContainsFunc(ws, func(w *write) bool {
-			return span{w.target.Buffer, w.target.Offset, w.target.Size(), ""}.covers(want)
-		}) {
-			return false, nil
+	for _, s := range written {
+		slices.SortFunc(s, func(a, b span) int { return cmp.Or(cmp.Compare(a.off, b.off), cmp.Compare(a.len, b.len)) })
+	}
+	for _, t := range r.targets {
+		s := written[t.Buffer]
+		i := sort.Search(len(s), func(i int) bool { return s[i].off > t.Offset }) - 1
+		if i < 0 || !s[i].covers(span{t.Buffer, t.Offset, t.Size(), t.Name}) {
+			return false
 		}
 	}
-	return true, nil
+	return true
 }
 
 // receive streams version a into its destinations, validates it and
@@ -625,7 +644,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 			}
 			parsed = true
 			if a.Full {
-				if full, err := r.isFull(ws); err != nil || !full {
+				if !r.isFull(ws) {
 					return fmt.Errorf("version %d is announced full but does not cover every weight", a.Version)
 				}
 			}

@@ -490,6 +490,9 @@ func TestRefitRejections(t *testing.T) {
 		{"Inf", func(v uint64) {
 			rawPublish(t, srv.URL(), v, setBF16(t, good, expertName, 5, float32(math.Inf(-1))), false, 0, 4096, -1, nil)
 		}, "NaN or Inf"},
+		{"announced full, not covering every weight", func(v uint64) {
+			rawPublish(t, srv.URL(), v, good, true, 0, 4096, -1, nil)
+		}, "announced full but does not cover every weight"},
 		{"chunk table mismatch", func(v uint64) {
 			rawPublish(t, srv.URL(), v, good, false, 0, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
 				if seq == 2 { // a consistent chunk (good CRC) that differs from the manifest's chunk table
@@ -802,4 +805,67 @@ func TestRefitNoLeakOnRejection(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	t.Fatalf("%d goroutines still in a rejected version's consume callback or digester", stuck)
+}
+
+// TestIsFull: a version is full when its tensors cover every weight, by
+// their canonical names or fused per layer, in any mix.
+func TestIsFull(t *testing.T) {
+	m, err := policy.LoadModel(testBackend(t), modelDir(t, 50), testOpts(moe.RecipePerToken))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	targets, err := m.Tensors()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &Receiver{targets: targets}
+	canonical := func(skip func(name string) bool) []string {
+		var names []string
+		for _, tg := range targets {
+			if skip == nil || !skip(tg.Name) {
+				names = append(names, tg.Name)
+			}
+		}
+		return names
+	}
+	layer0Experts := func(n string) bool { return strings.HasPrefix(n, "model.layers.0.mlp.experts.") }
+	fused0 := []string{"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+	for _, tc := range []struct {
+		name  string
+		names []string
+		want  bool
+	}{
+		{"every canonical name", canonical(nil), true},
+		{"no final norm", canonical(func(n string) bool { return n == "model.norm.weight" }), false},
+		{"no last expert's down_proj", canonical(func(n string) bool { return n == lastDown(targets) }), false},
+		{"layer 0 fused", append(canonical(layer0Experts), fused0...), true},
+		{"layer 0 fused, gate_up only", append(canonical(layer0Experts), fused0[0]), false},
+		{"experts only", canonical(func(n string) bool { return !strings.Contains(n, ".mlp.experts.") }), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ws []*write
+			for _, n := range tc.names {
+				tg, err := m.Resolve(n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ws = append(ws, &write{target: tg})
+			}
+			if got := r.isFull(ws); got != tc.want {
+				t.Errorf("isFull of %d tensors = %v, want %v", len(ws), got, tc.want)
+			}
+		})
+	}
+}
+
+// lastDown is the name of the last expert down_proj among targets.
+func lastDown(targets []policy.Target) string {
+	last := ""
+	for _, tg := range targets {
+		if strings.HasSuffix(tg.Name, ".down_proj.weight") {
+			last = tg.Name
+		}
+	}
+	return last
 }
