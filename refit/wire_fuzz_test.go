@@ -243,7 +243,18 @@ func FuzzParseHeader(f *testing.F) {
 	f.Add([]byte(`{"a":[]}`), uint32(0))
 	f.Add([]byte(`{"a":{"dtype":"F64","shape":[2147483647,2147483647],"data_offsets":[0,0]}}`), uint32(0))
 	f.Add([]byte(`{`), uint32(0))
+	f.Add([]byte(`{"__metadata__":{"shape":"x","dtype":"y"},"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}`), uint32(2))
+	f.Add([]byte(`{"__metadata__":7,"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}`), uint32(2))
+	f.Add([]byte(`{"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]},"__metadata__":{"data_offsets":[0,2]}}`), uint32(2))
+	f.Add([]byte(`{"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2],"DTYPE":"F32"}}`), uint32(2))
 	f.Fuzz(func(t *testing.T, js []byte, dataLen uint32) {
+		// The one-pass decode gives what the two passes give.
+		fast, ferr := headerEntries(js)
+		slow, serr := headerEntriesTwoPass(js)
+		delete(fast, "__metadata__")
+		if (ferr == nil) != (serr == nil) || ferr == nil && len(fast)+len(slow) > 0 && !reflect.DeepEqual(fast, slow) {
+			t.Fatalf("one pass: %+v, %v; two passes: %+v, %v", fast, ferr, slow, serr)
+		}
 		total := 8 + int64(len(js)) + int64(dataLen)
 		h, err := ParseHeader(js, total)
 		if err != nil {
