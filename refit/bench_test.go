@@ -57,14 +57,15 @@ func rawNATS(b testing.TB, url string, size int) float64 {
 // resident buffers (from the start of Publish to the last byte written and
 // verified) and end to end (to the commit), next to raw core-NATS
 // throughput of 1 MiB messages measured in the same run, and the ratio.
-// The server's max_payload is the embedded server's (8 MiB), so refit
-// chunks are 4 MiB; docs/REFIT.md ("Throughput") has the numbers.
+// The server's max_payload is the embedded server's (8 MiB) and the
+// publisher has its defaults (1 MiB chunks); docs/REFIT.md ("Throughput")
+// has the numbers.
 func BenchmarkRefitThroughput(b *testing.B) {
 	for _, storage := range []string{"file", "memory"} {
 		b.Run(storage, func(b *testing.B) {
-			// max_payload 8 MiB, as the embedded server of `serve` has:
-			// refit chunks follow it (MaxChunkBytes); the core-NATS side
-			// still sends 1 MiB messages.
+			// max_payload 8 MiB, as the embedded server of `serve` has;
+			// the publisher's default chunks (DefaultChunkBytes) fit it,
+			// and the core-NATS side sends 1 MiB messages.
 			srv := refittest.StartServer(b, refittest.WithMaxPayload(natsembed.DefaultMaxPayload))
 			cfg, err := policy.Preset("small")
 			if err != nil {

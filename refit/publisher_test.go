@@ -278,6 +278,14 @@ func TestPublishWindowDefaults(t *testing.T) {
 	if got := p.Config().ChunkBytes; got != 60<<10 {
 		t.Errorf("chunk bytes %d, want max_payload - 4 KiB = %d", got, 60<<10)
 	}
+	// On a server with room for more, chunks are DefaultChunkBytes.
+	big, err := NewPublisher(refittest.Connect(t, refittest.StartServer(t, refittest.WithMaxPayload(8<<20)).URL()), PublisherConfig{Model: "m"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := big.Config().ChunkBytes; got != DefaultChunkBytes {
+		t.Errorf("chunk bytes %d under a max_payload of 8 MiB, want %d", got, DefaultChunkBytes)
+	}
 	if got := p.Config().PublishTimeout; got != DefaultPublishTimeout {
 		t.Errorf("publish timeout %v", got)
 	}

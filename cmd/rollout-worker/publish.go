@@ -53,7 +53,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	only := fs.String("only", "", "publish only tensors whose name matches this Go `regexp` (a partial version)")
 	waitWorkers := fs.Int("wait-workers", 0, "after publishing, wait for this many workers' statuses")
 	timeout := fs.Duration("timeout", 5*time.Minute, "how long --wait-workers waits for the statuses")
-	chunkBytes := fs.Int("chunk-bytes", 0, "chunk size in bytes (default min(4 MiB, the server's max_payload - 4 KiB))")
+	chunkBytes := fs.Int("chunk-bytes", 0, "chunk size in bytes, at most min(4 MiB, the server's max_payload - 4 KiB) (default min(1 MiB, the server's max_payload - 4 KiB))")
 	inflight := fs.Int64("max-inflight-bytes", refit.DefaultMaxInflightBytes, "unacknowledged chunk bytes at most")
 	storage := fs.String("storage", "file", "JetStream storage of the stream and bucket: file or memory")
 	verbose := fs.Bool("v", false, "log progress (retries and warnings are always logged)")
