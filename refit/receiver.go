@@ -808,9 +808,17 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw 
 			return Manifest{}, ctx.Err()
 		case <-deadline.C:
 			return Manifest{}, fmt.Errorf("version %d: all bytes in, but no manifest after %v (publisher gone?)", v, r.cfg.ChunkTimeout)
-		case _, ok := <-updates:
+		case e, ok := <-updates:
 			if !ok {
 				updates = nil // the watcher stopped: the poll goes on
+				continue
+			}
+			// The usual case: the manifest of this version, in hand (one
+			// round trip less at the end of every version).
+			if e != nil {
+				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v {
+					return m, nil
+				}
 			}
 		case <-poll.C:
 		}
