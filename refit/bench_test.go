@@ -3,11 +3,14 @@ package refit
 import (
 	"bytes"
 	"context"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
 	"github.com/rollout-worker/rollout-worker/moe"
@@ -120,6 +123,100 @@ func BenchmarkRefitThroughput(b *testing.B) {
 			b.ReportMetric(into/raw, "ratio")
 			b.Logf("%s storage: %d bytes a version; into buffers %.0f MB/s (%.0f with the commit), raw core NATS %.0f MB/s: ratio %.2f; last phases %v",
 				storage, len(stream), into, e2e, raw, into/raw, w.r.LastStatus().PhasesMS)
+		})
+	}
+}
+
+// BenchmarkJetStreamLive is the floor under BenchmarkRefitThroughput: the
+// same bytes as bare JetStream publishes of the publisher's chunk size
+// (asynchronous, no headers, no refit work on either side), timed from the
+// first publish to the last byte at a core-NATS subscriber of the stream's
+// subjects (the refit worker's live path), next to raw core NATS measured
+// in the same iteration. A refit cannot beat its ratio: storing and
+// acknowledging each message costs the server this much before any refit
+// work (docs/REFIT.md, "Throughput").
+func BenchmarkJetStreamLive(b *testing.B) {
+	for _, storage := range []jetstream.StorageType{jetstream.FileStorage, jetstream.MemoryStorage} {
+		b.Run(strings.ToLower(storage.String()), func(b *testing.B) {
+			srv := refittest.StartServer(b, refittest.WithMaxPayload(natsembed.DefaultMaxPayload))
+			cfg, err := policy.Preset("small")
+			if err != nil {
+				b.Fatal(err)
+			}
+			dir := b.TempDir()
+			if err := policy.WriteRandomModel(dir, cfg, 1); err != nil {
+				b.Fatal(err)
+			}
+			size := len(subset(b, dir, nil)) // a refit version's bytes
+			pub, sub := refittest.Connect(b, srv.URL()), refittest.Connect(b, srv.URL())
+			js, err := jetstream.New(pub)
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx := context.Background()
+			stream, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{Name: "FLOOR", Subjects: []string{"floor.*"},
+				Storage: storage, MaxMsgSize: natsembed.DefaultMaxPayload})
+			if err != nil {
+				b.Fatal(err)
+			}
+			payload := make([]byte, DefaultChunkBytes)
+			n := (size + len(payload) - 1) / len(payload)
+			var got atomic.Int64
+			done := make(chan struct{}, 1)
+			s, err := sub.Subscribe("floor.*", func(m *nats.Msg) {
+				if got.Add(int64(len(m.Data))) == int64(n*len(payload)) {
+					done <- struct{}{}
+				}
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Unsubscribe()
+			if err := s.SetPendingLimits(-1, 256<<20); err != nil {
+				b.Fatal(err)
+			}
+			if err := sub.Flush(); err != nil {
+				b.Fatal(err)
+			}
+			var total time.Duration
+			var rawSum float64
+			iters := 0
+			for b.Loop() {
+				rawSum += rawNATS(b, srv.URL(), size)
+				iters++
+				got.Store(0)
+				subject := "floor." + strconv.Itoa(iters)
+				start := time.Now()
+				futs := make([]jetstream.PubAckFuture, 0, n)
+				for range n {
+					f, err := js.PublishMsgAsync(&nats.Msg{Subject: subject, Data: payload})
+					if err != nil {
+						b.Fatal(err)
+					}
+					futs = append(futs, f)
+				}
+				select {
+				case <-done:
+				case <-time.After(time.Minute):
+					b.Fatalf("%d of %d bytes after a minute", got.Load(), n*len(payload))
+				}
+				total += time.Since(start)
+				for _, f := range futs {
+					select {
+					case <-f.Ok():
+					case err := <-f.Err():
+						b.Fatal(err)
+					}
+				}
+				if err := stream.Purge(ctx); err != nil {
+					b.Fatal(err)
+				}
+			}
+			live := float64(n*len(payload)) * float64(iters) / total.Seconds() / 1e6
+			raw := rawSum / float64(iters)
+			b.ReportMetric(live, "js-live-MB/s")
+			b.ReportMetric(raw, "nats-MB/s")
+			b.ReportMetric(live/raw, "ratio")
 		})
 	}
 }
