@@ -268,6 +268,71 @@ func TestPublishRoundTrip(t *testing.T) {
 	}
 }
 
+// TestPublishEnsure: the stream and the bucket are made again when they
+// went missing between two versions, and settings changed behind the
+// publisher's back are put back.
+func TestPublishEnsure(t *testing.T) {
+	_, nc, p := ptSetup(t, PublisherConfig{ChunkBytes: 1000}, nil)
+	ctx := ptContext(t, 10*time.Second)
+	js, _ := jetstream.New(nc)
+	src := ptStream(t, 3, 40)
+	publish := func(v uint64) {
+		t.Helper()
+		m, err := p.Publish(ctx, v, bytes.NewReader(src), int64(len(src)), true)
+		if err != nil {
+			t.Fatalf("version %d: %v", v, err)
+		}
+		ptCheckVersion(t, nc, m, src, 1000)
+	}
+	publish(1)
+	for _, tc := range []struct {
+		name   string
+		change func() error
+	}{
+		{"bucket deleted", func() error { return js.DeleteKeyValue(ctx, BucketName("tiny")) }},
+		{"stream deleted", func() error { return js.DeleteStream(ctx, StreamName("tiny")) }},
+		{"stream settings changed", func() error {
+			cfg := p.streamConfig()
+			cfg.Description, cfg.MaxMsgSize = "someone else's", 2000
+			_, err := js.UpdateStream(ctx, cfg)
+			return err
+		}},
+	} {
+		if err := tc.change(); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		v := uint64(2)
+		if m, err := ParseManifest(ptBucketValueOrNil(t, nc, "tiny", KeyManifest)); err == nil {
+			v = m.Version + 1
+		}
+		publish(v)
+		s, err := js.Stream(ctx, StreamName("tiny"))
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if !sameStreamSettings(s.CachedInfo().Config, p.streamConfig()) {
+			t.Errorf("%s: stream settings %+v after a publish", tc.name, s.CachedInfo().Config)
+		}
+	}
+}
+
+// ptBucketValueOrNil reads key of the model's bucket, nil if it is not
+// there.
+func ptBucketValueOrNil(t *testing.T, nc *nats.Conn, model, key string) []byte {
+	t.Helper()
+	ctx := ptContext(t, 5*time.Second)
+	js, _ := jetstream.New(nc)
+	kv, err := js.KeyValue(ctx, BucketName(model))
+	if err != nil {
+		return nil
+	}
+	e, err := kv.Get(ctx, key)
+	if err != nil {
+		return nil
+	}
+	return e.Value()
+}
+
 func TestPublishWindowDefaults(t *testing.T) {
 	srv := refittest.StartServer(t, refittest.WithMaxPayload(64<<10))
 	nc := refittest.Connect(t, srv.URL())
@@ -659,7 +724,7 @@ func TestPublishGivesUpWithContext(t *testing.T) {
 	}
 	// Before the stream: the JetStream calls give up too.
 	_, err = p.Publish(ptContext(t, 300*time.Millisecond), 2, bytes.NewReader(src), int64(len(src)), true)
-	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "create or update stream") {
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "look up stream") {
 		t.Errorf("server down: %v", err)
 	}
 }
