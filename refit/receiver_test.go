@@ -785,8 +785,13 @@ func TestRefitNoLeakOnRejection(t *testing.T) {
 	// The live path misses chunk 1 of every version: the rest, and the
 	// rejection, come by the stream's consumer.
 	w.r.liveHook = func(msg *nats.Msg) bool { return chunkSeq(msg) == 1 }
+	// Versions 4 and 5 are protocol 1, whose SHA-256 has a goroutine.
 	for v := uint64(2); v <= 5; v++ {
-		rawPublish(t, srv.URL(), v, setBF16(t, good, "model.layers.0.mlp.experts.0.gate_proj.weight", 1, float32(math.NaN())), false, 1, 2048, -1, nil)
+		protocol := ProtocolVersion
+		if v >= 4 {
+			protocol = Protocol1
+		}
+		rawPublishProtocol(t, protocol, srv.URL(), v, setBF16(t, good, "model.layers.0.mlp.experts.0.gate_proj.weight", 1, float32(math.NaN())), false, 1, 2048, -1, nil)
 		if st := w.waitStatus(t, v); st.State != StateRejected {
 			t.Fatalf("version %d: %+v", v, st)
 		}
