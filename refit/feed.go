@@ -393,9 +393,10 @@ func versionOfSubject(model, subject string) (uint64, bool) {
 
 // digester computes the SHA-256 of a protocol-1 version on its own
 // goroutine, so that the costliest per-byte step of such a version runs
-// beside the receive loop (on another core) rather than in it. The slices it is given must not change afterwards
-// (chunk payloads are not reused). The receive call that makes it owns it
-// and must call close; at most depth slices wait to be hashed.
+// beside the receive loop (on another core) rather than in it. The slices
+// it is given must not change afterwards (chunk payloads are not reused).
+// The receive call that makes it owns it and must call close; at most
+// depth slices wait to be hashed.
 type digester struct {
 	in    chan []byte
 	out   chan [sha256.Size]byte
