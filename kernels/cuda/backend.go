@@ -60,9 +60,15 @@ type Backend struct {
 	arrive drv.DevicePtr // grid-barrier counters of quant_stack, arriveWords of them
 	coop   int           // quant_stack blocks per launch (all resident at once)
 	// quantGroups is the number of block groups quant_stack runs (matrices
-	// in flight at once); 0 takes the three-kernel path (amax, blocks,
-	// scales) instead. Tests compare them.
+	// in flight at once); 0, the default, takes the three-kernel path
+	// (amax, blocks, scales) instead: it reads the BF16 stack twice, but
+	// both passes stream at full width, and on the H200 it measured faster
+	// than every quant_stack setting (docs/MOE.md, "Requantization"). Tests
+	// compare them.
 	quantGroups int
+	// quantAhead makes quant_stack take the next matrix's amax before it
+	// waits at this one's barrier. Tests compare both.
+	quantAhead bool
 	// fp4Staged selects the staged NVFP4 x NVFP4 GEMM (grouped_gemm_fp4_*:
 	// both operands dequantized into shared memory) instead of the
 	// streamed one (gemm_fp4_stream_*). Tests time them side by side.
@@ -153,7 +159,6 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 			return err
 		}
 		be.coop = max(1, perSM) * be.info.SMs
-		be.quantGroups = 4
 		for i := range be.pinned {
 			if be.pinned[i], err = c.HostAlloc(cfg.StagingBytes); err != nil {
 				return err

@@ -3,6 +3,7 @@ package cuda
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"sync"
@@ -85,7 +86,8 @@ func TestMoE(t *testing.T) {
 
 // TestQuantizeAllBF16 quantizes every finite BF16 value, shuffled into rows
 // of 272 (17 blocks, so blocks mix magnitudes), on the GPU and with the CPU
-// backend, in both modes: bit for bit.
+// backend, in both modes (per matrix, on every GPU path), with and without
+// padding: bit for bit.
 func TestQuantizeAllBF16(t *testing.T) {
 	be := gpu(t)
 	ref, err := cpu.New(cpu.Config{}, nil)
@@ -110,54 +112,82 @@ func TestQuantizeAllBF16(t *testing.T) {
 		}
 	}
 	src := kernels.Uint16Bytes(vals)
+	// Per matrix, every GPU path: the three kernels and quant_stack.
+	type path struct {
+		groups int
+		ahead  bool
+	}
+	defGroups, defAhead := be.quantGroups, be.quantAhead
+	t.Cleanup(func() { be.quantGroups, be.quantAhead = defGroups, defAhead })
 	for _, mode := range []kernels.QuantMode{kernels.PerRow, kernels.PerMatrix} {
-		for _, kp := range []int{k, k + 48} {
-			var outs [2][3][]byte
-			for i, b := range []kernels.Backend{be, ref} {
-				shape := []int{rows, k}
-				lead := []int{rows}
-				nscale := rows
-				if mode == kernels.PerMatrix {
-					shape = []int{rows / 41, 41, k} // 41 rows per matrix
-					lead = []int{rows / 41, 41}
-					nscale = rows / 41
-				}
-				n := 1
-				for _, d := range shape {
-					n *= d
-				}
-				s := moetest.Alloc(t, b, kernels.BF16, shape...)
-				if err := b.Upload(s, 0, src[:2*n]); err != nil {
-					t.Fatal(err)
-				}
-				q := kernels.NVFP4{
-					Packed: moetest.Alloc(t, b, kernels.U8, append(lead, kp/2)...),
-					Scales: moetest.Alloc(t, b, kernels.U8, append(lead, kp/16)...),
-					Scale:  moetest.Alloc(t, b, kernels.F32, nscale),
-				}
-				if err := b.Quantize(kernels.QuantizeArgs{Src: s, Dst: q, Mode: mode}); err != nil {
-					t.Fatal(err)
-				}
-				if err := b.Sync(); err != nil {
-					t.Fatal(err)
-				}
-				for j, buf := range []*kernels.Buffer{q.Packed, q.Scales, q.Scale} {
-					outs[i][j] = make([]byte, buf.Size())
-					if err := b.Download(outs[i][j], buf, 0); err != nil {
-						t.Fatal(err)
-					}
-				}
-			}
-			for j, name := range []string{"packed", "scales", "scale"} {
-				if !bytes.Equal(outs[0][j], outs[1][j]) {
-					i := 0
-					for outs[0][j][i] == outs[1][j][i] {
-						i++
-					}
-					t.Errorf("%s kp=%d: %s differ first at byte %d: gpu %#02x, cpu %#02x", mode, kp, name, i, outs[0][j][i], outs[1][j][i])
-				}
-			}
-			t.Logf("%s kp=%d: %d values, packed/scales/scale equal to the CPU", mode, kp, len(vals))
+		paths := []path{{defGroups, defAhead}}
+		if mode == kernels.PerMatrix {
+			paths = []path{{0, false}, {4, false}, {4, true}, {8, false}, {8, true}}
 		}
+		for _, p := range paths {
+			be.quantGroups, be.quantAhead = p.groups, p.ahead
+			name := "default"
+			switch {
+			case mode == kernels.PerMatrix && p.groups == 0:
+				name = "three kernels"
+			case mode == kernels.PerMatrix:
+				name = fmt.Sprintf("quant_stack, %d groups, ahead %v", p.groups, p.ahead)
+			}
+			testQuantizeAll(t, be, ref, mode, name, src, vals, rows, k)
+		}
+	}
+}
+
+// testQuantizeAll quantizes vals (rows of k) on be and ref in mode, with
+// kp = k and a padded kp, and compares the copies bit for bit.
+func testQuantizeAll(t *testing.T, be, ref kernels.Backend, mode kernels.QuantMode, path string, src []byte, vals []uint16, rows, k int) {
+	t.Helper()
+	for _, kp := range []int{k, k + 48} {
+		var outs [2][3][]byte
+		for i, b := range []kernels.Backend{be, ref} {
+			shape := []int{rows, k}
+			lead := []int{rows}
+			nscale := rows
+			if mode == kernels.PerMatrix {
+				shape = []int{rows / 41, 41, k} // 41 rows per matrix
+				lead = []int{rows / 41, 41}
+				nscale = rows / 41
+			}
+			n := 1
+			for _, d := range shape {
+				n *= d
+			}
+			s := moetest.Alloc(t, b, kernels.BF16, shape...)
+			if err := b.Upload(s, 0, src[:2*n]); err != nil {
+				t.Fatal(err)
+			}
+			q := kernels.NVFP4{
+				Packed: moetest.Alloc(t, b, kernels.U8, append(lead, kp/2)...),
+				Scales: moetest.Alloc(t, b, kernels.U8, append(lead, kp/16)...),
+				Scale:  moetest.Alloc(t, b, kernels.F32, nscale),
+			}
+			if err := b.Quantize(kernels.QuantizeArgs{Src: s, Dst: q, Mode: mode}); err != nil {
+				t.Fatal(err)
+			}
+			if err := b.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			for j, buf := range []*kernels.Buffer{q.Packed, q.Scales, q.Scale} {
+				outs[i][j] = make([]byte, buf.Size())
+				if err := b.Download(outs[i][j], buf, 0); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		for j, name := range []string{"packed", "scales", "scale"} {
+			if !bytes.Equal(outs[0][j], outs[1][j]) {
+				i := 0
+				for outs[0][j][i] == outs[1][j][i] {
+					i++
+				}
+				t.Errorf("%s (%s) kp=%d: %s differ first at byte %d: gpu %#02x, cpu %#02x", mode, path, kp, name, i, outs[0][j][i], outs[1][j][i])
+			}
+		}
+		t.Logf("%s (%s) kp=%d: %d values, packed/scales/scale equal to the CPU", mode, path, kp, len(vals))
 	}
 }

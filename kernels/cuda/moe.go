@@ -361,7 +361,7 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 			blocksPer := s.Rows * (s.Kp / 16)
 			for m0 := 0; m0 < s.Mats; m0 += 65535 {
 				n := min(65535, s.Mats-m0)
-				if err := be.launch("quant_blocks", drv.Dim3{X: min((blocksPer+255)/256, 1<<20), Y: n}, drv.Dim3{X: 256}, 0,
+				if err := be.launch("quant_blocks", drv.Dim3{X: min((blocksPer+quantBlocksPerThread*256-1)/(quantBlocksPerThread*256), 1<<20), Y: n}, drv.Dim3{X: 256}, 0,
 					ptr(a.Src).Add(2*m0*per), ptr(a.Dst.Packed).Add(m0*s.Rows*s.Kp/2), ptr(a.Dst.Scales).Add(m0*s.Rows*s.Kp/16),
 					ptr(a.Dst.Scale).Add(4*m0), uint32(blocksPer), int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
 					return err
@@ -382,6 +382,10 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 // most matrices one Quantize call fuses (more fall back to three kernels).
 const arriveWords = 16384
 
+// quantBlocksPerThread is about how many 16-element blocks a quant_blocks
+// thread takes: enough to spread its per-matrix scale arithmetic.
+const quantBlocksPerThread = 8
+
 // quantStackThreads is quant_stack's block size.
 const quantStackThreads = 512
 
@@ -399,11 +403,15 @@ func (be *Backend) quantStack(a kernels.QuantizeArgs, s kernels.QuantizeShape, v
 	// groups equal groups of blocks, each no larger than its work (a thread
 	// takes a block of 16), all resident at once.
 	groups := min(be.quantGroups, s.Mats)
+	ahead := int32(0)
+	if be.quantAhead {
+		ahead = 1
+	}
 	per := max(1, min(be.coop/groups, (s.Rows*s.Kp/16+quantStackThreads-1)/quantStackThreads))
 	grid := groups * per
 	if err := f.LaunchCooperative(drv.Dim3{X: grid}, drv.Dim3{X: quantStackThreads}, 0, be.stream,
 		ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), be.arrive,
-		int32(s.Mats), int32(s.Rows), int32(s.K), int32(s.Kp), vec, int32(groups)); err != nil {
+		int32(s.Mats), int32(s.Rows), int32(s.K), int32(s.Kp), vec, int32(groups), ahead); err != nil {
 		return err
 	}
 	return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0, ptr(a.Dst.Scale), int32(s.Mats))

@@ -65,14 +65,22 @@ func TestRequantizeLayer(t *testing.T) {
 	// Every path: timed (a measurement: TARGETS.md asks <= 400µs, docs/MOE.md
 	// records where it stands), then its copies checked bit for bit (the
 	// behaviour), so a wrong path cannot hide behind the default one.
-	def := be.quantGroups
-	t.Cleanup(func() { be.quantGroups = def })
-	for _, groups := range []int{0, 1, 2, 8, def} {
-		path := fmt.Sprintf("fused quant_stack, %d groups", groups)
-		if groups == 0 {
-			path = "three kernels"
+	defGroups, defAhead := be.quantGroups, be.quantAhead
+	t.Cleanup(func() { be.quantGroups, be.quantAhead = defGroups, defAhead })
+	type path struct {
+		groups int
+		ahead  bool
+	}
+	for _, p := range []path{{0, false}, {1, false}, {2, false}, {2, true}, {4, false}, {4, true}, {8, false}, {8, true},
+		{defGroups, defAhead}} {
+		name := fmt.Sprintf("fused quant_stack, %d groups, ahead %v", p.groups, p.ahead)
+		switch {
+		case p.groups == 0:
+			name = "three kernels"
+		case p == path{defGroups, defAhead}:
+			name += " (the default)"
 		}
-		be.quantGroups = groups
+		be.quantGroups, be.quantAhead = p.groups, p.ahead
 		for _, r := range refs { // nothing left over from the previous path
 			if err := be.Zero(r.b); err != nil {
 				t.Fatal(err)
@@ -86,14 +94,14 @@ func TestRequantizeLayer(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Logf("requantize 32 experts %dx%d, %s: %v per layer (mean of %d), floor %v (%.0f MB at 4.3 TB/s): %.2fx the floor, %.2f TB/s",
-			H, I, path, d, iters, floor, bytesMoved/1e6, float64(d)/float64(floor), bytesMoved/d.Seconds()/1e12)
+			H, I, name, d, iters, floor, bytesMoved/1e6, float64(d)/float64(floor), bytesMoved/d.Seconds()/1e12)
 		for _, r := range refs {
 			got := make([]byte, r.b.Size())
 			if err := be.Download(got, r.b, 0); err != nil {
 				t.Fatal(err)
 			}
 			if !bytes.Equal(got, r.want) {
-				t.Fatalf("%s: %s differ from internal/nvfp4", path, r.name)
+				t.Fatalf("%s: %s differ from internal/nvfp4", name, r.name)
 			}
 		}
 	}
@@ -109,10 +117,12 @@ func TestRequantizeLayer(t *testing.T) {
 // TestFastCodec holds the conversions the quantizers use to the software
 // codec that matches internal/nvfp4, over every FP32 input: the E4M3
 // conversion instructions (cvt.rn.satfinite.e4m3x2.f32,
-// cvt.rn.f16x2.e4m3x2) for block scales, and e2m1_fast for elements.
+// cvt.rn.f16x2.e4m3x2) for block scales, e2m1_fast for elements, and the
+// quantizers' packed element loop (e2m1_pack8) over every pair of BF16
+// values at three element scales.
 func TestFastCodec(t *testing.T) {
 	be := gpu(t)
-	bad := moetest.Alloc(t, be, kernels.I32, 5)
+	bad := moetest.Alloc(t, be, kernels.I32, 7)
 	if err := be.Zero(bad); err != nil {
 		t.Fatal(err)
 	}
@@ -121,7 +131,7 @@ func TestFastCodec(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	got := make([]byte, 20)
+	got := make([]byte, 28)
 	if err := be.Download(got, bad, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -135,7 +145,10 @@ func TestFastCodec(t *testing.T) {
 	if w(4) != 0 {
 		t.Errorf("e4m3_value differs from e4m3_decode on %d of 256 bytes", w(4))
 	}
+	if w(5) != 0 {
+		t.Errorf("e2m1_pack8 differs from e2m1_encode on %d of 3 x 2^32 packed inputs (one: BF16 pair %#08x)", w(5), w(6))
+	}
 	if !t.Failed() {
-		t.Logf("E4M3 conversion instructions and e2m1_fast equal the software codec on all 2^32 FP32 inputs (and 256 bytes)")
+		t.Logf("E4M3 conversion instructions and e2m1_fast equal the software codec on all 2^32 FP32 inputs (and 256 bytes), e2m1_pack8 on every BF16 pair at three scales")
 	}
 }

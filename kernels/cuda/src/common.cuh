@@ -171,27 +171,83 @@ __device__ __forceinline__ unsigned e2m1_fast(float x) {
     return (__float_as_uint(__fadd_rn(a, __uint_as_float(m))) - n) | ((__float_as_uint(x) >> 28) & 8u);
 }
 
+// prmt is PTX prmt.b32 in its default mode: byte n of the result is byte
+// (s_n & 7) of the pair {b, a} (a holds bytes 0-3), where s_n is nibble n
+// of s; with bit 3 of s_n set, that byte's sign bit fills the whole byte.
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+
+// e2m1_pack8 returns the E2M1 codes of the 8 BF16 values in w[0..3]
+// (element 2i in the low half of w[i]) times enc, packed as NVFP4 stores
+// them (element e in nibble e). It is e2m1_fast with the bookkeeping folded
+// into the packing: code magnitude e is bits(a + M) - n (n linear in the
+// exponent field, see e2m1_fast) and lies in 0..7, so the sum of the
+// differences shifted by 4e is exact modulo 2^32 and each term can be
+// added as it comes (two multiply-adds an element, the constant parts of
+// n once a word). The signs are those of the inputs (enc > 0, so the
+// products have them): the high byte of each BF16 value, sign-replicated
+// and gathered by four byte permutes, masked into bits 3 and 7 of each
+// byte. keep is all ones, or zero when enc is NaN (then every product is
+// the device's positive NaN and e2m1_fast gives unsigned codes).
+__device__ __forceinline__ unsigned e2m1_pack8(const unsigned w[4], float enc, unsigned keep) {
+    unsigned acc = 0;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        const unsigned word = w[e / 2];
+        const float x = __uint_as_float(e % 2 ? word & 0xffff0000u : word << 16);
+        const float a = fminf(fabsf(__fmul_rn(x, enc)), 6.0f); // min.f32 returns 6 for NaN
+        const unsigned ex = max(__float_as_uint(a) >> 23, 127u);
+        const unsigned bits = __float_as_uint(__fadd_rn(a, __uint_as_float(ex * (1u << 23) + 0x0B400000u)));
+        acc += (bits << (4 * e)) - ex * (((1u << 23) - 2u) << (4 * e));
+    }
+    acc -= 0x0B4000FEu * 0x11111111u; // the constant part of n in every nibble
+    // Sign bytes: t0 = [s0 s2 s1 s3], t1 = [s4 s6 s5 s7] (sk: element k's
+    // sign over a whole byte), then the even and the odd ones in order.
+    const unsigned t0 = prmt(w[0], w[1], 0xFBD9u), t1 = prmt(w[2], w[3], 0xFBD9u);
+    return acc | (prmt(t0, t1, 0x5410u) & (keep & 0x08080808u)) | (prmt(t0, t1, 0x7632u) & (keep & 0x80808080u));
+}
+
+// block_amax returns the largest BF16 magnitude (as bits) of 16 values
+// given as 8 words of two.
+__device__ __forceinline__ unsigned block_amax(const unsigned w[8]) {
+    unsigned m[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) m[i] = __vmaxu2(w[2 * i] & 0x7fff7fffu, w[2 * i + 1] & 0x7fff7fffu);
+    const unsigned v = __vmaxu2(__vmaxu2(m[0], m[1]), __vmaxu2(m[2], m[3]));
+    return max(v & 0xffffu, v >> 16);
+}
+
+// block_sf returns the E4M3 scale byte of a block whose largest magnitude
+// is vm, given RN(S_enc * INV6): RN(min(vm * sencinv6, FLT_MAX)) in E4M3.
+// It is below 0x80: the product is not negative, and NaN gives 0x7F.
+__device__ __forceinline__ unsigned block_sf(unsigned vm, float sencinv6) {
+    return e4m3_satfinite(min32(__fmul_rn(bf2f((bf16_t)vm), sencinv6), FLT_MAX_F));
+}
+
+// block_enc returns a block's element scale enc = min(RN(1 / RN(E4M3(sf)
+// * S_dec)), FLT_MAX); sf = 0 gives 1/0 = Inf, so FLT_MAX.
+__device__ __forceinline__ float block_enc(unsigned sf, float sdec) {
+    return min32(__fdiv_rn(1.0f, __fmul_rn(e4m3_value(sf), sdec)), FLT_MAX_F);
+}
+
+// quant_elems writes the 16 codes of the block in w (scaled by enc) as two
+// 32-bit words of packed bytes.
+__device__ __forceinline__ void quant_elems(const unsigned w[8], float enc, unsigned *lo, unsigned *hi) {
+    const unsigned keep = enc == enc ? ~0u : 0u;
+    *lo = e2m1_pack8(w, enc, keep);
+    *hi = e2m1_pack8(w + 4, enc, keep);
+}
+
 // quant_block quantizes 16 BF16 values, given as 8 words of two (element
 // 2i in the low half of w[i]; zero-padded by the caller), with
 // RN(S_enc*INV6) = sencinv6 and S_dec: it returns the scale byte and writes
 // 8 packed bytes as two 32-bit words.
 __device__ __forceinline__ unsigned quant_block(const unsigned w[8], float sencinv6, float sdec, unsigned *lo, unsigned *hi) {
-    unsigned m2 = 0;
-#pragma unroll
-    for (int i = 0; i < 8; i++) m2 = __vmaxu2(m2, w[i] & 0x7fff7fffu);
-    const unsigned vm = max(m2 & 0xffffu, m2 >> 16);
-    float sdb = min32(__fmul_rn(bf2f((bf16_t)vm), sencinv6), FLT_MAX_F);
-    unsigned sf = e4m3_satfinite(sdb);
-    float enc = min32(__fdiv_rn(1.0f, __fmul_rn(e4m3_value(sf), sdec)), FLT_MAX_F);
-    unsigned q[2] = {0, 0};
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const unsigned c0 = e2m1_fast(__fmul_rn(__uint_as_float(w[i] << 16), enc));
-        const unsigned c1 = e2m1_fast(__fmul_rn(__uint_as_float(w[i] & 0xffff0000u), enc));
-        q[i / 4] |= (c0 | c1 << 4) << (8 * (i % 4));
-    }
-    *lo = q[0];
-    *hi = q[1];
+    const unsigned sf = block_sf(block_amax(w), sencinv6);
+    quant_elems(w, block_enc(sf, sdec), lo, hi);
     return sf;
 }
 

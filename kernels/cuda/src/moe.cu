@@ -8,32 +8,30 @@ extern "C" __global__ void fill_u32(unsigned *p, int n, unsigned v) {
 
 // ---- Quantize ----
 
-// amax8 returns the largest BF16 magnitude (as bits) of eight packed values.
-__device__ __forceinline__ unsigned amax8(uint4 q) {
-    unsigned w = __vmaxu2(__vmaxu2(q.x & 0x7fff7fffu, q.y & 0x7fff7fffu), __vmaxu2(q.z & 0x7fff7fffu, q.w & 0x7fff7fffu));
-    return max(w & 0xffffu, w >> 16);
-}
-
 // amax_span returns the largest BF16 magnitude (as bits) of n values at m
 // that a thread takes from index i0 in steps of stride: with vec (n % 8 ==
-// 0, 16-byte aligned) eight values a load, four loads in flight.
+// 0, 16-byte aligned) eight values a load, four loads in flight, and the
+// two halves of a packed maximum folded once at the end.
 __device__ __forceinline__ unsigned amax_span(const bf16_t *m, long long n, long long i0, long long stride, int vec) {
     unsigned v = 0;
     long long i = i0;
     if (vec) {
         const uint4 *p = reinterpret_cast<const uint4 *>(m);
         const long long n8 = n / 8;
+        auto fold = [&](uint4 q) {
+            v = __vmaxu2(v, __vmaxu2(__vmaxu2(q.x & 0x7fff7fffu, q.y & 0x7fff7fffu), __vmaxu2(q.z & 0x7fff7fffu, q.w & 0x7fff7fffu)));
+        };
         for (; i + 3 * stride < n8; i += 4 * stride) {
             uint4 q[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) q[u] = p[i + u * stride];
 #pragma unroll
-            for (int u = 0; u < 4; u++) v = max(v, amax8(q[u]));
+            for (int u = 0; u < 4; u++) fold(q[u]);
         }
-        for (; i < n8; i += stride) v = max(v, amax8(p[i]));
-    } else {
-        for (; i < n; i += stride) v = max(v, (unsigned)(m[i] & 0x7fff));
+        for (; i < n8; i += stride) fold(p[i]);
+        return max(v & 0xffffu, v >> 16);
     }
+    for (; i < n; i += stride) v = max(v, (unsigned)(m[i] & 0x7fff));
     return v;
 }
 
@@ -88,6 +86,49 @@ __device__ __forceinline__ void quant_store(const bf16_t *src, unsigned char *pa
     scales[row * (kp / 16) + b] = (unsigned char)sf;
 }
 
+// Per-matrix quantization (one global scale for a whole matrix) takes a
+// block's element scale from a table: with S_dec fixed, enc depends on the
+// scale byte alone, so the block-wide threads fill its 128 entries once a
+// matrix (the IEEE division then runs 128 times, not once a block).
+#define ENC_TABLE 128
+
+__device__ __forceinline__ void fill_enc_table(float *tab, float sdec) {
+    for (int i = threadIdx.x; i < ENC_TABLE; i += blockDim.x) tab[i] = block_enc(i, sdec);
+}
+
+// quant_matrix_blocks quantizes 16-element blocks j0, j0 + step, ... (below
+// blocksPer) of the matrix at src (rows of k values, padded to kp), with
+// the matrix's RN(S_enc * INV6) and enc table. A matrix without padding
+// (k == kp, vec) is one flat run of blocks: block j is 32 bytes at 32j, its
+// codes 8 bytes at 8j and its scale byte at j, no row arithmetic.
+__device__ __forceinline__ void quant_matrix_blocks(const bf16_t *src, unsigned char *packed, unsigned char *scales, unsigned j0,
+                                                    unsigned step, unsigned blocksPer, int k, int kp, int vec, float sencinv6,
+                                                    const float *tab) {
+    const unsigned nb = (unsigned)kp / 16;
+    const bool flat = vec && k == kp;
+    for (unsigned j = j0; j < blocksPer; j += step) {
+        unsigned w[8];
+        unsigned char *pk, *sc;
+        if (flat) {
+            const uint4 p0 = reinterpret_cast<const uint4 *>(src)[2 * j], p1 = reinterpret_cast<const uint4 *>(src)[2 * j + 1];
+            w[0] = p0.x, w[1] = p0.y, w[2] = p0.z, w[3] = p0.w;
+            w[4] = p1.x, w[5] = p1.y, w[6] = p1.z, w[7] = p1.w;
+            pk = packed + 8ull * j;
+            sc = scales + j;
+        } else {
+            const unsigned r = j / nb, b = j - r * nb;
+            load_block(w, src + (long long)r * k, (int)b, k, vec);
+            pk = packed + (long long)r * (kp / 2) + 8 * b;
+            sc = scales + (long long)r * nb + b;
+        }
+        const unsigned sf = block_sf(block_amax(w), sencinv6);
+        unsigned lo, hi;
+        quant_elems(w, tab[sf & (ENC_TABLE - 1)], &lo, &hi);
+        *reinterpret_cast<uint2 *>(pk) = make_uint2(lo, hi);
+        *sc = (unsigned char)sf;
+    }
+}
+
 // quant_rows is the per-token recipe: one row per block, with the row's own
 // global scale. The block takes the row's amax (an order-free max), then
 // quantizes blocks t, t+blockDim, ... in thread t, and writes the row's
@@ -111,71 +152,79 @@ extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, 
 // scale per matrix in a single cooperative launch, matrix by matrix: all
 // blocks of a group take matrix m's amax (order-free atomic max into
 // amax[m]), meet at a barrier (arrive[m] counts the group's blocks), then
-// quantize m, one 16-element block per thread, while its BF16 values are
-// still in L2 from the amax pass. It was meant to read the BF16 stack from
-// memory once; measured, it is no faster than the three-kernel path (the
-// rounding chain is the limit; docs/MOE.md). amax and arrive are zeroed
-// before the launch; quant_scales turns amax into S_dec after it.
+// quantize m, one 16-element block per thread and step, while its BF16
+// values may still be in L2 from the amax pass. With ahead, a block takes
+// its part of the next matrix's amax before it waits for this one's
+// barrier, so the wait overlaps work (and two matrices a group are in L2).
+// Measured on the H200 it is slower than the three kernels (quant_amax,
+// quant_blocks, quant_scales), which read the stack twice but at full
+// width: it is no longer the default, and the tests keep comparing them.
+// amax and arrive are zeroed before the launch; quant_scales turns amax
+// into S_dec after it.
 extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src, unsigned char *packed, unsigned char *scales,
                                                              unsigned *amax, unsigned *arrive, int mats, int rowsPerMat,
-                                                             int k, int kp, int vec, int groups) {
+                                                             int k, int kp, int vec, int groups, int ahead) {
     __shared__ unsigned scratch[32];
     __shared__ unsigned s_amax;
+    __shared__ float s_enc[ENC_TABLE];
     // Block group g (of `groups` equal groups) takes matrices g, g+groups,
     // ...: groups at different phases overlap the memory-bound amax pass of
     // one matrix with the compute-bound quantization of another, and only
-    // `groups` matrices are in L2 at a time.
+    // a few matrices are in L2 at a time.
     const int G = gridDim.x / groups, g = blockIdx.x / G;
     if (g >= groups) return; // the remainder of an uneven grid
     const long long per = (long long)rowsPerMat * k;
     const long long nthreads = (long long)G * blockDim.x;
     const long long gtid = (long long)(blockIdx.x - g * G) * blockDim.x + threadIdx.x;
-    const int nb = kp / 16;
-    const long long blocksPer = (long long)rowsPerMat * nb; // below 2^32: the host checks
-    for (int m = g; m < mats; m += groups) {
-        unsigned v = amax_span(src + (long long)m * per, per, gtid, nthreads, vec);
-        v = block_reduce(v, scratch, OpMax());
+    const long long blocksPer = (long long)rowsPerMat * (kp / 16); // below 2^31: the host checks
+    // arrive_amax adds this block's part of matrix m's amax and counts the
+    // block in; block_reduce's barriers also end every thread's use of
+    // s_enc and s_amax for the matrix before.
+    auto arrive_amax = [&](int m) {
+        const unsigned v = block_reduce(amax_span(src + (long long)m * per, per, gtid, nthreads, vec), scratch, OpMax());
         if (threadIdx.x == 0) {
             atomicMax(&amax[m], v << 16);
             __threadfence();
             atomicAdd(&arrive[m], 1u);
+        }
+    };
+    if (g < mats) arrive_amax(g);
+    for (int m = g; m < mats; m += groups) {
+        const int next = m + groups;
+        if (ahead && next < mats) arrive_amax(next);
+        if (threadIdx.x == 0) {
             while (atomicAdd(&arrive[m], 0u) < (unsigned)G) __nanosleep(32);
             s_amax = atomicAdd(&amax[m], 0u);
         }
         __syncthreads();
         float senc, sdec;
         encode_scale(__uint_as_float(s_amax), &senc, &sdec);
-        const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
-        for (unsigned j = (unsigned)gtid; j < (unsigned)blocksPer; j += (unsigned)nthreads) {
-            const unsigned r = j / (unsigned)nb;
-            quant_store(src, packed, scales, (long long)m * rowsPerMat + r, (int)(j - r * nb), k, kp, vec, sencinv6, sdec);
-        }
+        fill_enc_table(s_enc, sdec);
+        __syncthreads();
+        quant_matrix_blocks(src + (long long)m * per, packed + (long long)m * rowsPerMat * (kp / 2),
+                            scales + (long long)m * rowsPerMat * (kp / 16), (unsigned)gtid, (unsigned)nthreads, (unsigned)blocksPer, k,
+                            kp, vec, __fmul_rn(senc, NVFP4_INV6), s_enc);
+        if (!ahead && next < mats) arrive_amax(next);
     }
 }
 
 // quant_blocks quantizes matrix blockIdx.y (of rowsPerMat rows, blocksPer
 // = rowsPerMat * kp/16 16-element blocks) with its global scale, one block
-// per thread: coalesced 32-byte reads, 8-byte writes. amax[m] holds the
-// matrix amax as FP32 bits; thread 0 turns it into the scales once (two
-// IEEE divisions), and a block index splits by a 32-bit division: the
-// per-block bookkeeping stays small beside the 16 elements' rounding.
+// per thread and step: coalesced 32-byte reads, 8-byte writes. amax[m]
+// holds the matrix amax as FP32 bits; each thread turns it into the scales
+// (two IEEE divisions, spread over the several blocks it takes) and the
+// block fills the enc table once.
 extern "C" __global__ void quant_blocks(const bf16_t *src, unsigned char *packed, unsigned char *scales, const unsigned *amax,
                                         unsigned blocksPer, int rowsPerMat, int k, int kp, int vec) {
-    __shared__ float s_scale[2];
+    __shared__ float s_enc[ENC_TABLE];
     const int m = blockIdx.y;
-    if (threadIdx.x == 0) {
-        float senc, sdec;
-        encode_scale(__uint_as_float(amax[m]), &senc, &sdec);
-        s_scale[0] = __fmul_rn(senc, NVFP4_INV6);
-        s_scale[1] = sdec;
-    }
+    float senc, sdec;
+    encode_scale(__uint_as_float(amax[m]), &senc, &sdec);
+    fill_enc_table(s_enc, sdec);
     __syncthreads();
-    const float sencinv6 = s_scale[0], sdec = s_scale[1];
-    const unsigned nb = (unsigned)kp / 16;
-    for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < blocksPer; j += gridDim.x * blockDim.x) {
-        const unsigned r = j / nb;
-        quant_store(src, packed, scales, (long long)m * rowsPerMat + r, (int)(j - r * nb), k, kp, vec, sencinv6, sdec);
-    }
+    quant_matrix_blocks(src + (long long)m * rowsPerMat * k, packed + (long long)m * rowsPerMat * (kp / 2),
+                        scales + (long long)m * rowsPerMat * (kp / 16), blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x,
+                        blocksPer, k, kp, vec, __fmul_rn(senc, NVFP4_INV6), s_enc);
 }
 
 // check_codec counts, over every FP32 bit pattern x = blockIdx.x * 2^16 +
@@ -183,9 +232,13 @@ extern "C" __global__ void quant_blocks(const bf16_t *src, unsigned char *packed
 // that matches internal/nvfp4: bad[0] for e4m3_satfinite vs e4m3_encode
 // (NaN with the sign bit set excepted: quant_block never passes one),
 // bad[2] for e2m1_fast vs e2m1_encode, bad[4] for e4m3_value vs
-// e4m3_decode over the 256 bytes; bad[1] and bad[3] keep an input that
-// differed. A self-check run by the tests.
+// e4m3_decode over the 256 bytes; bad[5] for e2m1_pack8 vs e2m1_encode of
+// each product, with x read as a pair of BF16 values (every pair, each
+// sign, both halves; NaN elements excepted) at three element scales;
+// bad[1], bad[3] and bad[6] keep an input that differed. A self-check run
+// by the tests.
 extern "C" __global__ void check_codec(unsigned *bad) {
+    const float encs[3] = {1.0f, 0.3713f, 1.0e-3f};
     for (unsigned i = threadIdx.x; i < 65536u; i += blockDim.x) {
         const unsigned x = (blockIdx.x << 16) | i;
         const float f = __uint_as_float(x);
@@ -197,6 +250,23 @@ extern "C" __global__ void check_codec(unsigned *bad) {
         if (e2m1_fast(f) != e2m1_encode(f)) {
             atomicAdd(&bad[2], 1u);
             bad[3] = x;
+        }
+        const unsigned w[4] = {x, x ^ 0x80008000u, (x >> 16) | (x << 16), x ^ 0x80000000u};
+#pragma unroll
+        for (int s = 0; s < 3; s++) {
+            const unsigned got = e2m1_pack8(w, encs[s], ~0u);
+            unsigned want = 0, mask = 0;
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                const unsigned h = (w[e / 2] >> (16 * (e % 2))) & 0xffffu;
+                if ((h & 0x7fffu) > 0x7f80u) continue; // NaN
+                mask |= 0xfu << (4 * e);
+                want |= e2m1_encode(__fmul_rn(bf2f((bf16_t)h), encs[s])) << (4 * e);
+            }
+            if ((got ^ want) & mask) {
+                atomicAdd(&bad[5], 1u);
+                bad[6] = x;
+            }
         }
     }
     if (blockIdx.x == 0 && threadIdx.x < 256) {
@@ -1048,16 +1118,20 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     // This lane's units: slot u, tile j, unit v at wsm[((u * J + j) * WU + v) * 32].
     uint4 *wsm = g5_smem + 2 * MI * 256 + warp * (D * J * WU * 32) + lane;
     unsigned wsf[D][J]; // NVFP4 block scales of the chunks in flight
+    // issue starts the copies of chunk c into ring slot u and moves the
+    // weight pointers on to the next chunk (u is a constant where it is
+    // called: the loops around it are unrolled).
+    auto issue = [&](int u, int c) {
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            wsf[u][j] = g5_wissue<V16>(wsm + (u * J + j) * WU * 32, wp[j], sp[j], wrow[j], c, nfull, K, t4);
+            wp[j] += WSTEP;
+            if (FP4) sp[j] += G5_KC / 16;
+        }
+    };
 #pragma unroll
     for (int u = 0; u < D; u++) {
-        if (cbeg + u < cend) {
-#pragma unroll
-            for (int j = 0; j < J; j++) {
-                wsf[u][j] = g5_wissue<V16>(wsm + (u * J + j) * WU * 32, wp[j], sp[j], wrow[j], cbeg + u, nfull, K, t4);
-                wp[j] += WSTEP;
-                if (FP4) sp[j] += G5_KC / 16;
-            }
-        }
+        if (cbeg + u < cend) issue(u, cbeg + u);
         cp_async_commit(); // one group per chunk, empty past the end: the wait below counts groups
     }
     constexpr int NT = 32 * NW;
@@ -1124,14 +1198,7 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
                     }
                 }
             }
-            if (c + D < cend) {
-#pragma unroll
-                for (int j = 0; j < J; j++) {
-                    wsf[u][j] = g5_wissue<V16>(wsm + (u * J + j) * WU * 32, wp[j], sp[j], wrow[j], c + D, nfull, K, t4);
-                    wp[j] += WSTEP;
-                    if (FP4) sp[j] += G5_KC / 16;
-                }
-            }
+            if (c + D < cend) issue(u, c + D);
             cp_async_commit();
             if (c + 1 < cend) g5_astore<MI, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
             __syncthreads();
