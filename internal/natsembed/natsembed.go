@@ -16,9 +16,11 @@ import (
 )
 
 // DefaultMaxPayload is the embedded server's max_payload unless Config
-// says otherwise: 8 MiB rather than the NATS default of 1 MiB, so that refit
-// chunks (which follow max_payload, up to refit.MaxChunkBytes) are large
-// and few; per-message costs of JetStream were a large part of a refit.
+// says otherwise: 8 MiB rather than the NATS default of 1 MiB, so that a
+// publisher may send refit chunks of more than 1 MiB (up to
+// refit.MaxChunkBytes). The Go publisher's default chunk is 1 MiB whatever
+// the server allows: taken live, smaller chunks pipeline better
+// (docs/REFIT.md, "Throughput").
 const DefaultMaxPayload = 8 << 20
 
 // Config configures an embedded server.
