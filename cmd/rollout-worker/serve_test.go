@@ -64,7 +64,11 @@ func TestServeDrainsOnSIGTERM(t *testing.T) {
 		t.Fatalf("serve printed no NATS URL; stderr:\n%s", stderr.String())
 	}
 	go io.Copy(io.Discard, stdout)
-	nc, err := nats.Connect(url, nats.MaxReconnects(0))
+	// Reconnects on: the embedded server dies with the process, and a closed
+	// connection makes NextMsg drop replies that had already arrived (the
+	// last summaries, read by a client goroutine slower than the exit);
+	// a reconnecting one still hands them out.
+	nc, err := nats.Connect(url, nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,7 +164,17 @@ func TestServeDrainsOnSIGTERM(t *testing.T) {
 		t.Fatalf("serve did not exit after SIGTERM; stderr:\n%s", stderr.String())
 	}
 	close(stop)
-	wg.Wait()
+	// Streams that had their replies read them from the client's buffers;
+	// a request sent after the server died waits for nothing: after a grace
+	// period, closing the connection ends it (refused: no sample seen).
+	waited := make(chan struct{})
+	go func() { wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(5 * time.Second):
+		nc.Close()
+		<-waited
+	}
 	t.Logf("admitted %d, complete %d, aborted samples %d, refused %d", total.admitted, total.complete, total.aborted, total.refused)
 	if exitErr != nil {
 		t.Fatalf("serve exited with %v; stderr:\n%s", exitErr, stderr.String())
