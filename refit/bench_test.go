@@ -55,6 +55,24 @@ func rawNATS(b testing.TB, url string, size int) float64 {
 	return float64(n*len(payload)) / time.Since(start).Seconds() / 1e6
 }
 
+// benchSetup starts the benchmarks' server (max_payload 8 MiB, as the
+// embedded server of `serve` has: the publisher's default chunks fit it,
+// and the core-NATS side sends 1 MiB messages) and writes a random "small"
+// model to dir; stream is a full version of it.
+func benchSetup(b *testing.B) (srv *refittest.Server, dir string, stream []byte) {
+	b.Helper()
+	srv = refittest.StartServer(b, refittest.WithMaxPayload(natsembed.DefaultMaxPayload))
+	cfg, err := policy.Preset("small")
+	if err != nil {
+		b.Fatal(err)
+	}
+	dir = b.TempDir()
+	if err := policy.WriteRandomModel(dir, cfg, 1); err != nil {
+		b.Fatal(err)
+	}
+	return srv, dir, subset(b, dir, nil)
+}
+
 // BenchmarkRefitThroughput publishes full versions of the "small" preset
 // (18 MB) to one worker and reports the throughput into the worker's
 // resident buffers (from the start of Publish to the last byte written and
@@ -66,19 +84,7 @@ func rawNATS(b testing.TB, url string, size int) float64 {
 func BenchmarkRefitThroughput(b *testing.B) {
 	for _, storage := range []string{"file", "memory"} {
 		b.Run(storage, func(b *testing.B) {
-			// max_payload 8 MiB, as the embedded server of `serve` has;
-			// the publisher's default chunks (DefaultChunkBytes) fit it,
-			// and the core-NATS side sends 1 MiB messages.
-			srv := refittest.StartServer(b, refittest.WithMaxPayload(natsembed.DefaultMaxPayload))
-			cfg, err := policy.Preset("small")
-			if err != nil {
-				b.Fatal(err)
-			}
-			dir := b.TempDir()
-			if err := policy.WriteRandomModel(dir, cfg, 1); err != nil {
-				b.Fatal(err)
-			}
-			stream := subset(b, dir, nil)
+			srv, dir, stream := benchSetup(b)
 			w := startWorker(b, srv.URL(), dir, "bench", moe.RecipePerToken, nil)
 			pcfg := PublisherConfig{Model: testModel}
 			if storage == "memory" {
@@ -138,16 +144,8 @@ func BenchmarkRefitThroughput(b *testing.B) {
 func BenchmarkJetStreamLive(b *testing.B) {
 	for _, storage := range []jetstream.StorageType{jetstream.FileStorage, jetstream.MemoryStorage} {
 		b.Run(strings.ToLower(storage.String()), func(b *testing.B) {
-			srv := refittest.StartServer(b, refittest.WithMaxPayload(natsembed.DefaultMaxPayload))
-			cfg, err := policy.Preset("small")
-			if err != nil {
-				b.Fatal(err)
-			}
-			dir := b.TempDir()
-			if err := policy.WriteRandomModel(dir, cfg, 1); err != nil {
-				b.Fatal(err)
-			}
-			size := len(subset(b, dir, nil)) // a refit version's bytes
+			srv, _, version := benchSetup(b)
+			size := len(version) // a refit version's bytes
 			pub, sub := refittest.Connect(b, srv.URL()), refittest.Connect(b, srv.URL())
 			js, err := jetstream.New(pub)
 			if err != nil {

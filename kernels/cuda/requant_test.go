@@ -117,7 +117,8 @@ func TestRequantizeLayer(t *testing.T) {
 // TestFastCodec holds the conversions the quantizers use to the software
 // codec that matches internal/nvfp4, over every FP32 input: the E4M3
 // conversion instructions (cvt.rn.satfinite.e4m3x2.f32,
-// cvt.rn.f16x2.e4m3x2) for block scales, e2m1_fast for elements, and the
+// cvt.rn.f16x2.e4m3x2) for block scales, e2m1_fast (the per-element
+// arithmetic of the element loop, over every FP32 input), and the
 // quantizers' packed element loop (e2m1_pack8) over every pair of BF16
 // values at three element scales.
 func TestFastCodec(t *testing.T) {

@@ -156,8 +156,9 @@ __device__ __forceinline__ void encode_scale(float amax, float *senc, float *sde
     *sdec = __fdiv_rn(1.0f, s);
 }
 
-// e2m1_fast is e2m1_encode in fewer instructions (the quantizers' inner
-// loop): with a = min(|x|, 6) and t = max(exponent(a), 0) (t = 0 below 2),
+// e2m1_fast is e2m1_encode in fewer instructions, and the per-element
+// arithmetic of the quantizers' loop (e2m1_pack8), checked here on its own
+// over every FP32 input: with a = min(|x|, 6) and t = max(exponent(a), 0) (t = 0 below 2),
 // the E2M1 grid step near a is 2^(t-1), so adding M = 1.5 * 2^(22+t)
 // (whose ulp is that step) rounds a to the grid, ties to even, and the
 // integer bits above M count steps; code = steps + 2t. M and M - 2t are
