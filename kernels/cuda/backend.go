@@ -73,6 +73,9 @@ type Backend struct {
 	// both operands dequantized into shared memory) instead of the
 	// streamed one (gemm_fp4_stream_*). Tests time them side by side.
 	fp4Staged bool
+	// fp4TileRows is the average rows per expert from which NVFP4 grouped
+	// GEMMs run the tiled kernel (defaultTileRows; tests force either).
+	fp4TileRows int
 	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
 	// kernel instead of the streamed one (tests compare them).
 	bf16Generic bool
@@ -122,7 +125,8 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function)}
+	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
+		fp4TileRows: defaultTileRows}
 	start := time.Now()
 	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
 	if err != nil {

@@ -69,6 +69,15 @@ func TestConformance(t *testing.T) {
 	kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
 }
 
+// TestConformanceTiled runs the suite with every NVFP4 grouped GEMM on the
+// tiled kernel (by default it takes only batches of many rows per expert).
+func TestConformanceTiled(t *testing.T) {
+	be := gpu(t)
+	defer func(tile int) { be.fp4TileRows = tile }(be.fp4TileRows)
+	be.fp4TileRows = 0
+	kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
+}
+
 func TestForeign(t *testing.T) {
 	be := gpu(t)
 	other, err := cpu.New(cpu.Config{}, nil)

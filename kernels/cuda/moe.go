@@ -220,22 +220,58 @@ func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.G
 		// Z: the two blocks of a cluster, which split K (src/moe.cu g5_gemm).
 		name, grid.Z = name+"_ks2", 2
 	}
+	return be.launch(name, grid, drv.Dim3{X: 256}, streamSmem(fp4, bm), scatterArgs(a, args)...)
+}
+
+// scatterArgs appends the streamed and tiled kernels' last arguments: the
+// atomic finalize's buffers, or nulls.
+func scatterArgs(a kernels.GroupedGemmArgs, args []any) []any {
 	if sc := a.Scatter; sc != nil {
-		args = append(args, ptr(sc.Acc), ptr(sc.Tokens), ptr(sc.Weights), ptr(sc.Slots), int32(sc.Acc.Dim(0)), int32(sc.Weights.Dim(1)))
-	} else {
-		args = append(args, drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), int32(0), int32(0))
+		return append(args, ptr(sc.Acc), ptr(sc.Tokens), ptr(sc.Weights), ptr(sc.Slots), int32(sc.Acc.Dim(0)), int32(sc.Weights.Dim(1)))
 	}
-	return be.launch(name, grid, drv.Dim3{X: 256}, streamSmem(fp4, bm), args...)
+	return append(args, drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), int32(0), int32(0))
+}
+
+// Tiled NVFP4 GEMM geometry (src/moe.cu, gt_gemm): 128 rows by 128 output
+// columns (64 for SwiGLU) per block of 8 warps, both operands dequantized
+// into two shared buffers of 2 x 2048 16-byte items.
+const (
+	tileBM   = 128
+	tileSmem = 2 * 2 * 2048 * 16
+)
+
+// defaultTileRows is the average rows per expert from which the NVFP4
+// grouped GEMMs take the tiled kernel instead of the streamed one. Both
+// give every output the same bits (src/moe.cu), so the choice keeps batch
+// invariance.
+const defaultTileRows = 64
+
+// tileLaunch launches gemm_fp4_tile_* (K split over a cluster of two like
+// the streamed kernels, by K alone).
+func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
+	name, cols := "gemm_fp4_tile", 128
+	if a.Act == kernels.SwiGLU {
+		name, cols = name+"_swiglu", 64
+	}
+	grid := drv.Dim3{X: s.R/tileBM + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
+	if splitK(s.Kp) {
+		name, grid.Z = name+"_ks2", 2
+	}
+	return be.launch(name, grid, drv.Dim3{X: 256}, tileSmem, scatterArgs(a, args)...)
 }
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's
-// expert GEMMs): the streamed one, or the staged one when a test asks or
-// A is too large for 32-bit offsets.
+// expert GEMMs): the tiled one for many rows per expert, the streamed one
+// for few, or the staged one when a test asks or A is too large for 32-bit
+// offsets.
 func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) error {
 	args := []any{be.errw, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(s.Kp), ptr(a.Gather), int32(s.Ta),
 		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
 		int32(a.Act), ptr(a.Out), int32(s.OutN)}
 	if !be.fp4Staged && streamFits(s.Ta, s.Kp) {
+		if s.R >= be.fp4TileRows*s.E {
+			return be.tileLaunch(a, s, args...)
+		}
 		return be.streamLaunch(true, a, s, args...)
 	}
 	if a.Scatter != nil {

@@ -73,7 +73,9 @@ func TestStreamedGemm(t *testing.T) {
 	}
 	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
-	defer func(staged, generic bool) { be.fp4Staged, be.bf16Generic = staged, generic }(be.fp4Staged, be.bf16Generic)
+	defer func(staged, generic bool, tile int) {
+		be.fp4Staged, be.bf16Generic, be.fp4TileRows = staged, generic, tile
+	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows)
 	for _, c := range []struct {
 		w             string
 		act           kernels.Activation
@@ -83,7 +85,8 @@ func TestStreamedGemm(t *testing.T) {
 		{"fc1_relu2", kernels.ReLU2, 2, 32}, {"fc2", kernels.Identity, 2, 32},
 		{"fc1_relu2", kernels.ReLU2, 4, 32}, {"fc2", kernels.Identity, 4, 32},
 		{"fc1_relu2", kernels.ReLU2, 16, 32}, {"fc2", kernels.Identity, 16, 32}, {"fc1_swiglu", kernels.SwiGLU, 16, 32},
-		{"fc1_relu2", kernels.ReLU2, 128, 32}, {"fc2", kernels.Identity, 128, 32},
+		{"fc1_relu2", kernels.ReLU2, 64, 32}, {"fc2", kernels.Identity, 64, 32},
+		{"fc1_relu2", kernels.ReLU2, 128, 32}, {"fc2", kernels.Identity, 128, 32}, {"fc1_swiglu", kernels.SwiGLU, 128, 32},
 	} {
 		for _, recipe := range []string{"nvfp4", "bf16"} {
 			if recipe == "bf16" && bf16W[c.w] == nil {
@@ -124,17 +127,21 @@ func TestStreamedGemm(t *testing.T) {
 					return be.GroupedGemm(kernels.GroupedGemmArgs{A: A, W: W, Offsets: offs[i%sets], Act: c.act, Out: out})
 				}
 				bytesRead := float64(c.touched*n*k+R*k) * bytesPer
-				// The variants: streamed, and the kernel it replaces, which
-				// checks it.
+				// The variants: streamed, tiled (NVFP4), and the kernel they
+				// replace, which checks them.
 				type variant struct {
-					name string
-					old  bool
+					name     string
+					old      bool
+					tileRows int
 				}
-				variants := []variant{{"streamed", false}, {"before", true}}
+				variants := []variant{{"streamed", false, math.MaxInt32}, {"before", true, 0}}
+				if recipe == "nvfp4" {
+					variants = append([]variant{{"tiled", false, 0}}, variants...)
+				}
 				outs := make([][]byte, len(variants))
 				times := make([]float64, len(variants))
 				for p, v := range variants {
-					be.fp4Staged, be.bf16Generic = v.old, v.old
+					be.fp4Staged, be.bf16Generic, be.fp4TileRows = v.old, v.old, v.tileRows
 					out := moetest.Alloc(t, be, kernels.BF16, R, outN)
 					i := 0
 					d, err := be.Time(iters, func() error { i++; return run(out, i) })
@@ -175,8 +182,8 @@ func TestStreamedGemm(t *testing.T) {
 }
 
 // TestStreamSmemFits checks, without a GPU, that every streamed kernel's
-// shared memory (the host's figure plus the kernel's static arrays) fits
-// in the 227 KiB an sm_90 block may opt in to, so no tile shape can fail
+// shared memory, and the tiled kernel's, (the host's figure plus the
+// kernel's static arrays) fits in the 227 KiB an sm_90 block may opt in to, so no tile shape can fail
 // at launch on an H100 or H200.
 func TestStreamSmemFits(t *testing.T) {
 	const optin, static = 227 << 10, 2 << 10 // static: the scale table, the row sources, the schedule
@@ -187,21 +194,27 @@ func TestStreamSmemFits(t *testing.T) {
 			}
 		}
 	}
+	if got := tileSmem + static; got > optin {
+		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
+	}
 }
 
-// TestStreamedGemmSplitInvariance checks batch invariance where the NVFP4
-// kernels split K over a cluster (K >= 4096, splitK): each expert's first
-// sorted row gathers the same activation row in a batch of 1 row per
-// expert (16-row tiles) and in one of 80 rows per expert (64-row tiles);
-// its output must not change by a bit. Both K values leave a partial last
-// chunk in one half or the other.
-func TestStreamedGemmSplitInvariance(t *testing.T) {
+// TestGroupedGemmInvariance checks batch invariance across the NVFP4
+// kernels the host picks by batch: each expert's first sorted row gathers
+// the same activation row in a batch of 1 row per expert (streamed, 16-row
+// tiles), 80 (streamed, 64-row tiles) and 160 (tiled, two 128-row tiles,
+// the second partial), and with the tiled kernel forced at 1 row per
+// expert; its output must not change by a bit. K 2096 runs in one block,
+// 4096 and 7200 split over a cluster (splitK), each leaving a partial last
+// chunk in one half or the other; squared ReLU and SwiGLU.
+func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
+	defer func(tile int) { be.fp4TileRows = tile }(be.fp4TileRows)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
-	for _, K := range []int{4096, 7168 + 32} {
-		if !splitK(K) {
-			t.Fatalf("K %d: no split, nothing to check", K)
+	for _, K := range []int{2048 + 48, 4096, 7168 + 32} { // 2096: rows of half 16-byte units
+		if splitK(K) != (K >= 4096) {
+			t.Fatalf("K %d: splitK %v, the cases assume a split from 4096", K, splitK(K))
 		}
 		bytesOf := func(n int, f func() byte) []byte {
 			b := make([]byte, n)
@@ -228,34 +241,54 @@ func TestStreamedGemmSplitInvariance(t *testing.T) {
 		}
 		A := kernels.Operand{Q: kernels.NVFP4{Packed: up(bytesOf(Ta*K/2, code), kernels.U8, Ta, K/2),
 			Scales: up(bytesOf(Ta*K/16, scale), kernels.U8, Ta, K/16), Scale: up(kernels.Float32Bytes(ascale), kernels.F32, Ta)}}
-		run := func(perExpert int) [][]byte {
-			R := E * perExpert
-			offs, gather := make([]int32, E+1), make([]int32, R)
-			for e := range E {
-				offs[e+1] = offs[e] + int32(perExpert)
-				for j := range perExpert {
-					gather[e*perExpert+j] = int32((e*7 + j*13) % Ta) // row e*7 first
+		for _, act := range []kernels.Activation{kernels.ReLU2, kernels.SwiGLU} {
+			outN := N
+			if act == kernels.SwiGLU {
+				outN = N / 2
+			}
+			run := func(perExpert, tileRows int) [][]byte {
+				be.fp4TileRows = tileRows
+				R := E * perExpert
+				offs, gather := make([]int32, E+1), make([]int32, R)
+				for e := range E {
+					offs[e+1] = offs[e] + int32(perExpert)
+					for j := range perExpert {
+						gather[e*perExpert+j] = int32((e*7 + j*13) % Ta) // row e*7 first
+					}
 				}
+				out := moetest.Alloc(t, be, kernels.BF16, R, outN)
+				if err := be.GroupedGemm(kernels.GroupedGemmArgs{A: A, Gather: up(kernels.Int32Bytes(gather), kernels.I32, R), W: W,
+					Offsets: up(kernels.Int32Bytes(offs), kernels.I32, E+1), Act: act, Out: out}); err != nil {
+					t.Fatal(err)
+				}
+				got := make([]byte, out.Size())
+				if err := be.Download(got, out, 0); err != nil {
+					t.Fatal(err)
+				}
+				rows := make([][]byte, E)
+				for e := range E {
+					rows[e] = got[e*perExpert*outN*2:][:outN*2]
+				}
+				return rows
 			}
-			out := moetest.Alloc(t, be, kernels.BF16, R, N)
-			if err := be.GroupedGemm(kernels.GroupedGemmArgs{A: A, Gather: up(kernels.Int32Bytes(gather), kernels.I32, R), W: W,
-				Offsets: up(kernels.Int32Bytes(offs), kernels.I32, E+1), Act: kernels.ReLU2, Out: out}); err != nil {
-				t.Fatal(err)
-			}
-			got := make([]byte, out.Size())
-			if err := be.Download(got, out, 0); err != nil {
-				t.Fatal(err)
-			}
-			rows := make([][]byte, E)
-			for e := range E {
-				rows[e] = got[e*perExpert*N*2:][:N*2]
-			}
-			return rows
-		}
-		alone, batched := run(1), run(80)
-		for e := range E {
-			if string(alone[e]) != string(batched[e]) {
-				t.Errorf("K %d, expert %d: the row's output differs between 1 and 80 rows per expert", K, e)
+			alone := run(1, math.MaxInt32)
+			for _, c := range []struct {
+				name            string
+				perExpert, tile int
+			}{
+				{"streamed, 80 rows per expert", 80, math.MaxInt32},
+				{"tiled, 160 rows per expert", 160, defaultTileRows},
+				{"tiled, 1 row per expert", 1, 0},
+			} {
+				if c.tile == defaultTileRows && c.perExpert < defaultTileRows {
+					t.Fatalf("%s: below defaultTileRows %d, the tiled kernel would not run", c.name, defaultTileRows)
+				}
+				got := run(c.perExpert, c.tile)
+				for e := range E {
+					if string(alone[e]) != string(got[e]) {
+						t.Errorf("K %d, %v, expert %d: the row's output differs between 1 row per expert (streamed) and %s", K, act, e, c.name)
+					}
+				}
 			}
 		}
 	}

@@ -568,10 +568,10 @@ __device__ __forceinline__ void gg_schedule(int *err, const int *offsets, int E,
     }
 }
 
-// gg_sources fills src[i] with the A row of sorted row row0+i (-1: none,
-// or a bad gather entry, which is reported and skipped).
-__device__ __forceinline__ void gg_sources(int *err, int *src, const int *gather, int row0, int row1, int Ta) {
-    for (int i = threadIdx.x; i < GG_BM; i += blockDim.x) {
+// gg_sources fills src[i], i < bm, with the A row of sorted row row0+i
+// (-1: none, or a bad gather entry, which is reported and skipped).
+__device__ __forceinline__ void gg_sources(int *err, int *src, const int *gather, int row0, int row1, int Ta, int bm = GG_BM) {
+    for (int i = threadIdx.x; i < bm; i += blockDim.x) {
         int r = row0 + i, a = -1;
         if (r < row1) {
             a = gather ? gather[r] : r;
@@ -993,6 +993,32 @@ __device__ __forceinline__ float4 ld_peer4(const void *p, unsigned rank) {
     return v;
 }
 
+// ks2_add ends the K split of a cluster pair: block 1 leaves its N float4
+// sums per thread in its shared memory at xs (free by then), block 0 adds
+// them to its own in that order; it reports whether this block goes on to
+// the epilogue (block 0).
+template <int N, int NT>
+__device__ __forceinline__ bool ks2_add(float (*acc)[4], uint4 *smem, int rank, int tid) {
+    float4 *xs = reinterpret_cast<float4 *>(smem);
+    if (rank == 1) {
+#pragma unroll
+        for (int n = 0; n < N; n++) xs[n * NT + tid] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
+    }
+    cluster_sync();
+    if (rank == 0) {
+#pragma unroll
+        for (int n = 0; n < N; n++) {
+            const float4 o = ld_peer4(&xs[n * NT + tid], 1);
+            acc[n][0] = __fadd_rn(acc[n][0], o.x);
+            acc[n][1] = __fadd_rn(acc[n][1], o.y);
+            acc[n][2] = __fadd_rn(acc[n][2], o.z);
+            acc[n][3] = __fadd_rn(acc[n][3], o.w);
+        }
+    }
+    cluster_sync(); // block 1 waits until its sums are read
+    return rank == 0;
+}
+
 // The activation chunk in shared memory: item (i, s, lane) is 4 words, the
 // A fragment of m16 tile i, slice s for that lane: rows 16i+g and 16i+g+8,
 // low then high pair. A thread stages items tid, tid+256, ...: for each it
@@ -1060,6 +1086,80 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT> &st
             buf[item] = make_uint4(st.q[m][0].x, st.q[m][1].x, st.q[m][0].y, st.q[m][1].y);
         }
     }
+}
+
+// g5_epilogue writes a warp's outputs: acc[i][j] is the MMA tile of rows
+// rbase + 16i (+ g, + g + 8) of the block's row tile, columns cw + 8j
+// (+ 2t4, + 2t4 + 1); for SwiGLU tile j < J/2 is a gate and j + J/2 its
+// up. For NVFP4 acc * 2^16 (exact), then * per-row scale * alpha, each an
+// FP32 rounding; the activation; one BF16 rounding. With a scatter (sacc),
+// the BF16 value times the row's routing weight is added into the token's
+// FP32 sums instead (kernels.Scatter).
+template <int MI, int J, bool SWIGLU, bool FP4>
+__device__ __forceinline__ void g5_epilogue(int *err, float acc[][J][4], int rbase, int cw, const int *src, int row0, int row1,
+                                            float alpha, const float *aScale, int act, bf16_t *out, int outN, float *sacc,
+                                            const int *stok, const float *swt, const int *sslots, int sT, int sk, int g, int t4) {
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int rr = rbase + 16 * i + g + 8 * h, r = row0 + rr;
+            if (r >= row1) continue;
+            const int a = src[rr];
+            if (a < 0) continue;
+            const float as = FP4 ? aScale[a] : 1.f;
+            float *srow = nullptr;
+            float sw = 0.f;
+            if (sacc) {
+                const int t = stok[r];
+                if (t < 0 || t >= sT) {
+                    report(err, E_SCATTER_TOKEN, r, t, sT);
+                    continue;
+                }
+                int j = 0;
+                while (j < sk && sslots[(long long)t * sk + j] != r) j++;
+                if (j == sk) {
+                    report(err, E_SCATTER_SLOT, r, t, sk);
+                    continue;
+                }
+                sw = swt[(long long)t * sk + j];
+                srow = sacc + (long long)t * outN;
+            }
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                float v[J];
+#pragma unroll
+                for (int j = 0; j < J; j++) {
+                    v[j] = acc[i][j][2 * h + q];
+                    if (FP4) v[j] = __fmul_rn(__fmul_rn(v[j] * 65536.f, as), alpha);
+                }
+                if constexpr (SWIGLU) {
+#pragma unroll
+                    for (int j = 0; j < J / 2; j++) {
+                        const int col = cw + 8 * j + 2 * t4 + q;
+                        const bf16_t y = f2bf(__fmul_rn(__fdiv_rn(v[j], __fadd_rn(1.f, expf(-v[j]))), v[j + J / 2]));
+                        if (col < outN) {
+                            if (srow) atomicAdd(srow + col, __fmul_rn(sw, bf2f(y)));
+                            else out[(long long)r * outN + col] = y;
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < J; j++) {
+                        const int col = cw + 8 * j + 2 * t4 + q;
+                        float x = v[j];
+                        if (act == 2) {
+                            x = fmaxf(x, 0.f);
+                            x = __fmul_rn(x, x);
+                        }
+                        if (col < outN) {
+                            if (srow) atomicAdd(srow + col, __fmul_rn(sw, bfround(x)));
+                            else out[(long long)r * outN + col] = f2bf(x);
+                        }
+                    }
+                }
+            }
+        }
 }
 
 // g5_gemm: A and W are packed codes (NVFP4, with aSF/wSF block scales and
@@ -1211,93 +1311,11 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     if constexpr (KS == 2) {
         cp_async_wait<0>();
         __syncthreads();
-        float4 *xs = reinterpret_cast<float4 *>(g5_smem);
-        if (rank == 1) {
-#pragma unroll
-            for (int i = 0; i < MI; i++)
-#pragma unroll
-                for (int j = 0; j < J; j++) xs[(i * J + j) * NT + tid] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
-        }
-        cluster_sync();
-        if (rank == 0) {
-#pragma unroll
-            for (int i = 0; i < MI; i++)
-#pragma unroll
-                for (int j = 0; j < J; j++) {
-                    const float4 o = ld_peer4(&xs[(i * J + j) * NT + tid], 1);
-                    acc[i][j][0] = __fadd_rn(acc[i][j][0], o.x);
-                    acc[i][j][1] = __fadd_rn(acc[i][j][1], o.y);
-                    acc[i][j][2] = __fadd_rn(acc[i][j][2], o.z);
-                    acc[i][j][3] = __fadd_rn(acc[i][j][3], o.w);
-                }
-        }
-        cluster_sync();
-        if (rank == 1) return;
+        if (!ks2_add<MI * J, NT>(&acc[0][0], g5_smem, rank, tid)) return;
     }
 
-    // Epilogue: for NVFP4 acc * 2^16 (exact), then * per-row scale * alpha,
-    // each an FP32 rounding; the activation; one BF16 rounding. With a
-    // scatter (sacc), the BF16 value times the row's routing weight is added
-    // into the token's FP32 sums instead (kernels.Scatter).
-    const float alpha = FP4 ? wScale[expert] : 1.f;
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int rr = 16 * i + g + 8 * h, r = row0 + rr;
-            if (r >= row1) continue;
-            const int a = s_src[rr];
-            if (a < 0) continue;
-            const float as = FP4 ? aScale[a] : 1.f;
-            float *srow = nullptr;
-            float sw = 0.f;
-            if (sacc) {
-                const int t = stok[r];
-                if (t < 0 || t >= sT) {
-                    report(err, E_SCATTER_TOKEN, r, t, sT);
-                    continue;
-                }
-                int j = 0;
-                while (j < sk && sslots[(long long)t * sk + j] != r) j++;
-                if (j == sk) {
-                    report(err, E_SCATTER_SLOT, r, t, sk);
-                    continue;
-                }
-                sw = swt[(long long)t * sk + j];
-                srow = sacc + (long long)t * outN;
-            }
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                float v[J];
-#pragma unroll
-                for (int j = 0; j < J; j++) {
-                    v[j] = acc[i][j][2 * h + q];
-                    if (FP4) v[j] = __fmul_rn(__fmul_rn(v[j] * 65536.f, as), alpha);
-                }
-                if constexpr (SWIGLU) {
-                    const int col = cw + 2 * t4 + q;
-                    const bf16_t y = f2bf(__fmul_rn(__fdiv_rn(v[0], __fadd_rn(1.f, expf(-v[0]))), v[1]));
-                    if (col < outN) {
-                        if (srow) atomicAdd(srow + col, __fmul_rn(sw, bf2f(y)));
-                        else out[(long long)r * outN + col] = y;
-                    }
-                } else {
-#pragma unroll
-                    for (int j = 0; j < J; j++) {
-                        const int col = cw + 8 * j + 2 * t4 + q;
-                        float x = v[j];
-                        if (act == 2) {
-                            x = fmaxf(x, 0.f);
-                            x = __fmul_rn(x, x);
-                        }
-                        if (col < outN) {
-                            if (srow) atomicAdd(srow + col, __fmul_rn(sw, bfround(x)));
-                            else out[(long long)r * outN + col] = f2bf(x);
-                        }
-                    }
-                }
-            }
-        }
+    g5_epilogue<MI, J, SWIGLU, FP4>(err, acc, 0, cw, s_src, row0, row1, FP4 ? wScale[expert] : 1.f, aScale, act, out, outN, sacc,
+                                    stok, swt, sslots, sT, sk, g, t4);
 }
 
 // finalize_scattered: out = bf16(acc), then acc = 0 for the next forward
@@ -1351,6 +1369,224 @@ G5_KERNEL(gemm_bf16_stream_m32, 2, false, false)
 G5_KERNEL(gemm_bf16_stream_m32_swiglu, 2, true, false)
 G5_KERNEL(gemm_bf16_stream_m64, 4, false, false)
 G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, true, false)
+
+// ---- Grouped GEMM, NVFP4 x NVFP4, for many rows per expert ----
+//
+// With 64 or more rows per expert the streamed kernel's weight chunks feed
+// too few MMAs: each lane dequantizes its own weight share for 16-64 rows,
+// and the layer becomes bound by issue slots (4096 tokens: about 130
+// TFLOP/s). gt_gemm computes 128 rows by 128 output columns (SwiGLU: 64
+// gate and the 64 matching up columns) per block of 8 warps, each warp 64
+// rows by 32 columns, so every dequantized weight feeds 8 m16 MMAs and
+// every dequantized activation 16 n8 ones. Both operands' raw NVFP4 bytes
+// of the next 128-K chunk are loaded into registers while the current
+// chunk computes; then each thread dequantizes one 16-byte share of an
+// activation row pair and one of a weight row pair into shared memory in
+// fragment order (so a lane reads its A fragment, or the B fragments of two
+// n8 tiles, with one LDS.128), double buffered: one barrier per chunk.
+//
+// The fragments hold exactly the values and K order of g5_gemm (the same
+// g5_slice4 per slice, the same slices in order, the same K split for long
+// rows, the same epilogue), so every output has the streamed kernel's bits:
+// the host may pick either kernel by batch size without breaking batch
+// invariance (TestGroupedGemmInvariance). m16 tiles with no rows skip their
+// MMAs, which keeps an expert's partial last tile cheap.
+#define GT_NW 8
+#define GT_ITEMS (8 * 8 * 32) // 16-byte items per operand and chunk: 8 tiles (m16, or n8 pairs) x 8 slices x 32 lanes
+
+// GTShare is one thread's raw share of a chunk: 16 code bytes (quarter t4
+// of the chunk) of two rows, and their block scales (2t4, 2t4 + 1).
+struct GTShare {
+    uint4 q[2];
+    unsigned sf[2];
+};
+
+// gt_load reads chunk c's share of rows p[0], p[1] (nullptr: no row; row
+// starts of packed codes and block scales). Rows of whole 16-byte units
+// (V16) take one load a row for full chunks; otherwise, and in the last
+// chunk, each 8-byte half is read if its block lies inside K.
+template <bool V16>
+__device__ __forceinline__ void gt_load(GTShare &sh, const unsigned char *const p[2], const unsigned char *const sp[2], int c, int nfull,
+                                        int K, int t4) {
+    const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        sh.q[r] = make_uint4(0, 0, 0, 0);
+        sh.sf[r] = 0;
+        if (p[r] == nullptr) continue;
+        const unsigned char *src = p[r] + c * (G5_KC / 2) + 16 * t4, *ssrc = sp[r] + b0;
+        if (V16 && c < nfull) {
+            sh.q[r] = __ldg(reinterpret_cast<const uint4 *>(src));
+            sh.sf[r] = __ldg(reinterpret_cast<const unsigned short *>(ssrc));
+            continue;
+        }
+        if (c < nfull || b0 < nb) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
+            sh.q[r].x = v.x;
+            sh.q[r].y = v.y;
+            sh.sf[r] = __ldg(ssrc);
+        }
+        if (c < nfull || b0 + 1 < nb) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src + 8));
+            sh.q[r].z = v.x;
+            sh.q[r].w = v.y;
+            sh.sf[r] |= (unsigned)__ldg(ssrc + 1) << 8;
+        }
+    }
+}
+
+// gt_store dequantizes a share into its 8 items, one per slice: for A
+// (rows g and g + 8 of an m16 tile) lo0, lo1, hi0, hi1; for B (row g of
+// two n8 tiles) lo0, hi0, lo1, hi1 (b0 and b1 of each tile).
+template <bool B>
+__device__ __forceinline__ void gt_store(uint4 *dst, const GTShare &sh, const unsigned *lut) {
+    const unsigned sc00 = lut[sh.sf[0] & 0xff], sc01 = lut[(sh.sf[0] >> 8) & 0xff];
+    const unsigned sc10 = lut[sh.sf[1] & 0xff], sc11 = lut[(sh.sf[1] >> 8) & 0xff];
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+        const int w = s >> 1;
+        const unsigned q0 = w == 0 ? sh.q[0].x : w == 1 ? sh.q[0].y : w == 2 ? sh.q[0].z : sh.q[0].w;
+        const unsigned q1 = w == 0 ? sh.q[1].x : w == 1 ? sh.q[1].y : w == 2 ? sh.q[1].z : sh.q[1].w;
+        unsigned lo0, hi0, lo1, hi1;
+        g5_slice4(q0, s < 4 ? sc00 : sc01, s, lo0, hi0);
+        g5_slice4(q1, s < 4 ? sc10 : sc11, s, lo1, hi1);
+        dst[s * 32] = B ? make_uint4(lo0, hi0, lo1, hi1) : make_uint4(lo0, lo1, hi0, hi1);
+    }
+}
+
+template <bool SWIGLU, bool V16, int KS>
+__device__ __forceinline__ void gt_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
+                                        const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
+                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
+                                        const int *stok, const float *swt, const int *sslots, int sT, int sk) {
+    constexpr int BM = 128, NT = 32 * GT_NW;
+    extern __shared__ __align__(16) uint4 gt_smem[]; // 2 buffers of A items then B items
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[BM];
+    __shared__ unsigned lut[256];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+
+    for (int b = tid; b < 256; b += NT) {
+        const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
+        lut[b] = h | (h << 16);
+    }
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
+    __syncthreads();
+    const int expert = s_expert, row0 = s_row0, row1 = s_row1, nrows = row1 - row0;
+    if (expert < 0) return; // both blocks of a pair: they share the tile
+    gg_sources(err, s_src, gather, row0, row1, Ta, BM);
+    __syncthreads();
+
+    // Staging shares: A rows 16*warp + g (+ 8); B rows g of n8 tiles
+    // 2*warp and 2*warp + 1, whose W rows are (relu2) columns c0 + 8j + g,
+    // or (SwiGLU) warp n of the MMAs takes tiles 4n .. 4n+3: gate columns
+    // c0 + 16n + g (+ 8), then their up rows. Columns past outN read the
+    // last row and are never written.
+    const int c0 = blockIdx.y * (SWIGLU ? 64 : 128);
+    const bool aTile = 16 * warp < nrows; // this warp's m16 tile has rows
+    const unsigned char *ap[2], *asp[2], *wp[2], *wsp[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int a = s_src[16 * warp + g + 8 * r];
+        ap[r] = a < 0 ? nullptr : static_cast<const unsigned char *>(A) + (long long)a * (K / 2);
+        asp[r] = a < 0 ? nullptr : aSF + (long long)a * (K / 16);
+        const int j = 2 * warp + r;
+        int col;
+        bool up = false;
+        if (SWIGLU) {
+            col = c0 + 16 * (j >> 2) + 8 * (j & 1) + g;
+            up = (j & 2) != 0;
+        } else {
+            col = c0 + 8 * j + g;
+        }
+        col = min(col, outN - 1);
+        const long long row = (long long)expert * N + (up ? outN + col : col);
+        wp[r] = static_cast<const unsigned char *>(W) + row * (K / 2);
+        wsp[r] = wSF + row * (K / 16);
+    }
+
+    const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
+    const int rank = KS == 2 ? (int)blockIdx.z : 0;
+    const int cbeg = rank * half, cend = min(nch, cbeg + half);
+    GTShare sa, sw;
+    auto stage = [&](int buf) {
+        uint4 *base = gt_smem + buf * 2 * GT_ITEMS + warp * 256 + lane;
+        if (aTile) gt_store<false>(base, sa, lut);
+        gt_store<true>(base + GT_ITEMS, sw, lut);
+    };
+    if (cbeg < cend) {
+        if (aTile) gt_load<V16>(sa, ap, asp, cbeg, nfull, K, t4);
+        gt_load<V16>(sw, wp, wsp, cbeg, nfull, K, t4);
+        stage(0);
+    }
+    __syncthreads();
+
+    // MMAs: warp (wm, wn) = (warp / 4, warp % 4) takes m16 tiles 4wm ..
+    // 4wm + 3 and n8 tiles 4wn .. 4wn + 3 (B item pairs 2wn, 2wn + 1).
+    const int wm = warp >> 2, wn = warp & 3;
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
+    const int mt = min(4, max(0, (nrows - 64 * wm + 15) / 16)); // this warp's m16 tiles with rows
+    for (int c = cbeg; c < cend; c++) {
+        const int buf = (c - cbeg) & 1;
+        if (c + 1 < cend) {
+            if (aTile) gt_load<V16>(sa, ap, asp, c + 1, nfull, K, t4);
+            gt_load<V16>(sw, wp, wsp, c + 1, nfull, K, t4);
+        }
+        const uint4 *As = gt_smem + buf * 2 * GT_ITEMS + (4 * wm) * 256 + lane;
+        const uint4 *Bs = gt_smem + buf * 2 * GT_ITEMS + GT_ITEMS + (2 * wn) * 256 + lane;
+        if (mt > 0) {
+#pragma unroll
+            for (int s = 0; s < 8; s++) {
+                const uint4 b0 = Bs[s * 32], b1 = Bs[256 + s * 32];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    if (i < mt) {
+                        const uint4 a = As[i * 256 + s * 32];
+                        const unsigned af[4] = {a.x, a.y, a.z, a.w};
+                        mma16816(acc[i][0], af, b0.x, b0.y);
+                        mma16816(acc[i][1], af, b0.z, b0.w);
+                        mma16816(acc[i][2], af, b1.x, b1.y);
+                        mma16816(acc[i][3], af, b1.z, b1.w);
+                    }
+                }
+            }
+        }
+        if (c + 1 < cend) stage(buf ^ 1);
+        __syncthreads();
+    }
+
+    if constexpr (KS == 2) {
+        if (!ks2_add<16, NT>(&acc[0][0], gt_smem, rank, tid)) return;
+    }
+    const int cw = SWIGLU ? c0 + 16 * wn : c0 + 32 * wn;
+    g5_epilogue<4, 4, SWIGLU, true>(err, acc, 64 * wm, cw, s_src, row0, row1, wScale[expert], aScale, act, out, outN, sacc, stok, swt,
+                                    sslots, sT, sk, g, t4);
+}
+
+// V16 for gt_gemm: whole 16-byte units per row (K % 32 == 0) from 16-byte
+// aligned A and W, block scales 2-byte aligned.
+#define GT_BODY(SWIGLU, KS)                                                                                                    \
+    const bool v16 = K % 32 == 0 && ((reinterpret_cast<unsigned long long>(W) | reinterpret_cast<unsigned long long>(A)) & 15) == 0 && \
+                     ((reinterpret_cast<unsigned long long>(wSF) | reinterpret_cast<unsigned long long>(aSF)) & 1) == 0;      \
+    if (v16)                                                                                                                   \
+        gt_gemm<SWIGLU, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
+                                  swt, sslots, sT, sk);                                                                        \
+    else                                                                                                                       \
+        gt_gemm<SWIGLU, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
+                                   swt, sslots, sT, sk);
+
+extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) gemm_fp4_tile G5_PARAMS { GT_BODY(false, 1) }
+extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) gemm_fp4_tile_swiglu G5_PARAMS { GT_BODY(true, 1) }
+extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) __cluster_dims__(1, 1, 2) gemm_fp4_tile_ks2 G5_PARAMS { GT_BODY(false, 2) }
+extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) __cluster_dims__(1, 1, 2) gemm_fp4_tile_swiglu_ks2 G5_PARAMS {
+    GT_BODY(true, 2)
+}
 
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
