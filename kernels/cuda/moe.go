@@ -72,6 +72,12 @@ func (g gemmLaunch) run(be *Backend) error {
 // on M, so a row's bits never depend on the batch.
 const gemmNarrowN = 1024
 
+// gemmWideM is the row count from which narrow GEMMs take 32 x 32 blocks
+// (gemm_narrow_wide) instead of 16 x 8 ones: the same bits (src/moe.cu),
+// a fraction of the activation and weight reads (the router at 4096
+// tokens read its input 32 times over).
+const gemmWideM = 32
+
 // packedAligned checks what the NVFP4 kernels assume of a quantized
 // operand's addresses: packed rows are read and written 8 bytes at a time,
 // the FP32 scales 4. Buffers from Alloc and their row views always are; a
@@ -102,6 +108,10 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 			out := outBF16
 			if dst.DType() == kernels.F32 {
 				out = outF32
+			}
+			if m >= gemmWideM {
+				return be.launch("gemm_narrow_wide", drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, 16*32*33*4,
+					ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 			}
 			return be.launch("gemm_narrow", drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
 				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)

@@ -85,6 +85,8 @@ func TestStreamedGemm(t *testing.T) {
 		{"fc1_relu2", kernels.ReLU2, 2, 32}, {"fc2", kernels.Identity, 2, 32},
 		{"fc1_relu2", kernels.ReLU2, 4, 32}, {"fc2", kernels.Identity, 4, 32},
 		{"fc1_relu2", kernels.ReLU2, 16, 32}, {"fc2", kernels.Identity, 16, 32}, {"fc1_swiglu", kernels.SwiGLU, 16, 32},
+		{"fc1_relu2", kernels.ReLU2, 24, 32}, {"fc2", kernels.Identity, 24, 32},
+		{"fc1_relu2", kernels.ReLU2, 32, 32}, {"fc2", kernels.Identity, 32, 32},
 		{"fc1_relu2", kernels.ReLU2, 64, 32}, {"fc2", kernels.Identity, 64, 32},
 		{"fc1_relu2", kernels.ReLU2, 128, 32}, {"fc2", kernels.Identity, 128, 32}, {"fc1_swiglu", kernels.SwiGLU, 128, 32},
 	} {

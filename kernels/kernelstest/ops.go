@@ -92,6 +92,7 @@ func testGemm(t *testing.T, be kernels.Backend) {
 		{5, 33, 200, kernels.F32},
 		{37, 70, 96, kernels.BF16},
 		{3, 129, 7, kernels.BF16},
+		{70, 40, 1030, kernels.F32}, // many rows, K not a multiple of the slices' stride
 	} {
 		t.Run(fmt.Sprintf("%dx%dx%d_%s", tc.m, tc.n, tc.k, tc.dt), func(t *testing.T) {
 			a, w := randBF16(r, tc.m*tc.k, 1), randBF16(r, tc.n*tc.k, 0.1)

@@ -1591,59 +1591,109 @@ extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) __cluster_dims__(1, 
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
 // dst[M, N] = a[M, K] * w[N, K]^T for N <= 1024, where the tiled kernel
-// would run only a handful of blocks down a long K. A block computes 16 rows
-// by 8 columns; its 16 warps take the k16 slices s = w, w+16, ... straight
-// from global memory into MMA fragments (no staging, eight slices in flight
-// per warp), each warp from zero, and the block adds the sixteen partials
-// in warp order. That order depends on K alone, so an output row never
-// depends on M or on the other rows. K is even (the caller checks), so BF16
-// pairs are read 4 bytes at a time; pairs past K read as zeros. Narrow
-// blocks and deep unrolling keep enough bytes in flight for one token (the
-// router's 256 x 7168 weights are read by 32 blocks).
+// would run only a handful of blocks down a long K. A block computes 16*MI
+// rows by 8*NJ columns; its 16 warps take the k16 slices s = w, w+16, ...
+// straight from global memory into MMA fragments (no staging, several
+// slices in flight per warp), each warp from zero, and the block adds the
+// sixteen partials in warp order. That order depends on K alone, so an
+// output's bits never depend on M, on the other rows or on the block's
+// tile: gemm_narrow (16 x 8, one token: the router's 256 x 7168 weights
+// are read by 32 blocks) and gemm_narrow_wide (32 x 32, for many rows,
+// where 16 x 8 blocks read the activations 32 times over and the weights
+// once per 16 rows) agree bit for bit. K is even (the caller checks), so
+// BF16 pairs are read 4 bytes at a time; pairs past K read as zeros.
 #define GN_WARPS 16
-#define GN_UNROLL 8
 
 __device__ __forceinline__ unsigned gn_ld(const bf16_t *row, int k, int K, bool ok) {
     return ok && k < K ? __ldg(reinterpret_cast<const unsigned *>(row + k)) : 0u;
 }
 
+// part: GN_WARPS x 16*MI x (8*NJ + 1) floats of shared memory.
+template <int MI, int NJ, int UNROLL>
+__device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *out, int M, int N, int K, int outFmt, float *part) {
+    constexpr int RM = 16 * MI, CN = 8 * NJ, LDP = CN + 1;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int r0 = blockIdx.x * RM, c0 = blockIdx.y * CN;
+    const bf16_t *ar[MI][2], *wr[NJ];
+    bool rok[MI][2], wok[NJ];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = r0 + 16 * i + g + 8 * h;
+            rok[i][h] = r < M;
+            ar[i][h] = A + (long long)min(r, M - 1) * K;
+        }
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = c0 + 8 * j + g;
+        wok[j] = c < N;
+        wr[j] = W + (long long)min(c, N - 1) * K;
+    }
+    float acc[MI][NJ][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
+    for (int k = warp * 16; k < K; k += 16 * GN_WARPS * UNROLL) {
+        unsigned af[UNROLL][MI][4], bf[UNROLL][NJ][2];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) { // all loads first: they fly together
+            const int ka = k + u * 16 * GN_WARPS + 2 * t4, kb = ka + 8;
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                af[u][i][0] = gn_ld(ar[i][0], ka, K, rok[i][0]);
+                af[u][i][1] = gn_ld(ar[i][1], ka, K, rok[i][1]);
+                af[u][i][2] = gn_ld(ar[i][0], kb, K, rok[i][0]);
+                af[u][i][3] = gn_ld(ar[i][1], kb, K, rok[i][1]);
+            }
+#pragma unroll
+            for (int j = 0; j < NJ; j++) {
+                bf[u][j][0] = gn_ld(wr[j], ka, K, wok[j]);
+                bf[u][j][1] = gn_ld(wr[j], kb, K, wok[j]);
+            }
+        }
+        // Then the slices in k order; only slices inside K, so the chain
+        // is the same whatever UNROLL is.
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++)
+            if (k + u * 16 * GN_WARPS < K)
+#pragma unroll
+                for (int i = 0; i < MI; i++)
+#pragma unroll
+                    for (int j = 0; j < NJ; j++) mma16816(acc[i][j], af[u][i], bf[u][j][0], bf[u][j][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) part[(warp * RM + 16 * i + g + 8 * (q >> 1)) * LDP + 8 * j + 2 * t4 + (q & 1)] = acc[i][j][q];
+    __syncthreads();
+    for (int o = tid; o < RM * CN; o += blockDim.x) {
+        const int r = o / CN, c = o % CN;
+        if (r0 + r < M && c0 + c < N) {
+            float v = part[r * LDP + c];
+#pragma unroll
+            for (int w = 1; w < GN_WARPS; w++) v = __fadd_rn(v, part[(w * RM + r) * LDP + c]);
+            const long long d = (long long)(r0 + r) * N + c0 + c;
+            if (outFmt == 1) reinterpret_cast<float *>(out)[d] = v;
+            else reinterpret_cast<bf16_t *>(out)[d] = f2bf(v);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
                                                                         int K, int outFmt) {
-    __shared__ float part[GN_WARPS][16][9];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int r0 = blockIdx.x * 16, c0 = blockIdx.y * 8;
-    const bool ra = r0 + g < M, rb = r0 + g + 8 < M;
-    const bf16_t *a0 = A + (long long)min(r0 + g, M - 1) * K, *a1 = A + (long long)min(r0 + g + 8, M - 1) * K;
-    const bool wok = c0 + g < N;
-    const bf16_t *w0 = W + (long long)min(c0 + g, N - 1) * K;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int k = warp * 16; k < K; k += 16 * GN_WARPS * GN_UNROLL) {
-        unsigned af[GN_UNROLL][4], bf[GN_UNROLL][2];
-#pragma unroll
-        for (int u = 0; u < GN_UNROLL; u++) { // all loads first: they fly together
-            const int ka = k + u * 16 * GN_WARPS + 2 * t4, kb = ka + 8;
-            af[u][0] = gn_ld(a0, ka, K, ra);
-            af[u][1] = gn_ld(a1, ka, K, rb);
-            af[u][2] = gn_ld(a0, kb, K, ra);
-            af[u][3] = gn_ld(a1, kb, K, rb);
-            bf[u][0] = gn_ld(w0, ka, K, wok);
-            bf[u][1] = gn_ld(w0, kb, K, wok);
-        }
-#pragma unroll
-        for (int u = 0; u < GN_UNROLL; u++) mma16816(acc, af[u], bf[u][0], bf[u][1]); // then the slices in k order
-    }
-#pragma unroll
-    for (int q = 0; q < 4; q++) part[warp][g + 8 * (q >> 1)][2 * t4 + (q & 1)] = acc[q];
-    __syncthreads();
-    if (tid < 128) {
-        const int r = tid >> 3, c = tid & 7;
-        if (r0 + r < M && c0 + c < N) {
-            float v = part[0][r][c];
-#pragma unroll
-            for (int w = 1; w < GN_WARPS; w++) v = __fadd_rn(v, part[w][r][c]);
-            const long long o = (long long)(r0 + r) * N + c0 + c;
-            if (outFmt == 1) reinterpret_cast<float *>(out)[o] = v;
-            else reinterpret_cast<bf16_t *>(out)[o] = f2bf(v);
-        }
-    }
+    __shared__ float part[GN_WARPS * 16 * 9];
+    gn_gemm<1, 1, 8>(A, W, out, M, N, K, outFmt, part);
+}
+
+// gemm_narrow_wide: dynamic shared memory GN_WARPS x 32 x 33 floats.
+extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow_wide(const bf16_t *A, const bf16_t *W, void *out, int M,
+                                                                             int N, int K, int outFmt) {
+    extern __shared__ float gn_part[];
+    gn_gemm<2, 4, 4>(A, W, out, M, N, K, outFmt, gn_part);
 }
