@@ -73,9 +73,11 @@ type Backend struct {
 	// both operands dequantized into shared memory) instead of the
 	// streamed one (gemm_fp4_stream_*). Tests time them side by side.
 	fp4Staged bool
-	// fp4TileRows is the average rows per expert from which NVFP4 grouped
+	// fp4TileRows is the average rows per expert above which NVFP4 grouped
 	// GEMMs run the tiled kernel (defaultTileRows; tests force either).
 	fp4TileRows int
+	// fp4Tile8 runs the tiled kernel's 8-warp variant (tests compare).
+	fp4Tile8 bool
 	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
 	// kernel instead of the streamed one (tests compare them).
 	bf16Generic bool

@@ -70,12 +70,18 @@ func TestConformance(t *testing.T) {
 }
 
 // TestConformanceTiled runs the suite with every NVFP4 grouped GEMM on the
-// tiled kernel (by default it takes only batches of many rows per expert).
+// tiled kernel (by default it takes only batches of many rows per expert),
+// in both its variants.
 func TestConformanceTiled(t *testing.T) {
 	be := gpu(t)
-	defer func(tile int) { be.fp4TileRows = tile }(be.fp4TileRows)
+	defer func(tile int, tile8 bool) { be.fp4TileRows, be.fp4Tile8 = tile, tile8 }(be.fp4TileRows, be.fp4Tile8)
 	be.fp4TileRows = 0
-	kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
+	for _, w8 := range []bool{false, true} {
+		t.Run(fmt.Sprintf("w8=%v", w8), func(t *testing.T) {
+			be.fp4Tile8 = w8
+			kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
+		})
+	}
 }
 
 func TestForeign(t *testing.T) {

@@ -1391,7 +1391,6 @@ G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, true, false)
 // the host may pick either kernel by batch size without breaking batch
 // invariance (TestGroupedGemmInvariance). m16 tiles with no rows skip their
 // MMAs, which keeps an expert's partial last tile cheap.
-#define GT_NW 8
 #define GT_ITEMS (8 * 8 * 32) // 16-byte items per operand and chunk: 8 tiles (m16, or n8 pairs) x 8 slices x 32 lanes
 
 // GTShare is one thread's raw share of a chunk: 16 code bytes (quarter t4
@@ -1454,12 +1453,14 @@ __device__ __forceinline__ void gt_store(uint4 *dst, const GTShare &sh, const un
     }
 }
 
-template <bool SWIGLU, bool V16, int KS>
+template <int NW, bool SWIGLU, bool V16, int KS>
 __device__ __forceinline__ void gt_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
                                         int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
                                         const int *stok, const float *swt, const int *sslots, int sT, int sk) {
-    constexpr int BM = 128, NT = 32 * GT_NW;
+    // NW warps: 8 (2 x 4, each 64 rows by 32 columns, two staging shares
+    // a thread) or 16 (4 x 4, each 32 x 32, one share a thread).
+    constexpr int BM = 128, NT = 32 * NW, WMI = 32 / NW, NS = 16 / NW;
     extern __shared__ __align__(16) uint4 gt_smem[]; // 2 buffers of A items then B items
     __shared__ int s_expert, s_row0, s_row1;
     __shared__ int s_src[BM];
@@ -1477,75 +1478,89 @@ __device__ __forceinline__ void gt_gemm(int *err, const void *A, const unsigned 
     gg_sources(err, s_src, gather, row0, row1, Ta, BM);
     __syncthreads();
 
-    // Staging shares: A rows 16*warp + g (+ 8); B rows g of n8 tiles
-    // 2*warp and 2*warp + 1, whose W rows are (relu2) columns c0 + 8j + g,
+    // Staging: share u = warp + NW * k (k < NS) of a chunk is, for u < 8,
+    // A rows 16u + g (+ 8) (m16 tile u); for u >= 8, row g of n8 tiles 2v
+    // and 2v + 1 (v = u - 8), whose W rows are (relu2) columns c0 + 8j + g,
     // or (SwiGLU) warp n of the MMAs takes tiles 4n .. 4n+3: gate columns
     // c0 + 16n + g (+ 8), then their up rows. Columns past outN read the
-    // last row and are never written.
+    // last row and are never written. Share u's items start at u * 256.
     const int c0 = blockIdx.y * (SWIGLU ? 64 : 128);
-    const bool aTile = 16 * warp < nrows; // this warp's m16 tile has rows
-    const unsigned char *ap[2], *asp[2], *wp[2], *wsp[2];
+    bool mine[NS]; // a B share, or an A share of an m16 tile with rows
+    const unsigned char *sp[NS][2], *ssp[NS][2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int a = s_src[16 * warp + g + 8 * r];
-        ap[r] = a < 0 ? nullptr : static_cast<const unsigned char *>(A) + (long long)a * (K / 2);
-        asp[r] = a < 0 ? nullptr : aSF + (long long)a * (K / 16);
-        const int j = 2 * warp + r;
-        int col;
-        bool up = false;
-        if (SWIGLU) {
-            col = c0 + 16 * (j >> 2) + 8 * (j & 1) + g;
-            up = (j & 2) != 0;
-        } else {
-            col = c0 + 8 * j + g;
+    for (int k = 0; k < NS; k++) {
+        const int u = warp + NW * k;
+        mine[k] = u >= 8 || 16 * u < nrows;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (u < 8) {
+                const int a = s_src[16 * u + g + 8 * r];
+                sp[k][r] = a < 0 ? nullptr : static_cast<const unsigned char *>(A) + (long long)a * (K / 2);
+                ssp[k][r] = a < 0 ? nullptr : aSF + (long long)a * (K / 16);
+            } else {
+                const int j = 2 * (u - 8) + r;
+                int col;
+                bool up = false;
+                if (SWIGLU) {
+                    col = c0 + 16 * (j >> 2) + 8 * (j & 1) + g;
+                    up = (j & 2) != 0;
+                } else {
+                    col = c0 + 8 * j + g;
+                }
+                col = min(col, outN - 1);
+                const long long row = (long long)expert * N + (up ? outN + col : col);
+                sp[k][r] = static_cast<const unsigned char *>(W) + row * (K / 2);
+                ssp[k][r] = wSF + row * (K / 16);
+            }
         }
-        col = min(col, outN - 1);
-        const long long row = (long long)expert * N + (up ? outN + col : col);
-        wp[r] = static_cast<const unsigned char *>(W) + row * (K / 2);
-        wsp[r] = wSF + row * (K / 16);
     }
 
     const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
     const int rank = KS == 2 ? (int)blockIdx.z : 0;
     const int cbeg = rank * half, cend = min(nch, cbeg + half);
-    GTShare sa, sw;
+    GTShare sh[NS];
+    auto load = [&](int c) {
+#pragma unroll
+        for (int k = 0; k < NS; k++)
+            if (mine[k]) gt_load<V16>(sh[k], sp[k], ssp[k], c, nfull, K, t4);
+    };
     auto stage = [&](int buf) {
-        uint4 *base = gt_smem + buf * 2 * GT_ITEMS + warp * 256 + lane;
-        if (aTile) gt_store<false>(base, sa, lut);
-        gt_store<true>(base + GT_ITEMS, sw, lut);
+#pragma unroll
+        for (int k = 0; k < NS; k++) {
+            const int u = warp + NW * k;
+            uint4 *base = gt_smem + buf * 2 * GT_ITEMS + u * 256 + lane;
+            if (u >= 8) gt_store<true>(base, sh[k], lut);
+            else if (mine[k]) gt_store<false>(base, sh[k], lut);
+        }
     };
     if (cbeg < cend) {
-        if (aTile) gt_load<V16>(sa, ap, asp, cbeg, nfull, K, t4);
-        gt_load<V16>(sw, wp, wsp, cbeg, nfull, K, t4);
+        load(cbeg);
         stage(0);
     }
     __syncthreads();
 
-    // MMAs: warp (wm, wn) = (warp / 4, warp % 4) takes m16 tiles 4wm ..
-    // 4wm + 3 and n8 tiles 4wn .. 4wn + 3 (B item pairs 2wn, 2wn + 1).
+    // MMAs: warp (wm, wn) = (warp / 4, warp % 4) takes the WMI m16 tiles
+    // from WMI * wm and n8 tiles 4wn .. 4wn + 3 (B item pairs 2wn, 2wn + 1).
     const int wm = warp >> 2, wn = warp & 3;
-    float acc[4][4][4];
+    float acc[WMI][4][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < WMI; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
-    const int mt = min(4, max(0, (nrows - 64 * wm + 15) / 16)); // this warp's m16 tiles with rows
+    const int mt = min(WMI, max(0, (nrows - 16 * WMI * wm + 15) / 16)); // this warp's m16 tiles with rows
     for (int c = cbeg; c < cend; c++) {
         const int buf = (c - cbeg) & 1;
-        if (c + 1 < cend) {
-            if (aTile) gt_load<V16>(sa, ap, asp, c + 1, nfull, K, t4);
-            gt_load<V16>(sw, wp, wsp, c + 1, nfull, K, t4);
-        }
-        const uint4 *As = gt_smem + buf * 2 * GT_ITEMS + (4 * wm) * 256 + lane;
+        if (c + 1 < cend) load(c + 1); // in flight while this chunk computes
+        const uint4 *As = gt_smem + buf * 2 * GT_ITEMS + (WMI * wm) * 256 + lane;
         const uint4 *Bs = gt_smem + buf * 2 * GT_ITEMS + GT_ITEMS + (2 * wn) * 256 + lane;
         if (mt > 0) {
 #pragma unroll
             for (int s = 0; s < 8; s++) {
                 const uint4 b0 = Bs[s * 32], b1 = Bs[256 + s * 32];
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
+                for (int i = 0; i < WMI; i++) {
                     if (i < mt) {
                         const uint4 a = As[i * 256 + s * 32];
                         const unsigned af[4] = {a.x, a.y, a.z, a.w};
@@ -1562,31 +1577,33 @@ __device__ __forceinline__ void gt_gemm(int *err, const void *A, const unsigned 
     }
 
     if constexpr (KS == 2) {
-        if (!ks2_add<16, NT>(&acc[0][0], gt_smem, rank, tid)) return;
+        if (!ks2_add<WMI * 4, NT>(&acc[0][0], gt_smem, rank, tid)) return;
     }
     const int cw = SWIGLU ? c0 + 16 * wn : c0 + 32 * wn;
-    g5_epilogue<4, 4, SWIGLU, true>(err, acc, 64 * wm, cw, s_src, row0, row1, wScale[expert], aScale, act, out, outN, sacc, stok, swt,
+    g5_epilogue<WMI, 4, SWIGLU, true>(err, acc, 16 * WMI * wm, cw, s_src, row0, row1, wScale[expert], aScale, act, out, outN, sacc, stok, swt,
                                     sslots, sT, sk, g, t4);
 }
 
 // V16 for gt_gemm: whole 16-byte units per row (K % 32 == 0) from 16-byte
 // aligned A and W, block scales 2-byte aligned.
-#define GT_BODY(SWIGLU, KS)                                                                                                    \
+#define GT_BODY(NW, SWIGLU, KS)                                                                                                \
     const bool v16 = K % 32 == 0 && ((reinterpret_cast<unsigned long long>(W) | reinterpret_cast<unsigned long long>(A)) & 15) == 0 && \
                      ((reinterpret_cast<unsigned long long>(wSF) | reinterpret_cast<unsigned long long>(aSF)) & 1) == 0;      \
     if (v16)                                                                                                                   \
-        gt_gemm<SWIGLU, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
-                                  swt, sslots, sT, sk);                                                                        \
+        gt_gemm<NW, SWIGLU, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, \
+                                      stok, swt, sslots, sT, sk);                                                              \
     else                                                                                                                       \
-        gt_gemm<SWIGLU, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
-                                   swt, sslots, sT, sk);
-
-extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) gemm_fp4_tile G5_PARAMS { GT_BODY(false, 1) }
-extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) gemm_fp4_tile_swiglu G5_PARAMS { GT_BODY(true, 1) }
-extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) __cluster_dims__(1, 1, 2) gemm_fp4_tile_ks2 G5_PARAMS { GT_BODY(false, 2) }
-extern "C" __global__ void __launch_bounds__(32 * GT_NW, 1) __cluster_dims__(1, 1, 2) gemm_fp4_tile_swiglu_ks2 G5_PARAMS {
-    GT_BODY(true, 2)
-}
+        gt_gemm<NW, SWIGLU, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, \
+                                       stok, swt, sslots, sT, sk);
+#define GT_KERNEL(NAME, NW, SWIGLU)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 1) NAME G5_PARAMS { GT_BODY(NW, SWIGLU, 1) }                        \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 1) __cluster_dims__(1, 1, 2) NAME##_ks2 G5_PARAMS {                \
+        GT_BODY(NW, SWIGLU, 2)                                                                                                 \
+    }
+GT_KERNEL(gemm_fp4_tile, 16, false)
+GT_KERNEL(gemm_fp4_tile_swiglu, 16, true)
+GT_KERNEL(gemm_fp4_tile_w8, 8, false)
+GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
@@ -1695,5 +1712,5 @@ extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf
 extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow_wide(const bf16_t *A, const bf16_t *W, void *out, int M,
                                                                              int N, int K, int outFmt) {
     extern __shared__ float gn_part[];
-    gn_gemm<2, 4, 4>(A, W, out, M, N, K, outFmt, gn_part);
+    gn_gemm<2, 4, 2>(A, W, out, M, N, K, outFmt, gn_part);
 }
