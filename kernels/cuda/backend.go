@@ -76,8 +76,9 @@ type Backend struct {
 	// fp4TileRows is the average rows per expert above which NVFP4 grouped
 	// GEMMs run the tiled kernel (defaultTileRows; tests force either).
 	fp4TileRows int
-	// fp4Tile8 runs the tiled kernel's 8-warp variant (tests compare).
-	fp4Tile8 bool
+	// fp4Tile8Rows is the average rows per expert above which the tiled
+	// kernel runs its 8-warp variant (defaultTile8Rows; tests force either).
+	fp4Tile8Rows int
 	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
 	// kernel instead of the streamed one (tests compare them).
 	bf16Generic bool
@@ -128,7 +129,7 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		return nil, err
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
-		fp4TileRows: defaultTileRows}
+		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows}
 	start := time.Now()
 	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
 	if err != nil {

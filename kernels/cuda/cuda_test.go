@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"sync"
@@ -74,11 +75,14 @@ func TestConformance(t *testing.T) {
 // in both its variants.
 func TestConformanceTiled(t *testing.T) {
 	be := gpu(t)
-	defer func(tile int, tile8 bool) { be.fp4TileRows, be.fp4Tile8 = tile, tile8 }(be.fp4TileRows, be.fp4Tile8)
+	defer func(tile, tile8 int) { be.fp4TileRows, be.fp4Tile8Rows = tile, tile8 }(be.fp4TileRows, be.fp4Tile8Rows)
 	be.fp4TileRows = 0
 	for _, w8 := range []bool{false, true} {
 		t.Run(fmt.Sprintf("w8=%v", w8), func(t *testing.T) {
-			be.fp4Tile8 = w8
+			be.fp4Tile8Rows = math.MaxInt32
+			if w8 {
+				be.fp4Tile8Rows = 0
+			}
 			kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
 		})
 	}

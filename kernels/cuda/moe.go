@@ -260,11 +260,18 @@ const (
 // invariance.
 const defaultTileRows = 24
 
+// defaultTile8Rows is the average rows per expert above which the tiled
+// kernel runs with 8 warps of 64 x 32 instead of 16 of 32 x 32: measured on
+// the H200 (TestStreamedGemm, FC1 at the seed's shapes), 16 warps win at
+// 16-64 rows per expert (64: 356 against 380 us), 8 at 128 (539 against
+// 578 us). Both give the same bits.
+const defaultTile8Rows = 96
+
 // tileLaunch launches gemm_fp4_tile_* (K split over a cluster of two like
 // the streamed kernels, by K alone).
 func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
 	name, cols, threads := "gemm_fp4_tile", 128, 512
-	if be.fp4Tile8 {
+	if s.R > be.fp4Tile8Rows*s.E {
 		name, threads = name+"_w8", 256
 	}
 	if a.Act == kernels.SwiGLU {

@@ -73,9 +73,9 @@ func TestStreamedGemm(t *testing.T) {
 	}
 	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
-	defer func(staged, generic bool, tile int, tile8 bool) {
-		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8 = staged, generic, tile, tile8
-	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8)
+	defer func(staged, generic bool, tile, tile8 int) {
+		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows = staged, generic, tile, tile8
+	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows)
 	for _, c := range []struct {
 		w             string
 		act           kernels.Activation
@@ -135,16 +135,16 @@ func TestStreamedGemm(t *testing.T) {
 					name     string
 					old      bool
 					tileRows int
-					tile8    bool
+					tile8    int
 				}
-				variants := []variant{{"streamed", false, math.MaxInt32, false}, {"before", true, 0, false}}
+				variants := []variant{{"streamed", false, math.MaxInt32, 0}, {"before", true, 0, 0}}
 				if recipe == "nvfp4" {
-					variants = append([]variant{{"tiled", false, 0, false}, {"tiled8", false, 0, true}}, variants...)
+					variants = append([]variant{{"tiled", false, 0, math.MaxInt32}, {"tiled8", false, 0, 0}}, variants...)
 				}
 				outs := make([][]byte, len(variants))
 				times := make([]float64, len(variants))
 				for p, v := range variants {
-					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8 = v.old, v.old, v.tileRows, v.tile8
+					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows = v.old, v.old, v.tileRows, v.tile8
 					out := moetest.Alloc(t, be, kernels.BF16, R, outN)
 					i := 0
 					d, err := be.Time(iters, func() error { i++; return run(out, i) })
@@ -212,7 +212,7 @@ func TestStreamSmemFits(t *testing.T) {
 // chunk in one half or the other; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
-	defer func(tile int, tile8 bool) { be.fp4TileRows, be.fp4Tile8 = tile, tile8 }(be.fp4TileRows, be.fp4Tile8)
+	defer func(tile, tile8 int) { be.fp4TileRows, be.fp4Tile8Rows = tile, tile8 }(be.fp4TileRows, be.fp4Tile8Rows)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
 	for _, K := range []int{2048 + 48, 4096, 7168 + 32} { // 2096: rows of half 16-byte units
@@ -249,8 +249,8 @@ func TestGroupedGemmInvariance(t *testing.T) {
 			if act == kernels.SwiGLU {
 				outN = N / 2
 			}
-			run := func(perExpert, tileRows int, tile8 bool) [][]byte {
-				be.fp4TileRows, be.fp4Tile8 = tileRows, tile8
+			run := func(perExpert, tileRows, tile8Rows int) [][]byte {
+				be.fp4TileRows, be.fp4Tile8Rows = tileRows, tile8Rows
 				R := E * perExpert
 				offs, gather := make([]int32, E+1), make([]int32, R)
 				for e := range E {
@@ -274,19 +274,18 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				}
 				return rows
 			}
-			alone := run(1, math.MaxInt32, false)
+			alone := run(1, math.MaxInt32, 0)
 			for _, c := range []struct {
-				name            string
-				perExpert, tile int
-				tile8           bool
+				name                   string
+				perExpert, tile, tile8 int
 			}{
-				{"streamed, 80 rows per expert", 80, math.MaxInt32, false},
-				{"tiled, 160 rows per expert", 160, defaultTileRows, false},
-				{"tiled, 1 row per expert", 1, 0, false}, // 0: every batch tiled
-				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, true},
+				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0},
+				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32},
+				{"tiled, 1 row per expert", 1, 0, math.MaxInt32}, // 0: every batch tiled
+				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows},
 			} {
-				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows {
-					t.Fatalf("%s: below defaultTileRows %d, the tiled kernel would not run", c.name, defaultTileRows)
+				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows || c.tile8 == defaultTile8Rows && c.perExpert <= defaultTile8Rows {
+					t.Fatalf("%s: at or below the default thresholds (%d, %d): not the kernel named", c.name, defaultTileRows, defaultTile8Rows)
 				}
 				got := run(c.perExpert, c.tile, c.tile8)
 				for e := range E {
