@@ -1376,14 +1376,15 @@ G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, true, false)
 // too few MMAs: each lane dequantizes its own weight share for 16-64 rows,
 // and the layer becomes bound by issue slots (4096 tokens: about 130
 // TFLOP/s). gt_gemm computes 128 rows by 128 output columns (SwiGLU: 64
-// gate and the 64 matching up columns) per block of 8 warps, each warp 64
-// rows by 32 columns, so every dequantized weight feeds 8 m16 MMAs and
-// every dequantized activation 16 n8 ones. Both operands' raw NVFP4 bytes
-// of the next 128-K chunk are loaded into registers while the current
-// chunk computes; then each thread dequantizes one 16-byte share of an
-// activation row pair and one of a weight row pair into shared memory in
-// fragment order (so a lane reads its A fragment, or the B fragments of two
-// n8 tiles, with one LDS.128), double buffered: one barrier per chunk.
+// gate and the 64 matching up columns) per block of 16 warps of 32 x 32
+// (or 8 of 64 x 32, faster at 128 rows per expert), so every dequantized
+// weight feeds 8 m16 MMAs and every dequantized activation 16 n8 ones.
+// Both operands' raw NVFP4 bytes of the next 128-K chunk are loaded into
+// registers while the current chunk computes; then each 16-byte share (an
+// activation row pair, or a weight row of two n8 tiles) is dequantized
+// into shared memory in fragment order (so a lane reads its A fragment, or
+// the B fragments of two n8 tiles, with one LDS.128), double buffered: one
+// barrier per chunk. docs/MOE.md has the measurements.
 //
 // The fragments hold exactly the values and K order of g5_gemm (the same
 // g5_slice4 per slice, the same slices in order, the same K split for long
