@@ -75,8 +75,12 @@ const gemmNarrowN = 1024
 // gemmWideM is the row count from which narrow GEMMs take 32 x 32 blocks
 // (gemm_narrow_wide) instead of 16 x 8 ones: the same bits (src/moe.cu),
 // a fraction of the activation and weight reads (the router at 4096
-// tokens read its input 32 times over).
-const gemmWideM = 32
+// tokens read its input 32 times over). Its shared memory holds the 16
+// warps' partial sums of the 32 x 32 tile (rows padded to 33).
+const (
+	gemmWideM    = 32
+	gemmWideSmem = 16 * 32 * 33 * 4
+)
 
 // packedAligned checks what the NVFP4 kernels assume of a quantized
 // operand's addresses: packed rows are read and written 8 bytes at a time,
@@ -110,7 +114,7 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 				out = outF32
 			}
 			if m >= gemmWideM {
-				return be.launch("gemm_narrow_wide", drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, 16*32*33*4,
+				return be.launch("gemm_narrow_wide", drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, gemmWideSmem,
 					ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 			}
 			return be.launch("gemm_narrow", drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
@@ -255,7 +259,7 @@ const (
 // grouped GEMMs take the tiled kernel instead of the streamed one: where
 // the streamed kernel would take 64-row tiles. Measured on the H200
 // (TestStreamedGemm, FC1 at the seed's shapes): 24 rows per expert,
-// streamed 230 us, tiled 311; 32 rows, streamed 444, tiled 317. Both give
+// streamed 232 us, tiled 283; 32 rows, streamed 447, tiled 289. Both give
 // every output the same bits (src/moe.cu), so the choice keeps batch
 // invariance.
 const defaultTileRows = 24

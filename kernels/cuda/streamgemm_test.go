@@ -184,10 +184,10 @@ func TestStreamedGemm(t *testing.T) {
 	}
 }
 
-// TestStreamSmemFits checks, without a GPU, that every streamed kernel's
-// shared memory, and the tiled kernel's, (the host's figure plus the
-// kernel's static arrays) fits in the 227 KiB an sm_90 block may opt in to, so no tile shape can fail
-// at launch on an H100 or H200.
+// TestStreamSmemFits checks, without a GPU, that the shared memory of every
+// streamed kernel and of the tiled one (the host's figure plus the kernel's
+// static arrays) fits in the 227 KiB an sm_90 block may opt in to, so no
+// tile shape can fail at launch on an H100 or H200.
 func TestStreamSmemFits(t *testing.T) {
 	const optin, static = 227 << 10, 2 << 10 // static: the scale table, the row sources, the schedule
 	for _, fp4 := range []bool{true, false} {
@@ -206,8 +206,8 @@ func TestStreamSmemFits(t *testing.T) {
 // kernels the host picks by batch: each expert's first sorted row gathers
 // the same activation row in a batch of 1 row per expert (streamed, 16-row
 // tiles), 80 (streamed, 64-row tiles) and 160 (tiled, two 128-row tiles,
-// the second partial), and with the tiled kernel forced at 1 row per
-// expert; its output must not change by a bit. K 2096 runs in one block,
+// the second partial, with 16 and with 8 warps), and with the tiled kernel
+// forced at 1 row per expert; its output must not change by a bit. K 2096 runs in one block,
 // 4096 and 7200 split over a cluster (splitK), each leaving a partial last
 // chunk in one half or the other; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
