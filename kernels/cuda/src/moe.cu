@@ -855,8 +855,9 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 
 // ---- Grouped GEMM, weights streamed into MMA fragments ----
 //
-// The expert GEMMs of both recipes, for every batch size: NVFP4 x NVFP4
-// (per_token) and BF16 x BF16 (bf16). A block of 8 warps computes
+// The expert GEMMs of both recipes: NVFP4 x NVFP4 (per_token) up to 24
+// rows per expert (gt_gemm, below, takes more) and BF16 x BF16 (bf16) at
+// every batch size. A block of 8 warps computes
 // BM = 16*MI sorted rows of one expert by 128 output columns (64 for
 // SwiGLU, whose warps also take the matching "up" rows). The activations
 // are the MMA's A operand: each 128-wide K chunk of the block's rows is
