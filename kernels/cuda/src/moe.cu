@@ -1607,6 +1607,290 @@ GT_KERNEL(gemm_fp4_tile_swiglu, 16, true)
 GT_KERNEL(gemm_fp4_tile_w8, 8, false)
 GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 
+// ---- Grouped GEMM, NVFP4 x NVFP4, many rows per expert, on wgmma ----
+//
+// gt_gemm (above) runs mma.sync: each warp dequantizes its share of the
+// next chunk and then issues its MMAs, one after the other, and at one
+// block of 8 warps an SM the tensor cores wait on the dequantization
+// (docs/MOE.md: 223 TFLOP/s, latency-bound). gw_gemm computes the same
+// 128 x 128 tile with Hopper's asynchronous warpgroup MMA: 16 warps, four
+// warpgroups of 64 rows x 64 columns, issue chunk c's eight m64n64k16
+// steps from shared memory and, while the tensor cores run them, every
+// thread dequantizes its share of chunk c + 1 (warps 0-7: A rows, 8-15:
+// weight rows; a quarter of K of two rows a thread) into the other
+// buffer and loads the raw bytes of chunk c + 3. One barrier per chunk.
+//
+// Shared memory holds both operands K-major with the 128-byte swizzle:
+// each half of a chunk's K (64 values) is a run of 128-byte rows, and the
+// 16-byte unit j of row r sits at unit j ^ (r % 8), so the eight rows of
+// a 1024-byte atom spread any unit over all banks (measured: the same
+// speed as without the swizzle, where each row's 8 K values were a core
+// matrix row).
+// A k16 step's 16 K slots hold the values g5_slice4 gives the mma.sync
+// fragments of the same slice (slot 2q + h: quarter q's lo pair, 8 + 2q +
+// h: its hi pair), so both kernels multiply the same BF16 pairs in every
+// k slot, and the slices, K split and epilogue are gt_gemm's.
+#define GW_OP 32768 // bytes of one operand's buffer: 128 rows x 128 K of BF16
+#define GW_HALF 16384 // bytes of one half of its K
+
+// GWShare is one thread's raw share of a chunk: quarter t4 (16 code bytes,
+// block scales 2t4 and 2t4 + 1) of NR rows. The four lanes of a quad read
+// one row's 64 contiguous bytes, so a warp's load touches 8 rows' lines
+// (with one row a thread, 32 lines a load: ncu, L1 68% busy, 9.7 of 32
+// bytes a sector used).
+template <int NR>
+struct GWShare {
+    uint4 q[NR];
+    unsigned sf[(NR + 1) / 2]; // row i's scale pair at bits 16 (i % 2) of sf[i / 2]
+};
+
+// gw_load reads chunk c of the share's rows: codes at p + off[i], scales
+// at sp + off[i] / 8 (off < 0: no row, zeros). V16 as in gt_load;
+// otherwise each 8-byte half is read if its block lies inside K.
+template <bool V16, int NR>
+__device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p, const unsigned char *sp, const int (&off)[NR], int c,
+                                        int nfull, int K, int t4) {
+    const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
+#pragma unroll
+    for (int i = 0; i < (NR + 1) / 2; i++) sh.sf[i] = 0;
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        sh.q[i] = make_uint4(0, 0, 0, 0);
+        if (off[i] < 0) continue;
+        const unsigned char *src = p + off[i] + c * (G5_KC / 2) + 16 * t4, *ss = sp + off[i] / 8 + b0;
+        const int sh16 = 16 * (i & 1);
+        if (V16 && c < nfull) {
+            sh.q[i] = __ldg(reinterpret_cast<const uint4 *>(src));
+            sh.sf[i >> 1] |= (unsigned)__ldg(reinterpret_cast<const unsigned short *>(ss)) << sh16;
+            continue;
+        }
+        if (c < nfull || b0 < nb) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
+            sh.q[i].x = v.x;
+            sh.q[i].y = v.y;
+            sh.sf[i >> 1] |= (unsigned)__ldg(ss) << sh16;
+        }
+        if (c < nfull || b0 + 1 < nb) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src + 8));
+            sh.q[i].z = v.x;
+            sh.q[i].w = v.y;
+            sh.sf[i >> 1] |= (unsigned)__ldg(ss + 1) << (sh16 + 8);
+        }
+    }
+}
+
+__device__ __forceinline__ unsigned gw_word(const uint4 &v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+
+// gw_store dequantizes a share into an operand buffer op (1024-byte
+// aligned), rows rbase + 8i + g: slice s's lo pair of quarter t4 is word
+// t4 of the row's K unit 2s, its hi pair word t4 of unit 2s + 1, the units
+// swizzled (rbase is a multiple of 8, so the row's x is g). A warp's
+// 4-byte stores of one slice fill 8 rows' units, all banks once.
+template <int NR>
+__device__ __forceinline__ void gw_store(unsigned char *op, int rbase, const GWShare<NR> &sh, const int (&off)[NR], const unsigned *lut,
+                                         int g, int t4) {
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        if (off[i] < 0) continue;
+        unsigned char *row = op + (rbase + 8 * i + g) * 128 + 4 * t4;
+        const unsigned pair = sh.sf[i >> 1] >> (16 * (i & 1));
+        const unsigned sc0 = lut[pair & 0xff], sc1 = lut[(pair >> 8) & 0xff];
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            unsigned lo, hi;
+            g5_slice4(gw_word(sh.q[i], s >> 1), s < 4 ? sc0 : sc1, s, lo, hi);
+            const int j = 2 * (s & 3);
+            *reinterpret_cast<unsigned *>(row + (s >> 2) * GW_HALF + ((j ^ g) << 4)) = lo;
+            *reinterpret_cast<unsigned *>(row + (s >> 2) * GW_HALF + (((j + 1) ^ g) << 4)) = hi;
+        }
+    }
+}
+
+// gw_desc is the wgmma descriptor of a K-major operand at shared address
+// a with the 128-byte swizzle: 8-row groups 1024 bytes apart (the stride
+// byte offset; the leading one is unused when a step's K lies in one row).
+__device__ __forceinline__ unsigned long long gw_desc(unsigned a) {
+    return (unsigned long long)((a & 0x3FFFF) >> 4) | 1ull << 16 | (unsigned long long)(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// gw_mma issues d += A * B^T for a 64 x 16 A and 64 x 16 B (descriptors
+// da, db), asynchronously.
+__device__ __forceinline__ void gw_mma(float (&d)[8][4], unsigned long long da, unsigned long long db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+                   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "l"(da), "l"(db), "r"(1));
+#else
+    __trap(); // the host launches gw_gemm on sm_90a only
+#endif
+}
+
+__device__ __forceinline__ void gw_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gw_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// gw_wait waits for this warpgroup's MMAs; the empty asm statements keep
+// the compiler from touching the accumulators before they are final.
+__device__ __forceinline__ void gw_wait(float (&d)[8][4]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+    asm volatile("" : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])::"memory");
+    asm volatile("" : "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])::"memory");
+    asm volatile("" : "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])::"memory");
+    asm volatile("" : "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])::"memory");
+    asm volatile("" : "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3])::"memory");
+    asm volatile("" : "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])::"memory");
+    asm volatile("" : "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3])::"memory");
+    asm volatile("" : "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])::"memory");
+}
+
+// gw_proxy makes this thread's shared-memory stores visible to the
+// asynchronous proxy that wgmma reads through (before the barrier).
+__device__ __forceinline__ void gw_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <bool SWIGLU, bool V16, int KS>
+__device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
+                                        const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
+                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
+                                        const int *stok, const float *swt, const int *sslots, int sT, int sk) {
+    constexpr int BM = 128, NT = 512;
+    extern __shared__ __align__(1024) unsigned char gw_dyn[]; // 2 buffers of A then B, from the first 1024-byte boundary
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[BM];
+    __shared__ unsigned lut[256];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const unsigned dyn = static_cast<unsigned>(__cvta_generic_to_shared(gw_dyn)), sbase = (dyn + 1023) & ~1023u;
+    unsigned char *gw_smem = gw_dyn + (sbase - dyn);
+
+    for (int b = tid; b < 256; b += NT) {
+        const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
+        lut[b] = h | (h << 16);
+    }
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
+    __syncthreads();
+    const int expert = s_expert, row0 = s_row0, row1 = s_row1, nrows = row1 - row0;
+    if (expert < 0) return; // both blocks of a pair: they share the tile
+    gg_sources(err, s_src, gather, row0, row1, Ta, BM);
+    __syncthreads();
+
+    // Staging: warp w < 8 takes A rows 16w + 8i + g (rows past the tile's,
+    // or without a source, are left as they are: their outputs are never
+    // written), warp w >= 8 B rows n = 16(w - 8) + 8i + g, i < 2. B row n
+    // is (relu2) column c0 + n, or (SwiGLU) in warpgroup half h = n / 64
+    // gate column c0 + 32h + n % 64 for n % 64 < 32 and its up row after
+    // them, so each MMA warpgroup's n8 tile j < 4 is a gate and j + 4 its
+    // up (g5_epilogue). Columns past outN read the last row and are never
+    // written. Offsets are 32-bit: A's within Ta * K / 2, B's within an
+    // expert's N * K / 2 (the host checks both).
+    const int c0 = blockIdx.y * (SWIGLU ? 64 : 128), rbase = 16 * (warp & 7);
+    const bool isA = warp < 8;
+    const unsigned char *p = isA ? static_cast<const unsigned char *>(A)
+                                 : static_cast<const unsigned char *>(W) + (long long)expert * N * (K / 2);
+    const unsigned char *sp = isA ? aSF : wSF + (long long)expert * N * (K / 16);
+    int off[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int n = rbase + 8 * i + g;
+        if (isA) {
+            const int a = s_src[n];
+            off[i] = n < nrows && a >= 0 ? a * (K / 2) : -1;
+        } else {
+            const bool up = SWIGLU && (n & 32);
+            const int col = min(SWIGLU ? c0 + 32 * (n >> 6) + (n & 31) : c0 + n, outN - 1);
+            off[i] = (up ? outN + col : col) * (K / 2);
+        }
+    }
+    unsigned char *const opb = gw_smem + (isA ? 0 : GW_OP);
+
+    // Raw shares run two chunks ahead in two register sets (one chunk
+    // ahead, the loads had only the barrier's time to land: ncu, long
+    // scoreboard the second stall).
+    const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
+    const int rank = KS == 2 ? (int)blockIdx.z : 0;
+    const int cbeg = rank * half, cend = min(nch, cbeg + half);
+    GWShare<2> r0, r1;
+    if (cbeg < cend) {
+        gw_load<V16>(r0, p, sp, off, cbeg, nfull, K, t4);
+        gw_store(opb, rbase, r0, off, lut, g, t4);
+    }
+    gw_proxy();
+    __syncthreads();
+    if (cbeg + 1 < cend) gw_load<V16>(r0, p, sp, off, cbeg + 1, nfull, K, t4);
+    if (cbeg + 2 < cend) gw_load<V16>(r1, p, sp, off, cbeg + 2, nfull, K, t4);
+
+    // MMAs: warpgroup (wm, wn) = (wgi % 2, wgi / 2) takes rows 64wm.. and
+    // B rows 64wn.. of the tile.
+    const int wgi = warp >> 2, wm = wgi & 1, wn = wgi >> 1;
+    float acc[1][8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[0][j][q] = 0.f;
+    const bool mine = 64 * wm < nrows; // this warpgroup has rows
+    const unsigned long long da0 = gw_desc(sbase + wm * 64 * 128), db0 = gw_desc(sbase + GW_OP + wn * 64 * 128);
+    // step: chunk c from buffer buf; r holds chunk c + 1's raw share, then
+    // chunk c + 3's.
+    auto step = [&](int c, int buf, GWShare<2> &r) {
+        if (mine) {
+            gw_fence();
+#pragma unroll
+            for (int s = 0; s < 8; s++) { // step s: K half s / 4, bytes 32 (s % 4) of its rows
+                const unsigned long long o = (unsigned long long)(buf * 2 * GW_OP + (s >> 2) * GW_HALF + (s & 3) * 32) >> 4;
+                gw_mma(acc[0], da0 + o, db0 + o);
+            }
+            gw_commit();
+        }
+        if (c + 1 < cend) {
+            gw_store(opb + (buf ^ 1) * 2 * GW_OP, rbase, r, off, lut, g, t4);
+            gw_proxy();
+        }
+        if (c + 3 < cend) gw_load<V16>(r, p, sp, off, c + 3, nfull, K, t4);
+        if (mine) gw_wait(acc[0]);
+        __syncthreads();
+    };
+    for (int c = cbeg; c < cend; c += 2) {
+        step(c, 0, r0);
+        if (c + 1 < cend) step(c + 1, 1, r1);
+    }
+
+    if constexpr (KS == 2) {
+        if (!ks2_add<8, NT>(&acc[0][0], reinterpret_cast<uint4 *>(gw_smem), rank, tid)) return;
+    }
+    const int cw = SWIGLU ? c0 + 32 * wn : c0 + 64 * wn;
+    g5_epilogue<1, 8, SWIGLU, true>(err, acc, 64 * wm + 16 * (warp & 3), cw, s_src, row0, row1, wScale[expert], aScale, act, out, outN,
+                                    sacc, stok, swt, sslots, sT, sk, g, t4);
+}
+
+#define GW_BODY(SWIGLU, KS)                                                                                                    \
+    const bool v16 = K % 32 == 0 && ((reinterpret_cast<unsigned long long>(W) | reinterpret_cast<unsigned long long>(A)) & 15) == 0 && \
+                     ((reinterpret_cast<unsigned long long>(wSF) | reinterpret_cast<unsigned long long>(aSF)) & 1) == 0;      \
+    if (v16)                                                                                                                   \
+        gw_gemm<SWIGLU, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
+                                  swt, sslots, sT, sk);                                                                        \
+    else                                                                                                                       \
+        gw_gemm<SWIGLU, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc,   \
+                                   stok, swt, sslots, sT, sk);
+#define GW_KERNEL(NAME, SWIGLU)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME G5_PARAMS { GW_BODY(SWIGLU, 1) }                                \
+    extern "C" __global__ void __launch_bounds__(512, 1) __cluster_dims__(1, 1, 2) NAME##_ks2 G5_PARAMS { GW_BODY(SWIGLU, 2) }
+GW_KERNEL(gemm_fp4_wg, false)
+GW_KERNEL(gemm_fp4_wg_swiglu, true)
+
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
 // dst[M, N] = a[M, K] * w[N, K]^T for N <= 1024, where the tiled kernel
