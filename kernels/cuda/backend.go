@@ -79,10 +79,6 @@ type Backend struct {
 	// fp4Tile8Rows is the average rows per expert above which the tiled
 	// kernel runs its 8-warp variant (defaultTile8Rows; tests force either).
 	fp4Tile8Rows int
-	// fp4WG runs the tiled NVFP4 GEMM on wgmma (gemm_fp4_wg*) instead of
-	// mma.sync (gemm_fp4_tile*): on sm_90a, where wgmma exists; tests
-	// compare them.
-	fp4WG bool
 	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
 	// kernel instead of the streamed one (tests compare them).
 	bf16Generic bool
@@ -134,7 +130,6 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
 		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows}
-	be.fp4WG = be.info.Arch == "sm_90a"
 	start := time.Now()
 	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
 	if err != nil {

@@ -72,25 +72,17 @@ func TestConformance(t *testing.T) {
 
 // TestConformanceTiled runs the suite with every NVFP4 grouped GEMM on the
 // tiled kernel (by default it takes only batches of many rows per expert),
-// in each of its variants: mma.sync with 16 and 8 warps, and wgmma where
-// the device has it.
+// in both its variants.
 func TestConformanceTiled(t *testing.T) {
 	be := gpu(t)
-	defer func(tile, tile8 int, wg bool) {
-		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG = tile, tile8, wg
-	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG)
-	hasWG := be.fp4WG
+	defer func(tile, tile8 int) { be.fp4TileRows, be.fp4Tile8Rows = tile, tile8 }(be.fp4TileRows, be.fp4Tile8Rows)
 	be.fp4TileRows = 0
-	for _, v := range []struct {
-		name  string
-		tile8 int
-		wg    bool
-	}{{"w8=false", math.MaxInt32, false}, {"w8=true", 0, false}, {"wgmma", 0, true}} {
-		t.Run(v.name, func(t *testing.T) {
-			if v.wg && !hasWG {
-				t.Skipf("no wgmma on %s", be.info.Arch)
+	for _, w8 := range []bool{false, true} {
+		t.Run(fmt.Sprintf("w8=%v", w8), func(t *testing.T) {
+			be.fp4Tile8Rows = math.MaxInt32
+			if w8 {
+				be.fp4Tile8Rows = 0
 			}
-			be.fp4Tile8Rows, be.fp4WG = v.tile8, v.wg
 			kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
 		})
 	}

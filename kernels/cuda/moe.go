@@ -255,10 +255,6 @@ const (
 	tileSmem = 2 * 2 * 2048 * 16
 )
 
-// wgSmem is the shared memory of gemm_fp4_wg*: the same two buffers of
-// both operands, from a 1024-byte boundary (the swizzle's atom).
-const wgSmem = tileSmem + 1024
-
 // defaultTileRows is the average rows per expert above which the NVFP4
 // grouped GEMMs take the tiled kernel instead of the streamed one: where
 // the streamed kernel would take 64-row tiles. Measured on the H200
@@ -279,10 +275,7 @@ const defaultTile8Rows = 96
 // the streamed kernels, by K alone).
 func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
 	name, cols, threads := "gemm_fp4_tile", 128, 512
-	switch {
-	case be.fp4WG:
-		name, threads = "gemm_fp4_wg", 512
-	case s.R > be.fp4Tile8Rows*s.E:
+	if s.R > be.fp4Tile8Rows*s.E {
 		name, threads = name+"_w8", 256
 	}
 	if a.Act == kernels.SwiGLU {
@@ -292,11 +285,7 @@ func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmSh
 	if splitK(s.Kp) {
 		name, grid.Z = name+"_ks2", 2
 	}
-	smem := tileSmem
-	if be.fp4WG {
-		smem = wgSmem
-	}
-	return be.launch(name, grid, drv.Dim3{X: threads}, smem, scatterArgs(a, args)...)
+	return be.launch(name, grid, drv.Dim3{X: threads}, tileSmem, scatterArgs(a, args)...)
 }
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's
@@ -308,7 +297,7 @@ func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGe
 		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
 		int32(a.Act), ptr(a.Out), int32(s.OutN)}
 	if !be.fp4Staged && streamFits(s.Ta, s.Kp) {
-		if s.R > be.fp4TileRows*s.E && streamFits(s.N, s.Kp) { // the wgmma kernel's 32-bit offsets into an expert
+		if s.R > be.fp4TileRows*s.E {
 			return be.tileLaunch(a, s, args...)
 		}
 		return be.streamLaunch(true, a, s, args...)

@@ -73,10 +73,9 @@ func TestStreamedGemm(t *testing.T) {
 	}
 	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
-	hasWG := be.fp4WG
-	defer func(staged, generic bool, tile, tile8 int, wg bool) {
-		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG = staged, generic, tile, tile8, wg
-	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG)
+	defer func(staged, generic bool, tile, tile8 int) {
+		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows = staged, generic, tile, tile8
+	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows)
 	for _, c := range []struct {
 		w             string
 		act           kernels.Activation
@@ -130,28 +129,22 @@ func TestStreamedGemm(t *testing.T) {
 					return be.GroupedGemm(kernels.GroupedGemmArgs{A: A, W: W, Offsets: offs[i%sets], Act: c.act, Out: out})
 				}
 				bytesRead := float64(c.touched*n*k+R*k) * bytesPer
-				// The variants: streamed, tiled (NVFP4: 16 and 8 warps of
-				// mma.sync, and wgmma), and the kernel they replace, which
-				// checks them.
+				// The variants: streamed, tiled (NVFP4: 16 and 8 warps), and
+				// the kernel they replace, which checks them.
 				type variant struct {
 					name     string
 					old      bool
 					tileRows int
 					tile8    int
-					wg       bool
 				}
-				variants := []variant{{"streamed", false, math.MaxInt32, 0, false}, {"before", true, 0, 0, false}}
+				variants := []variant{{"streamed", false, math.MaxInt32, 0}, {"before", true, 0, 0}}
 				if recipe == "nvfp4" {
-					tiled := []variant{{"tiled", false, 0, math.MaxInt32, false}, {"tiled8", false, 0, 0, false}}
-					if hasWG {
-						tiled = append(tiled, variant{"wgmma", false, 0, 0, true})
-					}
-					variants = append(tiled, variants...)
+					variants = append([]variant{{"tiled", false, 0, math.MaxInt32}, {"tiled8", false, 0, 0}}, variants...)
 				}
 				outs := make([][]byte, len(variants))
 				times := make([]float64, len(variants))
 				for p, v := range variants {
-					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG = v.old, v.old, v.tileRows, v.tile8, v.wg
+					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows = v.old, v.old, v.tileRows, v.tile8
 					out := moetest.Alloc(t, be, kernels.BF16, R, outN)
 					i := 0
 					d, err := be.Time(iters, func() error { i++; return run(out, i) })
@@ -192,7 +185,7 @@ func TestStreamedGemm(t *testing.T) {
 }
 
 // TestStreamSmemFits checks, without a GPU, that the shared memory of every
-// streamed kernel and of the tiled ones (the host's figure plus the kernel's
+// streamed kernel and of the tiled one (the host's figure plus the kernel's
 // static arrays) fits in the 227 KiB an sm_90 block may opt in to, so no
 // tile shape can fail at launch on an H100 or H200.
 func TestStreamSmemFits(t *testing.T) {
@@ -204,10 +197,8 @@ func TestStreamSmemFits(t *testing.T) {
 			}
 		}
 	}
-	for name, smem := range map[string]int{"tiled kernel": tileSmem, "wgmma tiled kernel": wgSmem} {
-		if got := smem + static; got > optin {
-			t.Errorf("%s: %d bytes of shared memory, more than %d", name, got, optin)
-		}
+	if got := tileSmem + static; got > optin {
+		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
 }
 
@@ -221,10 +212,7 @@ func TestStreamSmemFits(t *testing.T) {
 // chunk in one half or the other; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
-	hasWG := be.fp4WG
-	defer func(tile, tile8 int, wg bool) {
-		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG = tile, tile8, wg
-	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG)
+	defer func(tile, tile8 int) { be.fp4TileRows, be.fp4Tile8Rows = tile, tile8 }(be.fp4TileRows, be.fp4Tile8Rows)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
 	for _, K := range []int{2048 + 48, 4096, 7168 + 32} { // 2096: rows of half 16-byte units
@@ -261,8 +249,8 @@ func TestGroupedGemmInvariance(t *testing.T) {
 			if act == kernels.SwiGLU {
 				outN = N / 2
 			}
-			run := func(perExpert, tileRows, tile8Rows int, wg bool) [][]byte {
-				be.fp4TileRows, be.fp4Tile8Rows, be.fp4WG = tileRows, tile8Rows, wg
+			run := func(perExpert, tileRows, tile8Rows int) [][]byte {
+				be.fp4TileRows, be.fp4Tile8Rows = tileRows, tile8Rows
 				R := E * perExpert
 				offs, gather := make([]int32, E+1), make([]int32, R)
 				for e := range E {
@@ -286,26 +274,20 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				}
 				return rows
 			}
-			alone := run(1, math.MaxInt32, 0, false)
+			alone := run(1, math.MaxInt32, 0)
 			for _, c := range []struct {
 				name                   string
 				perExpert, tile, tile8 int
-				wg                     bool
 			}{
-				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0, false},
-				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32, false},
-				{"tiled, 1 row per expert", 1, 0, math.MaxInt32, false}, // 0: every batch tiled
-				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, false},
-				{"wgmma tile, 160 rows per expert", 160, defaultTileRows, 0, true},
-				{"wgmma tile, 1 row per expert", 1, 0, 0, true},
+				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0},
+				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32},
+				{"tiled, 1 row per expert", 1, 0, math.MaxInt32}, // 0: every batch tiled
+				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows},
 			} {
-				if c.wg && !hasWG {
-					continue
-				}
 				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows || c.tile8 == defaultTile8Rows && c.perExpert <= defaultTile8Rows {
 					t.Fatalf("%s: at or below the default thresholds (%d, %d): not the kernel named", c.name, defaultTileRows, defaultTile8Rows)
 				}
-				got := run(c.perExpert, c.tile, c.tile8, c.wg)
+				got := run(c.perExpert, c.tile, c.tile8)
 				for e := range E {
 					if string(alone[e]) != string(got[e]) {
 						t.Errorf("K %d, %v, expert %d: the row's output differs between 1 row per expert (streamed) and %s", K, act, e, c.name)
