@@ -181,14 +181,20 @@ const g4LD = 128 + 8
 // 128 output columns per block (64 for SwiGLU: a gate and an up tile per
 // warp). Each 16-row tile of activations takes 4 KB of shared memory per K
 // chunk, double buffered; each warp keeps a ring of weight chunks in
-// flight in shared memory: 8 chunks of 16 B per lane and tile for NVFP4, 4
-// of 64 B for BF16.
+// flight in shared memory (G5_D): for NVFP4 16 B of codes per lane and
+// tile and a word of block scales per lane pair and tile, 7 chunks deep
+// for 16-row tiles (three blocks an SM) and 8 for larger ones; for BF16 4
+// chunks of 64 B.
 const streamTileSmem = 2 * 4096
 
 func streamSmem(fp4 bool, bm int) int {
 	ring := 4 * 64
 	if fp4 {
-		ring = 8 * 16
+		depth := 8
+		if bm == 16 {
+			depth = 7
+		}
+		ring = depth * (16 + 4/2)
 	}
 	return bm/16*streamTileSmem + 8*2*32*ring
 }

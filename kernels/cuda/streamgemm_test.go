@@ -207,15 +207,18 @@ func TestStreamSmemFits(t *testing.T) {
 // the same activation row in a batch of 1 row per expert (streamed, 16-row
 // tiles), 80 (streamed, 64-row tiles) and 160 (tiled, two 128-row tiles,
 // the second partial, with 16 and with 8 warps), and with the tiled kernel
-// forced at 1 row per expert; its output must not change by a bit. K 2096 runs in one block,
-// 4096 and 7200 split over a cluster (splitK), each leaving a partial last
-// chunk in one half or the other; squared ReLU and SwiGLU.
+// forced at 1 row per expert; its output must not change by a bit. K 2096
+// and 2112 run in one block, 4096, 7200 and 7232 split over a cluster
+// (splitK); all but 4096 end in a partial chunk. 2096 and 7200 (K not a
+// multiple of 64) read the weights' block scales from global memory where
+// they are used, 2112 and 7232 copy them with the codes, the last chunk's
+// partly zero-filled; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
 	defer func(tile, tile8 int) { be.fp4TileRows, be.fp4Tile8Rows = tile, tile8 }(be.fp4TileRows, be.fp4Tile8Rows)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
-	for _, K := range []int{2048 + 48, 4096, 7168 + 32} { // 2096: rows of half 16-byte units
+	for _, K := range []int{2048 + 48, 2048 + 64, 4096, 7168 + 32, 7168 + 64} { // 2096: rows of half 16-byte units
 		if splitK(K) != (K >= 4096) {
 			t.Fatalf("K %d: splitK %v, the cases assume a split from 4096", K, splitK(K))
 		}

@@ -889,8 +889,10 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 
 // Weight chunks in flight per warp: G5_D. The codes go to a per-warp ring
 // in shared memory by cp.async (16 B per lane and tile for NVFP4, 64 B for
-// BF16), the NVFP4 block scales to a ring of registers.
-#define G5_D(FP4) ((FP4) ? 8 : 4)
+// BF16), and so do the NVFP4 block scales (a word per lane pair and tile).
+// NVFP4 16-row tiles keep 7 chunks, so that three blocks fit in an SM's
+// shared memory (kernels/cuda/moe.go streamSmem).
+#define G5_D(FP4, MI) ((FP4) ? ((MI) == 1 ? 7 : 8) : 4)
 #define G5_NW 8 // warps per block
 #define G5_J 2  // n8 tiles per warp
 #define G5_WB(FP4) ((FP4) ? 16 : 64) // bytes per lane, tile and chunk
@@ -901,6 +903,12 @@ __device__ __forceinline__ void cp_async(void *smem, const void *gmem, int bytes
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0) : "memory");
     else
         asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 8 : 0) : "memory");
+}
+// cp_async4 copies n (0..4) bytes from gmem (4-byte aligned) and
+// zero-fills the rest of the 4 at smem.
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem, int n) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
 template <bool B, typename T, typename F>
 struct G5Cond {
@@ -942,36 +950,52 @@ __device__ __forceinline__ void g5_slice4(unsigned q, unsigned sc, int s, unsign
 
 // g5_wissue starts the copy of chunk c of a lane's weight share into its
 // slot (dst: the lane's first 16 bytes; BF16 shares are 4 units 512 bytes
-// apart, so each LDS.128 of a warp is contiguous) and returns the NVFP4
-// block scales (block 2t4 in byte 0, 2t4+1 in byte 1). p and sp point at
-// the lane's quarter of chunk c, row the row's chunk 0 (a valid source
-// address for the zero-filled copies). Only the last chunk can be partial:
-// K is a multiple of 16 (NVFP4) or 8 (BF16, checked by the host); what lies
-// past K is zero-filled. V16: rows of whole 16-byte units from 16-byte
-// aligned addresses, scale pairs 2-byte aligned.
+// apart, so each LDS.128 of a warp is contiguous). p points at the lane's
+// quarter of chunk c, row at the row's chunk 0 (a valid source address for
+// the zero-filled copies). Only the last chunk can be partial: K is a
+// multiple of 16 (NVFP4) or 8 (BF16, checked by the host); what lies past
+// K is zero-filled. V16: rows of whole 16-byte units from 16-byte aligned
+// addresses and (NVFP4) K a multiple of 64 with 4-byte aligned block
+// scales; then the lanes of even t4 also copy the 4 block-scale bytes of
+// their lane pair (blocks 2t4 .. 2t4+3 of chunk c, from sp) to sdst.
+// Without V16 the scales are read where they are used (g5_wscale).
 template <bool V16>
-__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const unsigned char *p, const unsigned char *sp, const unsigned char *row,
-                                              int c, int nfull, int K, int t4) {
+__device__ __forceinline__ void g5_wissue(uint4 *dst, unsigned *sdst, const unsigned char *p, const unsigned char *sp,
+                                          const unsigned char *row, const unsigned char *srow, int c, int nfull, int K, int t4) {
     if (V16 && c < nfull) {
         cp_async(dst, p, 16, true);
-        return __ldg(reinterpret_cast<const unsigned short *>(sp));
+        if (!(t4 & 1)) cp_async4(sdst, sp, 4);
+        return;
     }
     const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
     const bool in0 = c < nfull || b0 < nb, in1 = c < nfull || b0 + 1 < nb;
     cp_async(dst, in0 ? p : row, 8, in0);
     cp_async(reinterpret_cast<unsigned char *>(dst) + 8, in1 ? p + 8 : row, 8, in1);
-    return (in0 ? (unsigned)__ldg(sp) : 0u) | (in1 ? (unsigned)__ldg(sp + 1) << 8 : 0u);
+    if (V16 && !(t4 & 1)) {
+        const int n = min(4, max(0, nb - b0)); // the chunk's scale bytes left from block b0
+        cp_async4(sdst, n > 0 ? sp : srow, n);
+    }
+}
+
+// g5_wscale returns a lane's block-scale pair of chunk c (block 2t4 in
+// byte 0, 2t4+1 in byte 1): V16 from the pair's word its even lane copied
+// (ss), otherwise from global memory (srow: the lane's scales of chunk 0).
+template <bool V16>
+__device__ __forceinline__ unsigned g5_wscale(const unsigned *ss, const unsigned char *srow, int c, int K, int lane) {
+    if (V16) return (*ss >> (16 * (lane & 1))) & 0xffffu;
+    const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * (lane & 3);
+    const unsigned char *sp = srow + c * (G5_KC / 16);
+    return (b0 < nb ? (unsigned)__ldg(sp) : 0u) | (b0 + 1 < nb ? (unsigned)__ldg(sp + 1) << 8 : 0u);
 }
 
 template <bool V16>
-__device__ __forceinline__ unsigned g5_wissue(uint4 *dst, const bf16_t *p, const unsigned char *, const bf16_t *row, int c, int nfull,
-                                              int K, int t4) {
+__device__ __forceinline__ void g5_wissue(uint4 *dst, unsigned *, const bf16_t *p, const unsigned char *, const bf16_t *row,
+                                          const unsigned char *, int c, int nfull, int K, int t4) {
 #pragma unroll
     for (int v = 0; v < 4; v++) {
         const bool in = c < nfull || c * G5_KC + 32 * t4 + 8 * v < K;
         cp_async(dst + 32 * v, in ? p + 8 * v : row, 16, in);
     }
-    return 0;
 }
 
 // The _ks2 kernels split K over thread block clusters of two: block z of a
@@ -1173,8 +1197,8 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
                                         int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
                                         const int *stok, const float *swt, const int *sslots, int sT, int sk) {
-    constexpr int J = G5_J, NW = G5_NW, BM = 16 * MI, D = G5_D(FP4), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
-    extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; then W: per warp D x J x WU x 32 units
+    constexpr int J = G5_J, NW = G5_NW, BM = 16 * MI, D = G5_D(FP4, MI), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
+    extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; W: per warp D x J x WU x 32 units; NVFP4 scales: per warp D x J x 16 words
     __shared__ int s_expert, s_row0, s_row1;
     __shared__ int s_src[GG_BM];
     __shared__ unsigned lut[256];
@@ -1201,7 +1225,7 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     using WT = typename G5Cond<FP4, unsigned char, bf16_t>::type;
     constexpr int WSTEP = FP4 ? G5_KC / 2 : G5_KC; // W elements per row and chunk
     const WT *wrow[J], *wp[J];                     // the lane's row start; its share of the next chunk to issue
-    const unsigned char *sp[J] = {};               // NVFP4: its block scales of that chunk
+    const unsigned char *srow[J] = {}, *sp[J] = {}; // NVFP4: its block scales of chunk 0; of the next chunk to issue
 #pragma unroll
     for (int j = 0; j < J; j++) {
         const int col = min(SWIGLU ? cw + g : cw + 8 * j + g, outN - 1);
@@ -1209,28 +1233,29 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
         if constexpr (FP4) {
             wrow[j] = static_cast<const unsigned char *>(W) + row * (K / 2);
             wp[j] = wrow[j] + 16 * t4 + cbeg * WSTEP;
-            sp[j] = wSF + row * (K / 16) + 2 * t4 + cbeg * (G5_KC / 16);
+            srow[j] = wSF + row * (K / 16) + 2 * t4;
+            sp[j] = srow[j] + cbeg * (G5_KC / 16);
         } else {
             wrow[j] = static_cast<const bf16_t *>(W) + row * K;
             wp[j] = wrow[j] + 32 * t4 + cbeg * WSTEP;
         }
     }
 
-    // This lane's units: slot u, tile j, unit v at wsm[((u * J + j) * WU + v) * 32].
+    // This lane's units: slot u, tile j, unit v at wsm[((u * J + j) * WU + v) * 32];
+    // NVFP4 block scales: the lane pair's word of slot u, tile j at ssm[(u * J + j) * 16].
     uint4 *wsm = g5_smem + 2 * MI * 256 + warp * (D * J * WU * 32) + lane;
-    unsigned wsf[D][J]; // NVFP4 block scales of the chunks in flight
+    unsigned *ssm = reinterpret_cast<unsigned *>(g5_smem + 2 * MI * 256 + NW * (D * J * WU * 32)) + warp * (D * J * 16) + (lane >> 1);
     // issue starts the copies of chunk c into ring slot u and moves the
-    // weight pointers on to the next chunk (u is a constant where it is
-    // called: the loops around it are unrolled).
+    // weight pointers on to the next chunk.
     auto issue = [&](int u, int c) {
 #pragma unroll
         for (int j = 0; j < J; j++) {
-            wsf[u][j] = g5_wissue<V16>(wsm + (u * J + j) * WU * 32, wp[j], sp[j], wrow[j], c, nfull, K, t4);
+            g5_wissue<V16>(wsm + (u * J + j) * WU * 32, ssm + (u * J + j) * 16, wp[j], sp[j], wrow[j], srow[j], c, nfull, K, t4);
             wp[j] += WSTEP;
             if (FP4) sp[j] += G5_KC / 16;
         }
     };
-#pragma unroll
+#pragma unroll 1
     for (int u = 0; u < D; u++) {
         if (cbeg + u < cend) issue(u, cbeg + u);
         cp_async_commit(); // one group per chunk, empty past the end: the wait below counts groups
@@ -1252,57 +1277,76 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
 
-    for (int c0 = cbeg; c0 < cend; c0 += D) {
+    // chunk runs chunk c from ring slot u. The activations of chunk c + 1
+    // are loaded into registers first and dequantized into the other half of
+    // the double-buffered shared chunk at the end. (Loaded two chunks ahead,
+    // in two register sets, they measured no faster.)
+    auto chunk = [&](int c, int u) {
+        if (c + 1 < cend) g5_aload<MI, NT, FP4>(ast, A, aSF, K, c + 1, tid);
+        const uint4 *As = g5_smem + ((c - cbeg) & 1) * MI * 256 + lane;
+        cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
+        if (FP4 && V16) __syncwarp(); // and its even neighbour's scale word
+        uint4 wv[J][WU];
 #pragma unroll
-        for (int u = 0; u < D; u++) {
-            const int c = c0 + u;
-            if (c >= cend) break;
-            if (c + 1 < cend) g5_aload<MI, NT, FP4>(ast, A, aSF, K, c + 1, tid);
-            const uint4 *As = g5_smem + ((c - cbeg) & 1) * MI * 256 + lane;
-            cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
-            uint4 wv[J][WU];
+        for (int j = 0; j < J; j++)
 #pragma unroll
-            for (int j = 0; j < J; j++)
+            for (int v = 0; v < WU; v++) wv[j][v] = wsm[((u * J + j) * WU + v) * 32];
+        unsigned sc[J][2];
+        // (Braces: an unbraced `if` before `#pragma unroll` swallowed the
+        // next loop into its body in NVRTC and nvcc alike.)
+        if constexpr (FP4) {
 #pragma unroll
-                for (int v = 0; v < WU; v++) wv[j][v] = wsm[((u * J + j) * WU + v) * 32];
-            unsigned sc[J][2];
-            // (Braces: an unbraced `if` before `#pragma unroll` swallowed the
-            // next loop into its body in NVRTC and nvcc alike.)
-            if constexpr (FP4) {
+            for (int j = 0; j < J; j++) {
+                const unsigned w = g5_wscale<V16>(ssm + (u * J + j) * 16, srow[j], c, K, lane);
+                sc[j][0] = lut[w & 0xff];
+                sc[j][1] = lut[w >> 8];
+            }
+        }
 #pragma unroll
-                for (int j = 0; j < J; j++) {
-                    sc[j][0] = lut[wsf[u][j] & 0xff];
-                    sc[j][1] = lut[(wsf[u][j] >> 8) & 0xff];
+        for (int s = 0; s < 8; s++) {
+            uint4 a[MI];
+#pragma unroll
+            for (int i = 0; i < MI; i++) a[i] = As[(i * 8 + s) * 32];
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                unsigned b0, b1;
+                if constexpr (FP4) {
+                    const uint4 &w = wv[j][0];
+                    const unsigned q = s < 2 ? w.x : s < 4 ? w.y : s < 6 ? w.z : w.w;
+                    g5_slice4(q, sc[j][s >> 2], s, b0, b1);
+                } else {
+                    const uint4 &w = wv[j][s >> 1];
+                    b0 = s & 1 ? w.z : w.x;
+                    b1 = s & 1 ? w.w : w.y;
+                }
+#pragma unroll
+                for (int i = 0; i < MI; i++) {
+                    const unsigned af[4] = {a[i].x, a[i].y, a[i].z, a[i].w};
+                    mma16816(acc[i][j], af, b0, b1);
                 }
             }
+        }
+        if (FP4 && V16) __syncwarp(); // every lane has read slot u's scale word
+        if (c + D < cend) issue(u, c + D);
+        cp_async_commit();
+        if (c + 1 < cend) g5_astore<MI, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
+        __syncthreads();
+    };
+    if constexpr (FP4) {
+        // Not unrolled over the ring: unrolled, the NVFP4 loop outgrew the
+        // instruction cache (ncu: a sixth of the stall samples were "no
+        // instruction"), and the register ring of block scales it needed
+        // waited on later loads (scoreboards are shared).
+#pragma unroll 1
+        for (int c = cbeg, u = 0; c < cend; c++, u = u + 1 == D ? 0 : u + 1) chunk(c, u);
+    } else {
+        for (int c0 = cbeg; c0 < cend; c0 += D) {
 #pragma unroll
-            for (int s = 0; s < 8; s++) {
-                uint4 a[MI];
-#pragma unroll
-                for (int i = 0; i < MI; i++) a[i] = As[(i * 8 + s) * 32];
-#pragma unroll
-                for (int j = 0; j < J; j++) {
-                    unsigned b0, b1;
-                    if constexpr (FP4) {
-                        const uint4 &w = wv[j][0];
-                        const unsigned q = s < 2 ? w.x : s < 4 ? w.y : s < 6 ? w.z : w.w;
-                        g5_slice4(q, sc[j][s >> 2], s, b0, b1);
-                    } else {
-                        const uint4 &w = wv[j][s >> 1];
-                        b0 = s & 1 ? w.z : w.x;
-                        b1 = s & 1 ? w.w : w.y;
-                    }
-#pragma unroll
-                    for (int i = 0; i < MI; i++) {
-                        const unsigned af[4] = {a[i].x, a[i].y, a[i].z, a[i].w};
-                        mma16816(acc[i][j], af, b0, b1);
-                    }
-                }
+            for (int u = 0; u < D; u++) {
+                const int c = c0 + u;
+                if (c >= cend) break;
+                chunk(c, u);
             }
-            if (c + D < cend) issue(u, c + D);
-            cp_async_commit();
-            if (c + 1 < cend) g5_astore<MI, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
-            __syncthreads();
         }
     }
 
@@ -1329,11 +1373,11 @@ extern "C" __global__ void finalize_scattered(bf16_t *out, float *acc, long long
 }
 
 // The kernels; the _ks2 ones run as clusters of two blocks along z (grid z
-// = 2). V16 needs whole 16-byte units per row (K % 32 == 0 for NVFP4,
-// K % 8 == 0 for BF16), 16-byte aligned W and (NVFP4) 2-byte aligned
-// block scales.
+// = 2). V16 needs whole 16-byte units per row (K % 64 == 0 for NVFP4, so
+// that the block scales of a lane pair are one aligned word; K % 8 == 0
+// for BF16), 16-byte aligned W and (NVFP4) 4-byte aligned block scales.
 #define G5_BODY(MI, SWIGLU, FP4, KS)                                                                                           \
-    const bool v16 = (FP4 ? K % 32 == 0 && (reinterpret_cast<unsigned long long>(wSF) & 1) == 0 : K % 8 == 0) &&               \
+    const bool v16 = (FP4 ? K % 64 == 0 && (reinterpret_cast<unsigned long long>(wSF) & 3) == 0 : K % 8 == 0) &&               \
                      (reinterpret_cast<unsigned long long>(W) & 15) == 0;                                                      \
     if (v16)                                                                                                                   \
         g5_gemm<MI, SWIGLU, FP4, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, \
