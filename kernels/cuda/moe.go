@@ -188,16 +188,20 @@ const g4LD = 128 + 8
 const streamTileSmem = 2 * 4096
 
 func streamSmem(fp4 bool, bm int) int {
-	ring := 4 * 64
+	ring := 4 * 64 // bytes per lane and tile: 4 chunks of 64 B
 	if fp4 {
 		depth := 8
 		if bm == 16 {
-			depth = 7
+			depth = streamDepth16
 		}
-		ring = depth * (16 + 4/2)
+		ring = depth * (16 + 2) // per chunk: 16 B of codes, half a lane pair's scale word
 	}
 	return bm/16*streamTileSmem + 8*2*32*ring
 }
+
+// streamDepth16 is G5_D for NVFP4 16-row tiles (src/moe.cu): 7 chunks, so
+// that three blocks share an SM (TestStreamSmemFits).
+const streamDepth16 = 7
 
 // streamFits reports whether the streamed kernels can address an A of ta
 // rows of k elements: they use 32-bit element offsets. Past that (about

@@ -187,7 +187,8 @@ func TestStreamedGemm(t *testing.T) {
 // TestStreamSmemFits checks, without a GPU, that the shared memory of every
 // streamed kernel and of the tiled one (the host's figure plus the kernel's
 // static arrays) fits in the 227 KiB an sm_90 block may opt in to, so no
-// tile shape can fail at launch on an H100 or H200.
+// tile shape can fail at launch on an H100 or H200, and that three NVFP4
+// 16-row blocks fit in one SM.
 func TestStreamSmemFits(t *testing.T) {
 	const optin, static = 227 << 10, 2 << 10 // static: the scale table, the row sources, the schedule
 	for _, fp4 := range []bool{true, false} {
@@ -199,6 +200,13 @@ func TestStreamSmemFits(t *testing.T) {
 	}
 	if got := tileSmem + static; got > optin {
 		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
+	}
+	// NVFP4 16-row tiles keep a shorter ring so that three blocks fit in
+	// an SM's 228 KiB (each block also takes 1 KiB the driver reserves;
+	// ptxas reports 2592 bytes of static arrays, bounded here by 3 KiB).
+	const perSM, reserved, staticMax = 228 << 10, 1 << 10, 3 << 10
+	if got := 3 * (streamSmem(true, 16) + staticMax + reserved); got > perSM {
+		t.Errorf("NVFP4 16-row tile: three blocks take %d bytes of shared memory, more than an SM's %d", got, perSM)
 	}
 }
 
