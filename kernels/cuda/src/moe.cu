@@ -910,6 +910,14 @@ __device__ __forceinline__ void cp_async4(void *smem, const void *gmem, int n) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
+// cp_async4_if copies 4 bytes when p holds: a predicated instruction, not a
+// branch around it.
+__device__ __forceinline__ void cp_async4_if(void *smem, const void *gmem, bool p) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p cp.async.ca.shared.global [%0], [%1], 4;\n}\n" ::"r"(s), "l"(gmem),
+                 "r"((int)p)
+                 : "memory");
+}
 template <bool B, typename T, typename F>
 struct G5Cond {
     typedef T type;
@@ -964,7 +972,7 @@ __device__ __forceinline__ void g5_wissue(uint4 *dst, unsigned *sdst, const unsi
                                           const unsigned char *row, const unsigned char *srow, int c, int nfull, int K, int t4) {
     if (V16 && c < nfull) {
         cp_async(dst, p, 16, true);
-        if (!(t4 & 1)) cp_async4(sdst, sp, 4);
+        cp_async4_if(sdst, sp, !(t4 & 1));
         return;
     }
     const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
@@ -1187,34 +1195,18 @@ __device__ __forceinline__ void g5_epilogue(int *err, float acc[][J][4], int rba
         }
 }
 
-// g5_gemm: A and W are packed codes (NVFP4, with aSF/wSF block scales and
-// aScale/wScale global ones) or BF16 matrices (the scale pointers unused).
-// K is the padded reduction length for NVFP4, the row length for BF16.
-// Launched as clusters of two along z (the K split above); V16 as in
-// g5_wissue, decided once per launch.
-template <int MI, bool SWIGLU, bool FP4, bool V16, int KS>
-__device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
-                                        const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
-                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
-                                        const int *stok, const float *swt, const int *sslots, int sT, int sk) {
-    constexpr int J = G5_J, NW = G5_NW, BM = 16 * MI, D = G5_D(FP4, MI), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
+// g5_tail runs a block's tile once its rows are known (g5_gemm): MA of
+// the launch's MI m16 row tiles hold rows, and only those are staged and
+// multiplied. The shared memory keeps the launch's layout (MI). A row's
+// MMAs, K order and bits are the same whatever MA is.
+template <int MA, int MI, bool SWIGLU, bool FP4, bool V16, int KS>
+__device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
+                                        const void *W, const unsigned char *wSF, const float *wScale, int N, int act, bf16_t *out,
+                                        int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk,
+                                        int expert, int row0, int row1, const int *s_src, const unsigned *lut) {
+    constexpr int J = G5_J, NW = G5_NW, D = G5_D(FP4, MI), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
     extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; W: per warp D x J x WU x 32 units; NVFP4 scales: per warp D x J x 16 words
-    __shared__ int s_expert, s_row0, s_row1;
-    __shared__ int s_src[GG_BM];
-    __shared__ unsigned lut[256];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-
-    if (FP4)
-        for (int b = tid; b < 256; b += blockDim.x) {
-            const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
-            lut[b] = h | (h << 16);
-        }
-    if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
-    __syncthreads();
-    const int expert = s_expert, row0 = s_row0, row1 = s_row1;
-    if (expert < 0) return; // both blocks of the pair: they share the tile
-    gg_sources(err, s_src, gather, row0, row1, Ta);
-    __syncthreads();
 
     // This warp's J n8 tiles of W rows: 16 columns, or 8 gate + 8 up.
     // Columns past outN read the last row and are never written.
@@ -1261,17 +1253,17 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
         cp_async_commit(); // one group per chunk, empty past the end: the wait below counts groups
     }
     constexpr int NT = 32 * NW;
-    G5AStage<MI, NT> ast;
-    g5_asetup<MI, NT, FP4>(ast, s_src, K, tid);
+    G5AStage<MA, NT> ast;
+    g5_asetup<MA, NT, FP4>(ast, s_src, K, tid);
     if (cbeg < cend) {
-        g5_aload<MI, NT, FP4>(ast, A, aSF, K, cbeg, tid);
-        g5_astore<MI, NT, FP4>(g5_smem, ast, lut, tid);
+        g5_aload<MA, NT, FP4>(ast, A, aSF, K, cbeg, tid);
+        g5_astore<MA, NT, FP4>(g5_smem, ast, lut, tid);
     }
     __syncthreads();
 
-    float acc[MI][J][4];
+    float acc[MA][J][4];
 #pragma unroll
-    for (int i = 0; i < MI; i++)
+    for (int i = 0; i < MA; i++)
 #pragma unroll
         for (int j = 0; j < J; j++)
 #pragma unroll
@@ -1282,7 +1274,7 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     // the double-buffered shared chunk at the end. (Loaded two chunks ahead,
     // in two register sets, they measured no faster.)
     auto chunk = [&](int c, int u) {
-        if (c + 1 < cend) g5_aload<MI, NT, FP4>(ast, A, aSF, K, c + 1, tid);
+        if (c + 1 < cend) g5_aload<MA, NT, FP4>(ast, A, aSF, K, c + 1, tid);
         const uint4 *As = g5_smem + ((c - cbeg) & 1) * MI * 256 + lane;
         cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
         if (FP4 && V16) __syncwarp(); // and its even neighbour's scale word
@@ -1304,9 +1296,9 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
         }
 #pragma unroll
         for (int s = 0; s < 8; s++) {
-            uint4 a[MI];
+            uint4 a[MA];
 #pragma unroll
-            for (int i = 0; i < MI; i++) a[i] = As[(i * 8 + s) * 32];
+            for (int i = 0; i < MA; i++) a[i] = As[(i * 8 + s) * 32];
 #pragma unroll
             for (int j = 0; j < J; j++) {
                 unsigned b0, b1;
@@ -1320,7 +1312,7 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
                     b1 = s & 1 ? w.w : w.y;
                 }
 #pragma unroll
-                for (int i = 0; i < MI; i++) {
+                for (int i = 0; i < MA; i++) {
                     const unsigned af[4] = {a[i].x, a[i].y, a[i].z, a[i].w};
                     mma16816(acc[i][j], af, b0, b1);
                 }
@@ -1329,7 +1321,7 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
         if (FP4 && V16) __syncwarp(); // every lane has read slot u's scale word
         if (c + D < cend) issue(u, c + D);
         cp_async_commit();
-        if (c + 1 < cend) g5_astore<MI, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
+        if (c + 1 < cend) g5_astore<MA, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
         __syncthreads();
     };
     if constexpr (FP4) {
@@ -1356,12 +1348,62 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     if constexpr (KS == 2) {
         cp_async_wait<0>();
         __syncthreads();
-        if (!ks2_add<MI * J, NT>(&acc[0][0], g5_smem, rank, tid)) return;
+        if (!ks2_add<MA * J, NT>(&acc[0][0], g5_smem, rank, tid)) return;
     }
 
-    g5_epilogue<MI, J, SWIGLU, FP4>(err, acc, 0, cw, s_src, row0, row1, FP4 ? wScale[expert] : 1.f, aScale, act, out, outN, sacc,
+    g5_epilogue<MA, J, SWIGLU, FP4>(err, acc, 0, cw, s_src, row0, row1, FP4 ? wScale[expert] : 1.f, aScale, act, out, outN, sacc,
                                     stok, swt, sslots, sT, sk, g, t4);
 }
+
+// g5_gemm: A and W are packed codes (NVFP4, with aSF/wSF block scales and
+// aScale/wScale global ones) or BF16 matrices (the scale pointers unused).
+// K is the padded reduction length for NVFP4, the row length for BF16.
+// Launched as clusters of two along z (the K split above); V16 as in
+// g5_wissue, decided once per launch.
+template <int MI, bool SWIGLU, bool FP4, bool V16, int KS>
+__device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
+                                        const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
+                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
+                                        const int *stok, const float *swt, const int *sslots, int sT, int sk) {
+    constexpr int BM = 16 * MI;
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[GG_BM];
+    __shared__ unsigned lut[256];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    if (FP4)
+        for (int b = tid; b < 256; b += blockDim.x) {
+            const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
+            lut[b] = h | (h << 16);
+        }
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
+    __syncthreads();
+    const int expert = s_expert, row0 = s_row0, row1 = s_row1;
+    if (expert < 0) return; // both blocks of the pair: they share the tile
+    gg_sources(err, s_src, gather, row0, row1, Ta);
+    __syncthreads();
+
+    // A partial tile runs with only its m16 tiles that hold rows.
+    const int ma = (row1 - row0 + 15) / 16;
+#define G5_TAIL(MA)                                                                                                            \
+    g5_tail<MA, MI, SWIGLU, FP4, V16, KS>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt, sslots, sT, \
+                                          sk, expert, row0, row1, s_src, lut)
+    if constexpr (MI >= 2) {
+        if (ma <= 1) {
+            G5_TAIL(1);
+            return;
+        }
+    }
+    if constexpr (MI >= 4) {
+        if (ma <= 2) {
+            G5_TAIL(2);
+            return;
+        }
+    }
+    G5_TAIL(MI);
+#undef G5_TAIL
+}
+
 
 // finalize_scattered: out = bf16(acc), then acc = 0 for the next forward
 // (the atomic finalize's last step; kernels.Scatter).
