@@ -342,7 +342,8 @@ func (be *Backend) groupedGemmBF16(a kernels.GroupedGemmArgs, s kernels.GroupedG
 		int32(s.R), int32(a.Act), ptr(a.Out), int32(s.OutN))
 }
 
-// Route computes the router's scores and top-k, one warp per token.
+// Route computes the router's scores and top-k, one warp per token: with
+// the scores in registers up to 256 experts and top-32, else in shared memory.
 func (be *Backend) Route(a kernels.RouteArgs) error {
 	var t, e, k int
 	validate := func() (err error) {
@@ -358,6 +359,10 @@ func (be *Backend) Route(a kernels.RouteArgs) error {
 		if a.Renormalize {
 			renorm = 1
 		}
+		if per := routePer(e); per > 0 && k <= 32 {
+			return be.launch(fmt.Sprintf("route_r%d", per), drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
+				ptr(a.Logits), ptr(a.IDs), ptr(a.Weights), int32(t), int32(e), int32(k), int32(a.Scoring), renorm, a.Scale)
+		}
 		// Shared memory: each warp's scores, chosen scores and taken flags.
 		shared := warps * (e*5 + k*4)
 		if shared > int(be.info.SharedOptin) {
@@ -366,6 +371,18 @@ func (be *Backend) Route(a kernels.RouteArgs) error {
 		return be.launch("route", drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, shared,
 			ptr(a.Logits), ptr(a.IDs), ptr(a.Weights), int32(t), int32(e), int32(k), int32(a.Scoring), renorm, a.Scale)
 	})
+}
+
+// routePer returns how many scores a lane of route_r* keeps in registers
+// for e experts (1, 2, 4 or 8), or 0 past 256 experts, where route keeps
+// them in shared memory. Both give the same ids and weights (src/moe.cu).
+func routePer(e int) int {
+	for per := 1; per <= 8; per *= 2 {
+		if e <= 32*per {
+			return per
+		}
+	}
+	return 0
 }
 
 // permuteMaxExperts bounds E for the one-block counting sort, whose shared

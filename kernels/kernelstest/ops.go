@@ -93,6 +93,7 @@ func testGemm(t *testing.T, be kernels.Backend) {
 		{37, 70, 96, kernels.BF16},
 		{3, 129, 7, kernels.BF16},
 		{70, 40, 1030, kernels.F32}, // many rows, K not a multiple of the slices' stride
+		{12, 24, 7200, kernels.F32}, // 9-31 rows and a long K: CUDA's 16 x 8 narrow kernel for the batch and for the row
 	} {
 		t.Run(fmt.Sprintf("%dx%dx%d_%s", tc.m, tc.n, tc.k, tc.dt), func(t *testing.T) {
 			a, w := randBF16(r, tc.m*tc.k, 1), randBF16(r, tc.n*tc.k, 0.1)
@@ -150,7 +151,15 @@ func readFloats(t *testing.T, be kernels.Backend, b *kernels.Buffer) []float32 {
 
 func testRoute(t *testing.T, be kernels.Backend) {
 	r := rand.New(rand.NewPCG(3, 4))
-	const T, E = 37, 12
+	// Expert counts for each way a backend may hold the scores (the CUDA
+	// one: 1, 2 or 8 registers a lane, or shared memory past 256 experts).
+	for _, sh := range []struct{ T, E int }{{37, 12}, {9, 40}, {6, 256}, {5, 300}} {
+		testRouteShape(t, be, r, sh.T, sh.E)
+	}
+}
+
+func testRouteShape(t *testing.T, be kernels.Backend, r *rand.Rand, T, E int) {
+	t.Helper()
 	logits := make([]float32, T*E)
 	for i := range logits {
 		logits[i] = float32(r.NormFloat64() * 2)
@@ -170,9 +179,10 @@ func testRoute(t *testing.T, be kernels.Backend) {
 		{kernels.Softmax, 4, false, 2.5},
 		{kernels.Sigmoid, 2, false, 1},
 		{kernels.Sigmoid, 4, true, 2.5},
-		{kernels.Softmax, E, true, 1},
+		{kernels.Softmax, 8, true, 1},
+		{kernels.Softmax, min(E, 40), true, 1},
 	} {
-		t.Run(fmt.Sprintf("%s_k%d_renorm%v_scale%g", tc.scoring, tc.k, tc.renorm, tc.scale), func(t *testing.T) {
+		t.Run(fmt.Sprintf("e%d_%s_k%d_renorm%v_scale%g", E, tc.scoring, tc.k, tc.renorm, tc.scale), func(t *testing.T) {
 			ids, w := alloc(t, be, kernels.I32, T, tc.k), alloc(t, be, kernels.F32, T, tc.k)
 			err := be.Route(kernels.RouteArgs{Logits: L, IDs: ids, Weights: w, Scoring: tc.scoring, Renormalize: tc.renorm, Scale: tc.scale})
 			if err != nil {
@@ -268,7 +278,8 @@ func refPermute(ids []int32, k, e int) (offsets, rows, slots []int32) {
 
 func testPermute(t *testing.T, be kernels.Backend) {
 	r := rand.New(rand.NewPCG(5, 6))
-	for _, tc := range []struct{ t, k, e int }{{1, 1, 2}, {7, 2, 9}, {193, 8, 16}} {
+	// The last: more assignments than the CUDA sort's 32 warps take in one pass each.
+	for _, tc := range []struct{ t, k, e int }{{1, 1, 2}, {7, 2, 9}, {193, 8, 16}, {1100, 8, 64}} {
 		t.Run(fmt.Sprintf("t%d_k%d_e%d", tc.t, tc.k, tc.e), func(t *testing.T) {
 			ids := distinctIDs(r, tc.t, tc.k, tc.e, tc.e-1)
 			I := i32Buf(t, be, ids, tc.t, tc.k)

@@ -361,6 +361,97 @@ extern "C" __global__ void route(const float *logits, int *ids, float *weights, 
     }
 }
 
+// route_regs: route for E <= 32 * PER and K <= 32, one warp per token,
+// with the scores in registers (lane l holds experts l, l + 32, ...) and
+// no shared memory: the same arithmetic in the same order as route, so the
+// same ids and weights. A round's winner is the lane with the best key
+// (ties: the lower id); only it moves on to its next best.
+template <int PER>
+__device__ __forceinline__ void route_regs(const float *logits, int *ids, float *weights, int T, int E, int K, int scoring,
+                                           int renorm, float scale) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= T) return;
+    const float *l = logits + (long long)t * E;
+    float s[PER];
+#pragma unroll
+    for (int m = 0; m < PER; m++) s[m] = lane + 32 * m < E ? l[lane + 32 * m] : 0.f;
+    if (scoring == 1) { // softmax
+        float mx = -INFINITY;
+#pragma unroll
+        for (int m = 0; m < PER; m++)
+            if (lane + 32 * m < E) mx = fmaxf(mx, s[m]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float sum = 0.f;
+#pragma unroll
+        for (int m = 0; m < PER; m++)
+            if (lane + 32 * m < E) {
+                s[m] = expf(__fsub_rn(s[m], mx));
+                sum = __fadd_rn(sum, s[m]);
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+#pragma unroll
+        for (int m = 0; m < PER; m++) s[m] = __fdiv_rn(s[m], sum);
+    } else { // sigmoid
+#pragma unroll
+        for (int m = 0; m < PER; m++) s[m] = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-s[m])));
+    }
+    unsigned left = 0; // the lane's untaken experts, bit m for expert lane + 32m
+#pragma unroll
+    for (int m = 0; m < PER; m++)
+        if (lane + 32 * m < E) left |= 1u << m;
+    // best: the lane's best untaken key, its slot (-1: none) and score.
+    auto best = [&](unsigned &bk, int &bm, float &bs) {
+        bk = 0;
+        bm = -1;
+        bs = 0.f;
+#pragma unroll
+        for (int m = 0; m < PER; m++)
+            if (left >> m & 1) {
+                const unsigned k = route_key(s[m]);
+                if (bm < 0 || k > bk) {
+                    bk = k;
+                    bm = m;
+                    bs = s[m];
+                }
+            }
+    };
+    unsigned bk;
+    int bm;
+    float bs;
+    best(bk, bm, bs);
+    float mine = 0.f, wsum = 0.f; // lane j keeps the score chosen in round j
+    for (int j = 0; j < K; j++) {
+        const unsigned kmax = __reduce_max_sync(0xffffffffu, bk);
+        const int win = (int)__reduce_min_sync(0xffffffffu, bm >= 0 && bk == kmax ? (unsigned)(lane + 32 * bm) : 0xffffffffu);
+        const float ws = __shfl_sync(0xffffffffu, bs, win & 31);
+        if (lane == j) mine = ws;
+        wsum = __fadd_rn(wsum, ws); // the sum in k order, as the CPU adds it
+        if (lane == (win & 31)) {
+            ids[(long long)t * K + j] = win;
+            left &= ~(1u << (win >> 5));
+            best(bk, bm, bs);
+        }
+    }
+    if (lane < K) {
+        float w = mine;
+        if (renorm && wsum != 0.f) w = __fdiv_rn(w, wsum);
+        weights[(long long)t * K + lane] = __fmul_rn(w, scale);
+    }
+}
+
+#define ROUTE_REGS(PER)                                                                                                        \
+    extern "C" __global__ void route_r##PER(const float *logits, int *ids, float *weights, int T, int E, int K, int scoring,   \
+                                            int renorm, float scale) {                                                         \
+        route_regs<PER>(logits, ids, weights, T, E, K, scoring, renorm, scale);                                                \
+    }
+ROUTE_REGS(1)
+ROUTE_REGS(2)
+ROUTE_REGS(4)
+ROUTE_REGS(8)
+
 // ---- Permute ----
 
 // permute: a stable counting sort of the n = T*k assignments by expert in
