@@ -182,8 +182,8 @@ const g4LD = 128 + 8
 // warp). Each 16-row tile of activations takes 4 KB of shared memory per K
 // chunk, double buffered; each warp keeps a ring of weight chunks in
 // flight in shared memory (G5_D): for NVFP4 16 B of codes per lane and
-// tile and a word of block scales per lane pair and tile, 7 chunks deep
-// for 16-row tiles (three blocks an SM) and 8 for larger ones; for BF16 4
+// tile and a word of block scales per lane pair and tile, 5 chunks deep
+// for 16-row tiles (four blocks an SM) and 8 for larger ones; for BF16 4
 // chunks of 64 B.
 const streamTileSmem = 2 * 4096
 
@@ -199,9 +199,9 @@ func streamSmem(fp4 bool, bm int) int {
 	return bm/16*streamTileSmem + 8*2*32*ring
 }
 
-// streamDepth16 is G5_D for NVFP4 16-row tiles (src/moe.cu): 7 chunks, so
-// that three blocks share an SM (TestStreamSmemFits).
-const streamDepth16 = 7
+// streamDepth16 is G5_D for NVFP4 16-row tiles (src/moe.cu): 5 chunks, so
+// that four blocks share an SM (TestStreamSmemFits).
+const streamDepth16 = 5
 
 // streamFits reports whether the streamed kernels can address an A of ta
 // rows of k elements: they use 32-bit element offsets. Past that (about

@@ -981,9 +981,11 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 // Weight chunks in flight per warp: G5_D. The codes go to a per-warp ring
 // in shared memory by cp.async (16 B per lane and tile for NVFP4, 64 B for
 // BF16), and so do the NVFP4 block scales (a word per lane pair and tile).
-// NVFP4 16-row tiles keep 7 chunks, so that three blocks fit in an SM's
-// shared memory (kernels/cuda/moe.go streamSmem).
-#define G5_D(FP4, MI) ((FP4) ? ((MI) == 1 ? 7 : 8) : 4)
+// NVFP4 16-row tiles keep 5 chunks, so that four blocks fit in an SM's
+// shared memory (kernels/cuda/moe.go streamSmem) and registers (G5_MINB):
+// at 8-128 tokens 1-2% faster than three blocks of 7 chunks.
+#define G5_D(FP4, MI) ((FP4) ? ((MI) == 1 ? 5 : 8) : 4)
+#define G5_MINB(FP4, MI) ((FP4) && (MI) == 1 ? 4 : 1) // blocks an SM the registers must allow
 #define G5_NW 8 // warps per block
 #define G5_J 2  // n8 tiles per warp
 #define G5_WB(FP4) ((FP4) ? 16 : 64) // bytes per lane, tile and chunk
@@ -1149,22 +1151,25 @@ __device__ __forceinline__ bool ks2_add(float (*acc)[4], uint4 *smem, int rank, 
 // loads, of both rows, one code word and one block scale (NVFP4) or two
 // words (BF16). Offsets are 32-bit (the host checks that the operand
 // fits); -1 marks a missing row.
-template <int MI, int NT>
+// H = 1 stages only rows 0-7 of each m16 tile (a tile of at most 8 rows:
+// rows 8-15 are zeros, as missing rows always are, without their loads and
+// conversions).
+template <int MI, int NT, int H = 2>
 struct G5AStage {
     static constexpr int M = (MI * 256 + NT - 1) / NT; // items per thread
-    uint2 q[M][2];
-    unsigned sc[M][2];
-    int off[M][2];  // element offset of the row's slice s in chunk 0
-    int soff[M][2]; // NVFP4: offset of its block scale in chunk 0
+    uint2 q[M][H];
+    unsigned sc[M][H];
+    int off[M][H];  // element offset of the row's slice s in chunk 0
+    int soff[M][H]; // NVFP4: offset of its block scale in chunk 0
 };
 
-template <int MI, int NT, bool FP4>
-__device__ __forceinline__ void g5_asetup(G5AStage<MI, NT> &st, const int *src, int K, int tid) {
+template <int MI, int NT, bool FP4, int H>
+__device__ __forceinline__ void g5_asetup(G5AStage<MI, NT, H> &st, const int *src, int K, int tid) {
 #pragma unroll
     for (int m = 0; m < st.M; m++) {
         const int item = tid + NT * m, i = item >> 8, s = (item >> 5) & 7, L = item & 31;
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < H; h++) {
             const int a = item < MI * 256 ? src[16 * i + (L >> 2) + 8 * h] : -1;
             st.off[m][h] = a < 0 ? -1 : a * K + 32 * (L & 3) + (FP4 ? 8 * (s >> 1) : 4 * s);
             st.soff[m][h] = a * (K / 16) + 2 * (L & 3) + (s >> 2);
@@ -1172,14 +1177,14 @@ __device__ __forceinline__ void g5_asetup(G5AStage<MI, NT> &st, const int *src, 
     }
 }
 
-template <int MI, int NT, bool FP4>
-__device__ __forceinline__ void g5_aload(G5AStage<MI, NT> &st, const void *A, const unsigned char *aSF, int K, int c, int tid) {
+template <int MI, int NT, bool FP4, int H>
+__device__ __forceinline__ void g5_aload(G5AStage<MI, NT, H> &st, const void *A, const unsigned char *aSF, int K, int c, int tid) {
 #pragma unroll
     for (int m = 0; m < st.M; m++) {
         const int item = tid + NT * m, s = (item >> 5) & 7, L = item & 31;
         const bool in = c * G5_KC + 32 * (L & 3) + (FP4 ? 16 * (s >> 2) : 4 * s) < K;
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < H; h++) {
             st.q[m][h] = make_uint2(0, 0);
             st.sc[m][h] = 0;
             if (st.off[m][h] >= 0 && in) {
@@ -1195,19 +1200,21 @@ __device__ __forceinline__ void g5_aload(G5AStage<MI, NT> &st, const void *A, co
     }
 }
 
-template <int MI, int NT, bool FP4>
-__device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT> &st, const unsigned *lut, int tid) {
+template <int MI, int NT, bool FP4, int H>
+__device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> &st, const unsigned *lut, int tid) {
 #pragma unroll
     for (int m = 0; m < st.M; m++) {
         const int item = tid + NT * m, s = (item >> 5) & 7;
         if (item >= MI * 256) break;
         if constexpr (FP4) {
-            unsigned lo0, hi0, lo1, hi1;
+            unsigned lo0, hi0, lo1 = 0, hi1 = 0; // +0, as g5_slice4 gives for a missing row
             g5_slice4(st.q[m][0].x, lut[st.sc[m][0]], s, lo0, hi0);
-            g5_slice4(st.q[m][1].x, lut[st.sc[m][1]], s, lo1, hi1);
+            if constexpr (H == 2) g5_slice4(st.q[m][1].x, lut[st.sc[m][1]], s, lo1, hi1);
             buf[item] = make_uint4(lo0, lo1, hi0, hi1);
-        } else {
+        } else if constexpr (H == 2) {
             buf[item] = make_uint4(st.q[m][0].x, st.q[m][1].x, st.q[m][0].y, st.q[m][1].y);
+        } else {
+            buf[item] = make_uint4(st.q[m][0].x, 0u, st.q[m][0].y, 0u);
         }
     }
 }
@@ -1290,7 +1297,7 @@ __device__ __forceinline__ void g5_epilogue(int *err, float acc[][J][4], int rba
 // the launch's MI m16 row tiles hold rows, and only those are staged and
 // multiplied. The shared memory keeps the launch's layout (MI). A row's
 // MMAs, K order and bits are the same whatever MA is.
-template <int MA, int MI, bool SWIGLU, bool FP4, bool V16, int KS>
+template <int MA, int H, int MI, bool SWIGLU, bool FP4, bool V16, int KS>
 __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const void *W, const unsigned char *wSF, const float *wScale, int N, int act, bf16_t *out,
                                         int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk,
@@ -1344,7 +1351,7 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         cp_async_commit(); // one group per chunk, empty past the end: the wait below counts groups
     }
     constexpr int NT = 32 * NW;
-    G5AStage<MA, NT> ast;
+    G5AStage<MA, NT, H> ast;
     g5_asetup<MA, NT, FP4>(ast, s_src, K, tid);
     if (cbeg < cend) {
         g5_aload<MA, NT, FP4>(ast, A, aSF, K, cbeg, tid);
@@ -1476,22 +1483,29 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
 
     // A partial tile runs with only its m16 tiles that hold rows.
     const int ma = (row1 - row0 + 15) / 16;
-#define G5_TAIL(MA)                                                                                                            \
-    g5_tail<MA, MI, SWIGLU, FP4, V16, KS>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt, sslots, sT, \
-                                          sk, expert, row0, row1, s_src, lut)
+#define G5_TAIL(MA, H)                                                                                                         \
+    g5_tail<MA, H, MI, SWIGLU, FP4, V16, KS>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt, sslots,  \
+                                             sT, sk, expert, row0, row1, s_src, lut)
+    // A 16-row tile of at most 8 rows stages only rows 0-7 (G5AStage).
+    if constexpr (MI == 1) {
+        if (row1 - row0 <= 8) {
+            G5_TAIL(1, 1);
+            return;
+        }
+    }
     if constexpr (MI >= 2) {
         if (ma <= 1) {
-            G5_TAIL(1);
+            G5_TAIL(1, 2);
             return;
         }
     }
     if constexpr (MI >= 4) {
         if (ma <= 2) {
-            G5_TAIL(2);
+            G5_TAIL(2, 2);
             return;
         }
     }
-    G5_TAIL(MI);
+    G5_TAIL(MI, 2);
 #undef G5_TAIL
 }
 
@@ -1523,9 +1537,9 @@ extern "C" __global__ void finalize_scattered(bf16_t *out, float *acc, long long
      const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN,    \
      float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk)
 #define G5_KERNEL(NAME, MI, SWIGLU, FP4)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * G5_NW) NAME G5_PARAMS { G5_BODY(MI, SWIGLU, FP4, 1) }
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(FP4, MI)) NAME G5_PARAMS { G5_BODY(MI, SWIGLU, FP4, 1) }
 #define G5_KERNEL_KS2(NAME, MI, SWIGLU)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * G5_NW) __cluster_dims__(1, 1, 2) NAME G5_PARAMS {                        \
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(true, MI)) __cluster_dims__(1, 1, 2) NAME G5_PARAMS {     \
         G5_BODY(MI, SWIGLU, true, 2)                                                                                           \
     }
 
