@@ -115,6 +115,35 @@ func (a PermuteArgs) Validate() (t, k, e int, err error) {
 	return t, k, e, disjoint("permute", []operand{{"offsets", a.Offsets}, {"rows", a.Rows}, {"slots", a.Slots}}, []operand{{"ids", a.IDs}})
 }
 
+// RoutePermuter is implemented by backends that can run Route and then
+// Permute on its ids as one step: the same results as the two ops, in
+// fewer launches where the batch is small.
+type RoutePermuter interface {
+	RoutePermute(r RouteArgs, p PermuteArgs) error
+}
+
+// ValidateRoutePermute checks the operands of RoutePermuter.RoutePermute:
+// each op's own, p.IDs must be r.IDs, and no output of either may overlap
+// another or the logits. It returns T, E and k.
+func ValidateRoutePermute(r RouteArgs, p PermuteArgs) (t, e, k int, err error) {
+	if t, e, k, err = r.Validate(); err != nil {
+		return 0, 0, 0, err
+	}
+	pt, pk, pe, err := p.Validate()
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	if p.IDs != r.IDs {
+		return 0, 0, 0, fmt.Errorf("kernels: route+permute: permute ids %v are not route's ids %v", p.IDs, r.IDs)
+	}
+	if pt != t || pk != k || pe != e {
+		return 0, 0, 0, fmt.Errorf("kernels: route+permute: permute sorts %d x top-%d over %d experts, route gives %d x top-%d of %d",
+			pt, pk, pe, t, k, e)
+	}
+	outs := []operand{{"ids", r.IDs}, {"weights", r.Weights}, {"offsets", p.Offsets}, {"rows", p.Rows}, {"slots", p.Slots}}
+	return t, e, k, disjoint("route+permute", outs, []operand{{"logits", r.Logits}})
+}
+
 // NVFP4 is a quantized matrix, or stack of matrices, in backend memory:
 // E2M1 codes packed two per byte, linear row-major E4M3 block scales, and FP32
 // decode scales (one per matrix, or one per row).

@@ -263,13 +263,19 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 	if err := l.be.Gemm(logits, x, l.router); err != nil {
 		return err
 	}
-	err := l.be.Route(kernels.RouteArgs{Logits: logits, IDs: ids, Weights: weights,
-		Scoring: l.score, Renormalize: c.Renormalize, Scale: c.RoutedScaling})
-	if err != nil {
-		return err
-	}
-	if err := l.be.Permute(kernels.PermuteArgs{IDs: ids, Offsets: l.offsets, Rows: gather, Slots: slots}); err != nil {
-		return err
+	ra := kernels.RouteArgs{Logits: logits, IDs: ids, Weights: weights, Scoring: l.score, Renormalize: c.Renormalize, Scale: c.RoutedScaling}
+	pa := kernels.PermuteArgs{IDs: ids, Offsets: l.offsets, Rows: gather, Slots: slots}
+	if rp, ok := l.be.(kernels.RoutePermuter); ok {
+		if err := rp.RoutePermute(ra, pa); err != nil {
+			return err
+		}
+	} else {
+		if err := l.be.Route(ra); err != nil {
+			return err
+		}
+		if err := l.be.Permute(pa); err != nil {
+			return err
+		}
 	}
 	fc1In, fc2In := kernels.Operand{BF16: x}, kernels.Operand{BF16: h}
 	if l.spec.quantActs {
@@ -283,7 +289,7 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 		fc1W, fc2W = kernels.Operand{Q: l.fc1q}, kernels.Operand{Q: l.fc2q}
 	}
 	// FC1 + activation, rounded to BF16 (the grouped GEMM's output type).
-	err = l.be.GroupedGemm(kernels.GroupedGemmArgs{A: fc1In, Gather: gather, W: fc1W, Offsets: l.offsets, Act: l.act, Out: h})
+	err := l.be.GroupedGemm(kernels.GroupedGemmArgs{A: fc1In, Gather: gather, W: fc1W, Offsets: l.offsets, Act: l.act, Out: h})
 	if err != nil {
 		return err
 	}

@@ -124,6 +124,38 @@ func (be *Backend) prepPermute(a kernels.PermuteArgs) (func() error, error) {
 	}, nil
 }
 
+// routePermute is RoutePermute's operands.
+type routePermute struct {
+	R kernels.RouteArgs
+	P kernels.PermuteArgs
+}
+
+// RoutePermute runs Route and then Permute on its ids as one op
+// (kernels.RoutePermuter).
+func (be *Backend) RoutePermute(r kernels.RouteArgs, p kernels.PermuteArgs) error {
+	return issue(be, "route+permute", routePermute{r, p}, be.prepRoutePermute)
+}
+
+func (be *Backend) prepRoutePermute(a routePermute) (func() error, error) {
+	if _, _, _, err := kernels.ValidateRoutePermute(a.R, a.P); err != nil {
+		return nil, err
+	}
+	route, err := be.prepRoute(a.R)
+	if err != nil {
+		return nil, err
+	}
+	permute, err := be.prepPermute(a.P)
+	if err != nil {
+		return nil, err
+	}
+	return func() error {
+		if err := route(); err != nil {
+			return err
+		}
+		return permute()
+	}, nil
+}
+
 // Quantize runs the NVFP4 codec over rows (and matrices) in parallel.
 func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 	return issue(be, "quantize", a, be.prepQuantize)

@@ -385,6 +385,41 @@ func routePer(e int) int {
 	return 0
 }
 
+// routePermuteMaxT is the most tokens route_permute_r* routes: one warp
+// each in the counting sort's block of 32 warps.
+const routePermuteMaxT = 32
+
+// RoutePermute runs Route and then Permute on its ids. Up to 32 tokens,
+// 256 experts and top-32 it is one kernel (route_permute_r*: a warp per
+// token, then the counting sort in the same block); otherwise the two.
+func (be *Backend) RoutePermute(r kernels.RouteArgs, p kernels.PermuteArgs) error {
+	t, e, k, verr := kernels.ValidateRoutePermute(r, p)
+	if verr == nil && e > permuteMaxExperts {
+		verr = fmt.Errorf("cuda: route+permute: %d experts; this backend sorts at most %d", e, permuteMaxExperts)
+	}
+	per := routePer(e)
+	if verr == nil && (t > routePermuteMaxT || per == 0 || k > 32) {
+		if err := be.Route(r); err != nil {
+			return err
+		}
+		return be.Permute(p)
+	}
+	args := struct {
+		R kernels.RouteArgs
+		P kernels.PermuteArgs
+	}{r, p}
+	return be.issue("route+permute", args, func() error { return verr }, func(*drv.Ctx) error {
+		renorm := int32(0)
+		if r.Renormalize {
+			renorm = 1
+		}
+		shared := (32*e + e + 1) * 4
+		return be.launch(fmt.Sprintf("route_permute_r%d", per), drv.Dim3{X: 1}, drv.Dim3{X: 1024}, shared,
+			ptr(r.Logits), ptr(r.IDs), ptr(r.Weights), int32(t), int32(e), int32(k), int32(r.Scoring), renorm, r.Scale,
+			be.errw, ptr(p.Offsets), ptr(p.Rows), ptr(p.Slots))
+	})
+}
+
 // permuteMaxExperts bounds E for the one-block counting sort, whose shared
 // memory holds 32 per-warp counters per expert.
 const permuteMaxExperts = 1024

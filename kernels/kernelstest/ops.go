@@ -300,6 +300,85 @@ func testPermute(t *testing.T, be kernels.Backend) {
 	}
 }
 
+// testRoutePermute checks a backend's fused route + permute
+// (kernels.RoutePermuter) against its Route and then Permute, bit for bit,
+// at batch sizes inside and past the CUDA backend's one-block kernel (32
+// tokens, 256 experts, top-32), and its argument checks.
+func testRoutePermute(t *testing.T, be kernels.Backend) {
+	rp, ok := be.(kernels.RoutePermuter)
+	if !ok {
+		t.Skip("backend has no fused route + permute (kernels.RoutePermuter)")
+	}
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, tc := range []struct {
+		t, e, k int
+		scoring kernels.Scoring
+	}{
+		{1, 256, 8, kernels.Softmax}, {5, 12, 2, kernels.Sigmoid}, {32, 256, 8, kernels.Softmax},
+		{33, 256, 8, kernels.Softmax}, {4, 300, 4, kernels.Softmax}, {3, 40, 33, kernels.Softmax},
+	} {
+		t.Run(fmt.Sprintf("t%d_e%d_k%d_%s", tc.t, tc.e, tc.k, tc.scoring), func(t *testing.T) {
+			logits := make([]float32, tc.t*tc.e)
+			for i := range logits {
+				logits[i] = float32(r.NormFloat64() * 2)
+				if i%7 == 0 {
+					logits[i] = float32(r.IntN(3)) // exact ties
+				}
+			}
+			L := f32Buf(t, be, logits, tc.t, tc.e)
+			type outs struct{ ids, w, off, rows, slots *kernels.Buffer }
+			mk := func() outs {
+				return outs{alloc(t, be, kernels.I32, tc.t, tc.k), alloc(t, be, kernels.F32, tc.t, tc.k),
+					alloc(t, be, kernels.I32, tc.e+1), alloc(t, be, kernels.I32, tc.t*tc.k), alloc(t, be, kernels.I32, tc.t*tc.k)}
+			}
+			args := func(o outs) (kernels.RouteArgs, kernels.PermuteArgs) {
+				return kernels.RouteArgs{Logits: L, IDs: o.ids, Weights: o.w, Scoring: tc.scoring, Renormalize: true, Scale: 2.5},
+					kernels.PermuteArgs{IDs: o.ids, Offsets: o.off, Rows: o.rows, Slots: o.slots}
+			}
+			sep, fused := mk(), mk()
+			ra, pa := args(sep)
+			if err := be.Route(ra); err != nil {
+				t.Fatal(err)
+			}
+			if err := be.Permute(pa); err != nil {
+				t.Fatal(err)
+			}
+			if err := rp.RoutePermute(args(fused)); err != nil {
+				t.Fatal(err)
+			}
+			for _, c := range []struct {
+				name      string
+				want, got *kernels.Buffer
+			}{{"ids", sep.ids, fused.ids}, {"weights", sep.w, fused.w}, {"offsets", sep.off, fused.off}, {"rows", sep.rows, fused.rows}, {"slots", sep.slots, fused.slots}} {
+				if !bytes.Equal(download(t, be, c.got), download(t, be, c.want)) {
+					t.Errorf("%s differ from Route then Permute", c.name)
+				}
+			}
+		})
+	}
+	t.Run("Errors", func(t *testing.T) {
+		L := f32Buf(t, be, make([]float32, 2*8), 2, 8)
+		ids, other := alloc(t, be, kernels.I32, 2, 2), alloc(t, be, kernels.I32, 2, 2)
+		w := alloc(t, be, kernels.F32, 2, 2)
+		off, rows, slots := alloc(t, be, kernels.I32, 9), alloc(t, be, kernels.I32, 4), alloc(t, be, kernels.I32, 4)
+		ra := kernels.RouteArgs{Logits: L, IDs: ids, Weights: w, Scoring: kernels.Softmax, Scale: 1}
+		for _, tc := range []struct {
+			name string
+			p    kernels.PermuteArgs
+			want string
+		}{
+			{"other ids", kernels.PermuteArgs{IDs: other, Offsets: off, Rows: rows, Slots: slots}, "are not route's ids"},
+			{"experts", kernels.PermuteArgs{IDs: ids, Offsets: alloc(t, be, kernels.I32, 5), Rows: rows, Slots: slots}, "over 4 experts"},
+			{"aliased", kernels.PermuteArgs{IDs: ids, Offsets: off, Rows: rows, Slots: rows}, "overlap"},
+		} {
+			err := rp.RoutePermute(ra, tc.p)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.want)
+			}
+		}
+	})
+}
+
 // edgeRows returns a BF16 matrix rows x k whose rows exercise the
 // quantizer's edge cases: random data, a zero row, a row with zero blocks,
 // -0, subnormals, tiny values beside large ones, and huge values.

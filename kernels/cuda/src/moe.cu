@@ -367,11 +367,9 @@ extern "C" __global__ void route(const float *logits, int *ids, float *weights, 
 // same ids and weights. A round's winner is the lane with the best key
 // (ties: the lower id); only it moves on to its next best.
 template <int PER>
-__device__ __forceinline__ void route_regs(const float *logits, int *ids, float *weights, int T, int E, int K, int scoring,
+__device__ __forceinline__ void route_regs(const float *logits, int *ids, float *weights, int t, int E, int K, int scoring,
                                            int renorm, float scale) {
     const int lane = threadIdx.x & 31;
-    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (t >= T) return;
     const float *l = logits + (long long)t * E;
     float s[PER];
 #pragma unroll
@@ -445,7 +443,8 @@ __device__ __forceinline__ void route_regs(const float *logits, int *ids, float 
 #define ROUTE_REGS(PER)                                                                                                        \
     extern "C" __global__ void route_r##PER(const float *logits, int *ids, float *weights, int T, int E, int K, int scoring,   \
                                             int renorm, float scale) {                                                         \
-        route_regs<PER>(logits, ids, weights, T, E, K, scoring, renorm, scale);                                                \
+        const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);                                                     \
+        if (t < T) route_regs<PER>(logits, ids, weights, t, E, K, scoring, renorm, scale);                                     \
     }
 ROUTE_REGS(1)
 ROUTE_REGS(2)
@@ -454,15 +453,16 @@ ROUTE_REGS(8)
 
 // ---- Permute ----
 
-// permute: a stable counting sort of the n = T*k assignments by expert in
-// one block of 32 warps. Warp w owns the contiguous segment w of the
+// permute_block (the body of permute and route_permute_r*): a stable
+// counting sort of the n = T*k assignments by expert in one block of 32
+// warps. Warp w owns the contiguous segment w of the
 // assignments: it counts its experts (shared-memory atomics: counts are
 // order-free), a column scan turns the counts into each warp's first slot
 // per expert, and each warp then walks its segment in order, ranking equal
 // experts within a 32-wide chunk with __match_any_sync. The result depends
 // only on the ids.
-extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *rows, int *slots, int n, int k, int E) {
-    extern __shared__ int perm_smem[];
+__device__ __forceinline__ void permute_block(int *err, const int *ids, int *offsets, int *rows, int *slots, int n, int k, int E,
+                                              int *perm_smem) {
     int *cnt = perm_smem;       // [32][E]
     int *off = perm_smem + 32 * E; // [E+1]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -523,6 +523,32 @@ extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *
         __syncwarp();
     }
 }
+
+extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *rows, int *slots, int n, int k, int E) {
+    extern __shared__ int perm_smem[];
+    permute_block(err, ids, offsets, rows, slots, n, k, E, perm_smem);
+}
+
+// route_permute_r*: route (route_r*, warp t routing token t) and permute in
+// one block of 32 warps, for at most 32 tokens: one launch and no trip
+// between kernels for the few-token batches of decoding. The ids are read
+// back after the barrier with plain loads (the block's own writes are
+// visible to it then). Same ids, weights, offsets, rows and slots as the
+// two kernels.
+#define ROUTE_PERMUTE(PER)                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(1024) route_permute_r##PER(                                                   \
+        const float *logits, int *ids, float *weights, int T, int E, int K, int scoring, int renorm, float scale, int *err,   \
+        int *offsets, int *rows, int *slots) {                                                                                 \
+        extern __shared__ int perm_smem[];                                                                                     \
+        const int t = threadIdx.x >> 5;                                                                                        \
+        if (t < T) route_regs<PER>(logits, ids, weights, t, E, K, scoring, renorm, scale);                                     \
+        __syncthreads();                                                                                                       \
+        permute_block(err, ids, offsets, rows, slots, T * K, K, E, perm_smem);                                                 \
+    }
+ROUTE_PERMUTE(1)
+ROUTE_PERMUTE(2)
+ROUTE_PERMUTE(4)
+ROUTE_PERMUTE(8)
 
 // ---- Finalize ----
 
