@@ -115,33 +115,45 @@ func (a PermuteArgs) Validate() (t, k, e int, err error) {
 	return t, k, e, disjoint("permute", []operand{{"offsets", a.Offsets}, {"rows", a.Rows}, {"slots", a.Slots}}, []operand{{"ids", a.IDs}})
 }
 
-// RoutePermuter is implemented by backends that can run Route and then
-// Permute on its ids as one step: the same results as the two ops, in
-// fewer launches where the batch is small.
-type RoutePermuter interface {
-	RoutePermute(r RouteArgs, p PermuteArgs) error
+// Dispatcher is implemented by backends that can run the MoE layer's
+// dispatch as one step: Route, Permute on its ids and, when q is not nil,
+// a PerRow Quantize of the activations (which needs neither), with the
+// results of the separate ops, in fewer launches where the batch is small.
+type Dispatcher interface {
+	Dispatch(r RouteArgs, p PermuteArgs, q *QuantizeArgs) error
 }
 
-// ValidateRoutePermute checks the operands of RoutePermuter.RoutePermute:
-// each op's own, p.IDs must be r.IDs, and no output of either may overlap
-// another or the logits. It returns T, E and k.
-func ValidateRoutePermute(r RouteArgs, p PermuteArgs) (t, e, k int, err error) {
+// ValidateDispatch checks the operands of Dispatcher.Dispatch: each op's
+// own, p.IDs must be r.IDs, q (if any) is PerRow, and no output overlaps
+// another output or an input. It returns T, E and k, and q's geometry.
+func ValidateDispatch(r RouteArgs, p PermuteArgs, q *QuantizeArgs) (t, e, k int, qs QuantizeShape, err error) {
 	if t, e, k, err = r.Validate(); err != nil {
-		return 0, 0, 0, err
+		return 0, 0, 0, qs, err
 	}
 	pt, pk, pe, err := p.Validate()
 	if err != nil {
-		return 0, 0, 0, err
+		return 0, 0, 0, qs, err
 	}
 	if p.IDs != r.IDs {
-		return 0, 0, 0, fmt.Errorf("kernels: route+permute: permute ids %v are not route's ids %v", p.IDs, r.IDs)
+		return 0, 0, 0, qs, fmt.Errorf("kernels: dispatch: permute ids %v are not route's ids %v", p.IDs, r.IDs)
 	}
 	if pt != t || pk != k || pe != e {
-		return 0, 0, 0, fmt.Errorf("kernels: route+permute: permute sorts %d x top-%d over %d experts, route gives %d x top-%d of %d",
+		return 0, 0, 0, qs, fmt.Errorf("kernels: dispatch: permute sorts %d x top-%d over %d experts, route gives %d x top-%d of %d",
 			pt, pk, pe, t, k, e)
 	}
 	outs := []operand{{"ids", r.IDs}, {"weights", r.Weights}, {"offsets", p.Offsets}, {"rows", p.Rows}, {"slots", p.Slots}}
-	return t, e, k, disjoint("route+permute", outs, []operand{{"logits", r.Logits}})
+	ins := []operand{{"logits", r.Logits}}
+	if q != nil {
+		if q.Mode != PerRow {
+			return 0, 0, 0, qs, fmt.Errorf("kernels: dispatch: quantize mode %s, want %s", q.Mode, PerRow)
+		}
+		if qs, err = q.Validate(); err != nil {
+			return 0, 0, 0, qs, err
+		}
+		outs = append(outs, operand{"quantize packed", q.Dst.Packed}, operand{"quantize scales", q.Dst.Scales}, operand{"quantize scale", q.Dst.Scale})
+		ins = append(ins, operand{"quantize src", q.Src})
+	}
+	return t, e, k, qs, disjoint("dispatch", outs, ins)
 }
 
 // NVFP4 is a quantized matrix, or stack of matrices, in backend memory:

@@ -265,8 +265,14 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 	}
 	ra := kernels.RouteArgs{Logits: logits, IDs: ids, Weights: weights, Scoring: l.score, Renormalize: c.Renormalize, Scale: c.RoutedScaling}
 	pa := kernels.PermuteArgs{IDs: ids, Offsets: l.offsets, Rows: gather, Slots: slots}
-	if rp, ok := l.be.(kernels.RoutePermuter); ok {
-		if err := rp.RoutePermute(ra, pa); err != nil {
+	fc1In, fc2In := kernels.Operand{BF16: x}, kernels.Operand{BF16: h}
+	var qa *kernels.QuantizeArgs
+	if l.spec.quantActs {
+		qa = &kernels.QuantizeArgs{Src: x, Dst: xq, Mode: kernels.PerRow}
+		fc1In = kernels.Operand{Q: xq}
+	}
+	if d, ok := l.be.(kernels.Dispatcher); ok {
+		if err := d.Dispatch(ra, pa, qa); err != nil {
 			return err
 		}
 	} else {
@@ -276,13 +282,11 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 		if err := l.be.Permute(pa); err != nil {
 			return err
 		}
-	}
-	fc1In, fc2In := kernels.Operand{BF16: x}, kernels.Operand{BF16: h}
-	if l.spec.quantActs {
-		if err := l.be.Quantize(kernels.QuantizeArgs{Src: x, Dst: xq, Mode: kernels.PerRow}); err != nil {
-			return err
+		if qa != nil {
+			if err := l.be.Quantize(*qa); err != nil {
+				return err
+			}
 		}
-		fc1In = kernels.Operand{Q: xq}
 	}
 	fc1W, fc2W := kernels.Operand{BF16: l.fc1}, kernels.Operand{BF16: l.fc2}
 	if l.spec.quantWeights {

@@ -124,22 +124,24 @@ func (be *Backend) prepPermute(a kernels.PermuteArgs) (func() error, error) {
 	}, nil
 }
 
-// routePermute is RoutePermute's operands.
-type routePermute struct {
+// dispatch is Dispatch's operands.
+type dispatch struct {
 	R kernels.RouteArgs
 	P kernels.PermuteArgs
+	Q *kernels.QuantizeArgs
 }
 
-// RoutePermute runs Route and then Permute on its ids as one op
-// (kernels.RoutePermuter).
-func (be *Backend) RoutePermute(r kernels.RouteArgs, p kernels.PermuteArgs) error {
-	return issue(be, "route+permute", routePermute{r, p}, be.prepRoutePermute)
+// Dispatch runs Route, Permute on its ids and, when q is not nil, the
+// activations' Quantize as one op (kernels.Dispatcher).
+func (be *Backend) Dispatch(r kernels.RouteArgs, p kernels.PermuteArgs, q *kernels.QuantizeArgs) error {
+	return issue(be, "dispatch", dispatch{r, p, q}, be.prepDispatch)
 }
 
-func (be *Backend) prepRoutePermute(a routePermute) (func() error, error) {
-	if _, _, _, err := kernels.ValidateRoutePermute(a.R, a.P); err != nil {
+func (be *Backend) prepDispatch(a dispatch) (func() error, error) {
+	if _, _, _, _, err := kernels.ValidateDispatch(a.R, a.P, a.Q); err != nil {
 		return nil, err
 	}
+	runs := make([]func() error, 0, 3)
 	route, err := be.prepRoute(a.R)
 	if err != nil {
 		return nil, err
@@ -148,11 +150,21 @@ func (be *Backend) prepRoutePermute(a routePermute) (func() error, error) {
 	if err != nil {
 		return nil, err
 	}
-	return func() error {
-		if err := route(); err != nil {
-			return err
+	runs = append(runs, route, permute)
+	if a.Q != nil {
+		quantize, err := be.prepQuantize(*a.Q)
+		if err != nil {
+			return nil, err
 		}
-		return permute()
+		runs = append(runs, quantize)
+	}
+	return func() error {
+		for _, run := range runs {
+			if err := run(); err != nil {
+				return err
+			}
+		}
+		return nil
 	}, nil
 }
 

@@ -385,38 +385,56 @@ func routePer(e int) int {
 	return 0
 }
 
-// routePermuteMaxT is the most tokens route_permute_r* routes: one warp
-// each in the counting sort's block of 32 warps.
-const routePermuteMaxT = 32
+// dispatchMaxT is the most tokens dispatch_r* routes: one warp each in
+// the counting sort's block of 32 warps.
+const dispatchMaxT = 32
 
-// RoutePermute runs Route and then Permute on its ids. Up to 32 tokens,
-// 256 experts and top-32 it is one kernel (route_permute_r*: a warp per
-// token, then the counting sort in the same block); otherwise the two.
-func (be *Backend) RoutePermute(r kernels.RouteArgs, p kernels.PermuteArgs) error {
-	t, e, k, verr := kernels.ValidateRoutePermute(r, p)
+// Dispatch runs Route, Permute on its ids and, when q is not nil, a PerRow
+// Quantize of the activations (kernels.Dispatcher). Up to 32 tokens, 256
+// experts and top-32 it is one kernel (dispatch_r*: block 0 routes, a warp
+// a token, and sorts; the next blocks quantize a row each), otherwise the
+// separate ops.
+func (be *Backend) Dispatch(r kernels.RouteArgs, p kernels.PermuteArgs, q *kernels.QuantizeArgs) error {
+	t, e, k, qs, verr := kernels.ValidateDispatch(r, p, q)
 	if verr == nil && e > permuteMaxExperts {
-		verr = fmt.Errorf("cuda: route+permute: %d experts; this backend sorts at most %d", e, permuteMaxExperts)
+		verr = fmt.Errorf("cuda: dispatch: %d experts; this backend sorts at most %d", e, permuteMaxExperts)
 	}
-	per := routePer(e)
-	if verr == nil && (t > routePermuteMaxT || per == 0 || k > 32) {
+	if verr == nil && q != nil {
+		verr = packedAligned("dispatch", "quantize dst", q.Dst)
+	}
+	per, qrows := routePer(e), qs.Mats*qs.Rows
+	if verr == nil && (t > dispatchMaxT || per == 0 || k > 32 || qrows > 2*dispatchMaxT) {
 		if err := be.Route(r); err != nil {
 			return err
 		}
-		return be.Permute(p)
+		if err := be.Permute(p); err != nil {
+			return err
+		}
+		if q != nil {
+			return be.Quantize(*q)
+		}
+		return nil
 	}
 	args := struct {
 		R kernels.RouteArgs
 		P kernels.PermuteArgs
-	}{r, p}
-	return be.issue("route+permute", args, func() error { return verr }, func(*drv.Ctx) error {
+		Q *kernels.QuantizeArgs
+	}{r, p, q}
+	return be.issue("dispatch", args, func() error { return verr }, func(*drv.Ctx) error {
 		renorm := int32(0)
 		if r.Renormalize {
 			renorm = 1
 		}
+		var qsrc, qpacked, qscales, qscale drv.DevicePtr
+		vec := int32(0)
+		if q != nil {
+			qsrc, qpacked, qscales, qscale = ptr(q.Src), ptr(q.Dst.Packed), ptr(q.Dst.Scales), ptr(q.Dst.Scale)
+			vec = aligned16(q.Src, qs.K)
+		}
 		shared := (32*e + e + 1) * 4
-		return be.launch(fmt.Sprintf("route_permute_r%d", per), drv.Dim3{X: 1}, drv.Dim3{X: 1024}, shared,
+		return be.launch(fmt.Sprintf("dispatch_r%d", per), drv.Dim3{X: 1 + qrows}, drv.Dim3{X: 1024}, shared,
 			ptr(r.Logits), ptr(r.IDs), ptr(r.Weights), int32(t), int32(e), int32(k), int32(r.Scoring), renorm, r.Scale,
-			be.errw, ptr(p.Offsets), ptr(p.Rows), ptr(p.Slots))
+			be.errw, ptr(p.Offsets), ptr(p.Rows), ptr(p.Slots), qsrc, qpacked, qscales, qscale, int32(qs.K), int32(qs.Kp), vec)
 	})
 }
 

@@ -55,7 +55,7 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("Gemm", func(t *testing.T) { testGemm(t, newBackend(t)) })
 	t.Run("Route", func(t *testing.T) { testRoute(t, newBackend(t)) })
 	t.Run("Permute", func(t *testing.T) { testPermute(t, newBackend(t)) })
-	t.Run("RoutePermute", func(t *testing.T) { testRoutePermute(t, newBackend(t)) })
+	t.Run("Dispatch", func(t *testing.T) { testDispatch(t, newBackend(t)) })
 	t.Run("Quantize", func(t *testing.T) { testQuantize(t, newBackend(t)) })
 	t.Run("GroupedGemm", func(t *testing.T) { testGroupedGemm(t, newBackend(t)) })
 	t.Run("Finalize", func(t *testing.T) { testFinalize(t, newBackend(t)) })

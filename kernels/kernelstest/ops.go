@@ -300,24 +300,28 @@ func testPermute(t *testing.T, be kernels.Backend) {
 	}
 }
 
-// testRoutePermute checks a backend's fused route + permute
-// (kernels.RoutePermuter) against its Route and then Permute, bit for bit,
-// at batch sizes inside and past the CUDA backend's one-block kernel (32
-// tokens, 256 experts, top-32), and its argument checks.
-func testRoutePermute(t *testing.T, be kernels.Backend) {
-	rp, ok := be.(kernels.RoutePermuter)
+// testDispatch checks a backend's fused dispatch (kernels.Dispatcher)
+// against Route, Permute and Quantize run separately, bit for bit, at
+// batch sizes inside and past the CUDA backend's one-kernel path (32
+// tokens, 256 experts, top-32), with and without the quantize, and its
+// argument checks.
+func testDispatch(t *testing.T, be kernels.Backend) {
+	d, ok := be.(kernels.Dispatcher)
 	if !ok {
-		t.Skip("backend has no fused route + permute (kernels.RoutePermuter)")
+		t.Skip("backend has no fused dispatch (kernels.Dispatcher)")
 	}
 	r := rand.New(rand.NewPCG(7, 8))
+	const H = 200 // not a multiple of 16: the quantized rows are padded
 	for _, tc := range []struct {
-		t, e, k int
-		scoring kernels.Scoring
+		t, e, k  int
+		scoring  kernels.Scoring
+		quantize bool
 	}{
-		{1, 256, 8, kernels.Softmax}, {5, 12, 2, kernels.Sigmoid}, {32, 256, 8, kernels.Softmax},
-		{33, 256, 8, kernels.Softmax}, {4, 300, 4, kernels.Softmax}, {3, 40, 33, kernels.Softmax},
+		{1, 256, 8, kernels.Softmax, true}, {5, 12, 2, kernels.Sigmoid, true}, {32, 256, 8, kernels.Softmax, true},
+		{7, 64, 4, kernels.Softmax, false}, {33, 256, 8, kernels.Softmax, true}, {4, 300, 4, kernels.Softmax, true},
+		{3, 40, 33, kernels.Softmax, false},
 	} {
-		t.Run(fmt.Sprintf("t%d_e%d_k%d_%s", tc.t, tc.e, tc.k, tc.scoring), func(t *testing.T) {
+		t.Run(fmt.Sprintf("t%d_e%d_k%d_%s_quantize%v", tc.t, tc.e, tc.k, tc.scoring, tc.quantize), func(t *testing.T) {
 			logits := make([]float32, tc.t*tc.e)
 			for i := range logits {
 				logits[i] = float32(r.NormFloat64() * 2)
@@ -326,32 +330,51 @@ func testRoutePermute(t *testing.T, be kernels.Backend) {
 				}
 			}
 			L := f32Buf(t, be, logits, tc.t, tc.e)
-			type outs struct{ ids, w, off, rows, slots *kernels.Buffer }
+			X := bf16Buf(t, be, randBF16(r, tc.t*H, 1), tc.t, H)
+			type outs struct {
+				ids, w, off, rows, slots *kernels.Buffer
+				q                        kernels.NVFP4
+			}
 			mk := func() outs {
 				return outs{alloc(t, be, kernels.I32, tc.t, tc.k), alloc(t, be, kernels.F32, tc.t, tc.k),
-					alloc(t, be, kernels.I32, tc.e+1), alloc(t, be, kernels.I32, tc.t*tc.k), alloc(t, be, kernels.I32, tc.t*tc.k)}
+					alloc(t, be, kernels.I32, tc.e+1), alloc(t, be, kernels.I32, tc.t*tc.k), alloc(t, be, kernels.I32, tc.t*tc.k),
+					kernels.NVFP4{Packed: alloc(t, be, kernels.U8, tc.t, 208/2), Scales: alloc(t, be, kernels.U8, tc.t, 208/16),
+						Scale: alloc(t, be, kernels.F32, tc.t)}}
 			}
-			args := func(o outs) (kernels.RouteArgs, kernels.PermuteArgs) {
+			args := func(o outs) (kernels.RouteArgs, kernels.PermuteArgs, *kernels.QuantizeArgs) {
+				var q *kernels.QuantizeArgs
+				if tc.quantize {
+					q = &kernels.QuantizeArgs{Src: X, Dst: o.q, Mode: kernels.PerRow}
+				}
 				return kernels.RouteArgs{Logits: L, IDs: o.ids, Weights: o.w, Scoring: tc.scoring, Renormalize: true, Scale: 2.5},
-					kernels.PermuteArgs{IDs: o.ids, Offsets: o.off, Rows: o.rows, Slots: o.slots}
+					kernels.PermuteArgs{IDs: o.ids, Offsets: o.off, Rows: o.rows, Slots: o.slots}, q
 			}
 			sep, fused := mk(), mk()
-			ra, pa := args(sep)
+			ra, pa, qa := args(sep)
 			if err := be.Route(ra); err != nil {
 				t.Fatal(err)
 			}
 			if err := be.Permute(pa); err != nil {
 				t.Fatal(err)
 			}
-			if err := rp.RoutePermute(args(fused)); err != nil {
+			if qa != nil {
+				if err := be.Quantize(*qa); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := d.Dispatch(args(fused)); err != nil {
 				t.Fatal(err)
 			}
 			for _, c := range []struct {
 				name      string
 				want, got *kernels.Buffer
-			}{{"ids", sep.ids, fused.ids}, {"weights", sep.w, fused.w}, {"offsets", sep.off, fused.off}, {"rows", sep.rows, fused.rows}, {"slots", sep.slots, fused.slots}} {
+			}{
+				{"ids", sep.ids, fused.ids}, {"weights", sep.w, fused.w}, {"offsets", sep.off, fused.off}, {"rows", sep.rows, fused.rows},
+				{"slots", sep.slots, fused.slots}, {"packed", sep.q.Packed, fused.q.Packed}, {"scales", sep.q.Scales, fused.q.Scales},
+				{"scale", sep.q.Scale, fused.q.Scale},
+			} {
 				if !bytes.Equal(download(t, be, c.got), download(t, be, c.want)) {
-					t.Errorf("%s differ from Route then Permute", c.name)
+					t.Errorf("%s differ from the separate ops'", c.name)
 				}
 			}
 		})
@@ -361,17 +384,27 @@ func testRoutePermute(t *testing.T, be kernels.Backend) {
 		ids, other := alloc(t, be, kernels.I32, 2, 2), alloc(t, be, kernels.I32, 2, 2)
 		w := alloc(t, be, kernels.F32, 2, 2)
 		off, rows, slots := alloc(t, be, kernels.I32, 9), alloc(t, be, kernels.I32, 4), alloc(t, be, kernels.I32, 4)
+		X := bf16Buf(t, be, make([]uint16, 2*32), 2, 32)
+		q := kernels.NVFP4{Packed: alloc(t, be, kernels.U8, 2, 16), Scales: alloc(t, be, kernels.U8, 2, 2), Scale: alloc(t, be, kernels.F32, 2)}
 		ra := kernels.RouteArgs{Logits: L, IDs: ids, Weights: w, Scoring: kernels.Softmax, Scale: 1}
+		pa := kernels.PermuteArgs{IDs: ids, Offsets: off, Rows: rows, Slots: slots}
+		wRow, err := w.Index(0) // F32 [2]: the first token's routing weights
+		if err != nil {
+			t.Fatal(err)
+		}
 		for _, tc := range []struct {
 			name string
 			p    kernels.PermuteArgs
+			q    *kernels.QuantizeArgs
 			want string
 		}{
-			{"other ids", kernels.PermuteArgs{IDs: other, Offsets: off, Rows: rows, Slots: slots}, "are not route's ids"},
-			{"experts", kernels.PermuteArgs{IDs: ids, Offsets: alloc(t, be, kernels.I32, 5), Rows: rows, Slots: slots}, "over 4 experts"},
-			{"aliased", kernels.PermuteArgs{IDs: ids, Offsets: off, Rows: rows, Slots: rows}, "overlap"},
+			{"other ids", kernels.PermuteArgs{IDs: other, Offsets: off, Rows: rows, Slots: slots}, nil, "are not route's ids"},
+			{"experts", kernels.PermuteArgs{IDs: ids, Offsets: alloc(t, be, kernels.I32, 5), Rows: rows, Slots: slots}, nil, "over 4 experts"},
+			{"aliased", kernels.PermuteArgs{IDs: ids, Offsets: off, Rows: rows, Slots: rows}, nil, "overlap"},
+			{"per matrix", pa, &kernels.QuantizeArgs{Src: X, Dst: q, Mode: kernels.PerMatrix}, "want per-row"},
+			{"quantize into weights", pa, &kernels.QuantizeArgs{Src: X, Dst: kernels.NVFP4{Packed: q.Packed, Scales: q.Scales, Scale: wRow}, Mode: kernels.PerRow}, "overlap"},
 		} {
-			err := rp.RoutePermute(ra, tc.p)
+			err := d.Dispatch(ra, tc.p, tc.q)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.want)
 			}

@@ -129,16 +129,14 @@ __device__ __forceinline__ void quant_matrix_blocks(const bf16_t *src, unsigned 
     }
 }
 
-// quant_rows is the per-token recipe: one row per block, with the row's own
-// global scale. The block takes the row's amax (an order-free max), then
+// quant_rows is the per-token recipe: one row per block (quant_row_block),
+// with the row's own global scale. The block takes the row's amax (an order-free max), then
 // quantizes blocks t, t+blockDim, ... in thread t, and writes the row's
 // S_dec. A block per row keeps decode (a handful of rows) from running on
 // a single warp.
-extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int rows,
-                                      int k, int kp, int vec) {
+__device__ __forceinline__ void quant_row_block(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int row,
+                                                int k, int kp, int vec) {
     __shared__ unsigned red[32];
-    const int row = blockIdx.x;
-    if (row >= rows) return;
     const bf16_t *r = src + (long long)row * k;
     const unsigned m = block_reduce(amax_span(r, k, threadIdx.x, blockDim.x, vec), red, OpMax());
     float senc, sdec;
@@ -146,6 +144,11 @@ extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, 
     const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
     for (int b = threadIdx.x; b < kp / 16; b += blockDim.x) quant_store(src, packed, scales, row, b, k, kp, vec, sencinv6, sdec);
     if (threadIdx.x == 0) scale[row] = sdec;
+}
+
+extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int rows,
+                                      int k, int kp, int vec) {
+    if (blockIdx.x < rows) quant_row_block(src, packed, scales, scale, blockIdx.x, k, kp, vec);
 }
 
 // quant_stack quantizes a weight stack [mats, rowsPerMat, k] with one global
@@ -453,7 +456,7 @@ ROUTE_REGS(8)
 
 // ---- Permute ----
 
-// permute_block (the body of permute and route_permute_r*): a stable
+// permute_block (the body of permute and dispatch_r*): a stable
 // counting sort of the n = T*k assignments by expert in one block of 32
 // warps. Warp w owns the contiguous segment w of the
 // assignments: it counts its experts (shared-memory atomics: counts are
@@ -529,26 +532,32 @@ extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *
     permute_block(err, ids, offsets, rows, slots, n, k, E, perm_smem);
 }
 
-// route_permute_r*: route (route_r*, warp t routing token t) and permute in
-// one block of 32 warps, for at most 32 tokens: one launch and no trip
-// between kernels for the few-token batches of decoding. The ids are read
-// back after the barrier with plain loads (the block's own writes are
-// visible to it then). Same ids, weights, offsets, rows and slots as the
-// two kernels.
-#define ROUTE_PERMUTE(PER)                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(1024) route_permute_r##PER(                                                   \
+// dispatch_r*: the MoE layer's dispatch for at most 32 tokens in one
+// launch. Block 0 routes (route_r*, warp t routing token t) and sorts
+// (permute_block) in its 32 warps, reading the ids back after the barrier
+// with plain loads (the block's own writes are visible to it then); blocks
+// 1..qrows quantize activation row b-1 (quant_row_block, as quant_rows:
+// the row's amax is an order-free max, so the block's width changes no
+// bit). Same results as route_r*, permute and quant_rows.
+#define DISPATCH(PER)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) dispatch_r##PER(                                                        \
         const float *logits, int *ids, float *weights, int T, int E, int K, int scoring, int renorm, float scale, int *err,   \
-        int *offsets, int *rows, int *slots) {                                                                                 \
+        int *offsets, int *rows, int *slots, const bf16_t *qsrc, unsigned char *qpacked, unsigned char *qscales,             \
+        float *qscale, int qk, int qkp, int qvec) {                                                                            \
+        if (blockIdx.x > 0) {                                                                                                  \
+            quant_row_block(qsrc, qpacked, qscales, qscale, blockIdx.x - 1, qk, qkp, qvec);                                    \
+            return;                                                                                                            \
+        }                                                                                                                      \
         extern __shared__ int perm_smem[];                                                                                     \
         const int t = threadIdx.x >> 5;                                                                                        \
         if (t < T) route_regs<PER>(logits, ids, weights, t, E, K, scoring, renorm, scale);                                     \
         __syncthreads();                                                                                                       \
         permute_block(err, ids, offsets, rows, slots, T * K, K, E, perm_smem);                                                 \
     }
-ROUTE_PERMUTE(1)
-ROUTE_PERMUTE(2)
-ROUTE_PERMUTE(4)
-ROUTE_PERMUTE(8)
+DISPATCH(1)
+DISPATCH(2)
+DISPATCH(4)
+DISPATCH(8)
 
 // ---- Finalize ----
 
