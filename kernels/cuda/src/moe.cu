@@ -1236,21 +1236,32 @@ __device__ __forceinline__ bool ks2_add(float (*acc)[4], uint4 *smem, int rank, 
 // fits); -1 marks a missing row.
 // H = 1 stages only rows 0-7 of each m16 tile (a tile of at most 8 rows:
 // rows 8-15 are zeros, as missing rows always are, without their loads and
-// conversions).
+// conversions), one item a thread with warp w staging row w (g5_item), so
+// that the warps of missing rows skip the staging: their items are zeroed
+// once (g5_tail).
 template <int MI, int NT, int H = 2>
 struct G5AStage {
     static constexpr int M = (MI * 256 + NT - 1) / NT; // items per thread
+    static_assert(H == 2 || (MI == 1 && NT == 256), "H = 1: one 16-row tile, one item a thread");
     uint2 q[M][H];
     unsigned sc[M][H];
     int off[M][H];  // element offset of the row's slice s in chunk 0
     int soff[M][H]; // NVFP4: offset of its block scale in chunk 0
 };
 
+// g5_item is thread tid's m-th item: tid + NT*m, or for H = 1 the item of
+// row g = warp, slice s = lane / 4, t4 = lane % 4 (item s*32 + 4g + t4).
+template <int NT, int H>
+__device__ __forceinline__ int g5_item(int tid, int m) {
+    if constexpr (H == 1) return ((tid & 31) >> 2) * 32 + (tid >> 5) * 4 + (tid & 3);
+    return tid + NT * m;
+}
+
 template <int MI, int NT, bool FP4, int H>
 __device__ __forceinline__ void g5_asetup(G5AStage<MI, NT, H> &st, const int *src, int K, int tid) {
 #pragma unroll
     for (int m = 0; m < st.M; m++) {
-        const int item = tid + NT * m, i = item >> 8, s = (item >> 5) & 7, L = item & 31;
+        const int item = g5_item<NT, H>(tid, m), i = item >> 8, s = (item >> 5) & 7, L = item & 31;
 #pragma unroll
         for (int h = 0; h < H; h++) {
             const int a = item < MI * 256 ? src[16 * i + (L >> 2) + 8 * h] : -1;
@@ -1264,7 +1275,7 @@ template <int MI, int NT, bool FP4, int H>
 __device__ __forceinline__ void g5_aload(G5AStage<MI, NT, H> &st, const void *A, const unsigned char *aSF, int K, int c, int tid) {
 #pragma unroll
     for (int m = 0; m < st.M; m++) {
-        const int item = tid + NT * m, s = (item >> 5) & 7, L = item & 31;
+        const int item = g5_item<NT, H>(tid, m), s = (item >> 5) & 7, L = item & 31;
         const bool in = c * G5_KC + 32 * (L & 3) + (FP4 ? 16 * (s >> 2) : 4 * s) < K;
 #pragma unroll
         for (int h = 0; h < H; h++) {
@@ -1287,7 +1298,7 @@ template <int MI, int NT, bool FP4, int H>
 __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> &st, const unsigned *lut, int tid) {
 #pragma unroll
     for (int m = 0; m < st.M; m++) {
-        const int item = tid + NT * m, s = (item >> 5) & 7;
+        const int item = g5_item<NT, H>(tid, m), s = (item >> 5) & 7;
         if (item >= MI * 256) break;
         if constexpr (FP4) {
             unsigned lo0, hi0, lo1 = 0, hi1 = 0; // +0, as g5_slice4 gives for a missing row
@@ -1436,7 +1447,15 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     constexpr int NT = 32 * NW;
     G5AStage<MA, NT, H> ast;
     g5_asetup<MA, NT, FP4>(ast, s_src, K, tid);
-    if (cbeg < cend) {
+    // H = 1: a warp whose row is missing (the same for its lanes) zeroes its
+    // items of both buffers once and skips the staging; the others stage
+    // every chunk, zeros included past K.
+    const bool stage = H == 2 || ast.off[0][0] >= 0;
+    if (!stage) {
+        const int item = g5_item<NT, H>(tid, 0);
+        g5_smem[item] = g5_smem[MI * 256 + item] = make_uint4(0, 0, 0, 0);
+    }
+    if (stage && cbeg < cend) {
         g5_aload<MA, NT, FP4>(ast, A, aSF, K, cbeg, tid);
         g5_astore<MA, NT, FP4>(g5_smem, ast, lut, tid);
     }
@@ -1455,7 +1474,7 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     // the double-buffered shared chunk at the end. (Loaded two chunks ahead,
     // in two register sets, they measured no faster.)
     auto chunk = [&](int c, int u) {
-        if (c + 1 < cend) g5_aload<MA, NT, FP4>(ast, A, aSF, K, c + 1, tid);
+        if (stage && c + 1 < cend) g5_aload<MA, NT, FP4>(ast, A, aSF, K, c + 1, tid);
         const uint4 *As = g5_smem + ((c - cbeg) & 1) * MI * 256 + lane;
         cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
         if (FP4 && V16) __syncwarp(); // and its even neighbour's scale word
@@ -1502,7 +1521,7 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         if (FP4 && V16) __syncwarp(); // every lane has read slot u's scale word
         if (c + D < cend) issue(u, c + D);
         cp_async_commit();
-        if (c + 1 < cend) g5_astore<MA, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
+        if (stage && c + 1 < cend) g5_astore<MA, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
         __syncthreads();
     };
     if constexpr (FP4) {
