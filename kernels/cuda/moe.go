@@ -355,22 +355,27 @@ func (be *Backend) Route(a kernels.RouteArgs) error {
 			return nil
 		}
 		const warps = 4
-		renorm := int32(0)
-		if a.Renormalize {
-			renorm = 1
-		}
 		if per := routePer(e); per > 0 && k <= 32 {
 			return be.launch(fmt.Sprintf("route_r%d", per), drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
-				ptr(a.Logits), ptr(a.IDs), ptr(a.Weights), int32(t), int32(e), int32(k), int32(a.Scoring), renorm, a.Scale)
+				routeArgs(a, t, e, k)...)
 		}
 		// Shared memory: each warp's scores, chosen scores and taken flags.
 		shared := warps * (e*5 + k*4)
 		if shared > int(be.info.SharedOptin) {
 			return fmt.Errorf("cuda: route: %d experts need %d bytes of shared memory, the device has %d", e, shared, be.info.SharedOptin)
 		}
-		return be.launch("route", drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, shared,
-			ptr(a.Logits), ptr(a.IDs), ptr(a.Weights), int32(t), int32(e), int32(k), int32(a.Scoring), renorm, a.Scale)
+		return be.launch("route", drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, shared, routeArgs(a, t, e, k)...)
 	})
+}
+
+// routeArgs are the route kernels' arguments (route, route_r*, and the
+// first ones of dispatch_r*).
+func routeArgs(a kernels.RouteArgs, t, e, k int) []any {
+	renorm := int32(0)
+	if a.Renormalize {
+		renorm = 1
+	}
+	return []any{ptr(a.Logits), ptr(a.IDs), ptr(a.Weights), int32(t), int32(e), int32(k), int32(a.Scoring), renorm, a.Scale}
 }
 
 // routePer returns how many scores a lane of route_r* keeps in registers
@@ -396,8 +401,8 @@ const dispatchMaxT = 32
 // separate ops.
 func (be *Backend) Dispatch(r kernels.RouteArgs, p kernels.PermuteArgs, q *kernels.QuantizeArgs) error {
 	t, e, k, qs, verr := kernels.ValidateDispatch(r, p, q)
-	if verr == nil && e > permuteMaxExperts {
-		verr = fmt.Errorf("cuda: dispatch: %d experts; this backend sorts at most %d", e, permuteMaxExperts)
+	if verr == nil {
+		verr = permuteFits("dispatch", e)
 	}
 	if verr == nil && q != nil {
 		verr = packedAligned("dispatch", "quantize dst", q.Dst)
@@ -421,26 +426,33 @@ func (be *Backend) Dispatch(r kernels.RouteArgs, p kernels.PermuteArgs, q *kerne
 		Q *kernels.QuantizeArgs
 	}{r, p, q}
 	return be.issue("dispatch", args, func() error { return verr }, func(*drv.Ctx) error {
-		renorm := int32(0)
-		if r.Renormalize {
-			renorm = 1
-		}
 		var qsrc, qpacked, qscales, qscale drv.DevicePtr
 		vec := int32(0)
 		if q != nil {
 			qsrc, qpacked, qscales, qscale = ptr(q.Src), ptr(q.Dst.Packed), ptr(q.Dst.Scales), ptr(q.Dst.Scale)
 			vec = aligned16(q.Src, qs.K)
 		}
-		shared := (32*e + e + 1) * 4
-		return be.launch(fmt.Sprintf("dispatch_r%d", per), drv.Dim3{X: 1 + qrows}, drv.Dim3{X: 1024}, shared,
-			ptr(r.Logits), ptr(r.IDs), ptr(r.Weights), int32(t), int32(e), int32(k), int32(r.Scoring), renorm, r.Scale,
-			be.errw, ptr(p.Offsets), ptr(p.Rows), ptr(p.Slots), qsrc, qpacked, qscales, qscale, int32(qs.K), int32(qs.Kp), vec)
+		args := append(routeArgs(r, t, e, k), be.errw, ptr(p.Offsets), ptr(p.Rows), ptr(p.Slots), qsrc, qpacked, qscales, qscale,
+			int32(qs.K), int32(qs.Kp), vec)
+		return be.launch(fmt.Sprintf("dispatch_r%d", per), drv.Dim3{X: 1 + qrows}, drv.Dim3{X: 1024}, permuteSmem(e), args...)
 	})
 }
 
 // permuteMaxExperts bounds E for the one-block counting sort, whose shared
-// memory holds 32 per-warp counters per expert.
+// memory holds 32 per-warp counters per expert (permuteSmem).
 const permuteMaxExperts = 1024
+
+// permuteSmem is the counting sort's shared memory (permute_block): 32
+// per-warp counters and an offset per expert, and one more offset.
+func permuteSmem(e int) int { return (32*e + e + 1) * 4 }
+
+// permuteFits checks e against permuteMaxExperts for op.
+func permuteFits(op string, e int) error {
+	if e > permuteMaxExperts {
+		return fmt.Errorf("cuda: %s: %d experts; this backend sorts at most %d", op, e, permuteMaxExperts)
+	}
+	return nil
+}
 
 // Permute sorts the assignments by expert: a stable counting sort in one
 // block of 32 warps, each owning a contiguous segment of assignments.
@@ -450,14 +462,10 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 		if t, k, e, err = a.Validate(); err != nil {
 			return err
 		}
-		if e > permuteMaxExperts {
-			return fmt.Errorf("cuda: permute: %d experts; this backend sorts at most %d", e, permuteMaxExperts)
-		}
-		return nil
+		return permuteFits("permute", e)
 	}
 	return be.issue("permute", a, validate, func(*drv.Ctx) error {
-		shared := (32*e + e + 1) * 4
-		return be.launch("permute", drv.Dim3{X: 1}, drv.Dim3{X: 1024}, shared,
+		return be.launch("permute", drv.Dim3{X: 1}, drv.Dim3{X: 1024}, permuteSmem(e),
 			be.errw, ptr(a.IDs), ptr(a.Offsets), ptr(a.Rows), ptr(a.Slots), int32(t*k), int32(k), int32(e))
 	})
 }
