@@ -1920,6 +1920,16 @@ __device__ __forceinline__ unsigned gn_ld(const bf16_t *row, int k, int K, bool 
     return ok && k < K ? __ldg(reinterpret_cast<const unsigned *>(row + k)) : 0u;
 }
 
+// gn_ld8 returns row[k .. k+8) (k a multiple of 8) as four words, zeros
+// past K or for a missing row: one 16-byte load where vec (K a multiple of
+// 8 and 16-byte aligned rows, so the 8 values are all in or all out), else
+// four 4-byte ones (K even: each pair is in or out).
+__device__ __forceinline__ uint4 gn_ld8(const bf16_t *row, int k, int K, bool ok, bool vec) {
+    if (!ok || k >= K) return make_uint4(0, 0, 0, 0);
+    if (vec) return __ldg(reinterpret_cast<const uint4 *>(row + k));
+    return make_uint4(gn_ld(row, k, K, true), gn_ld(row, k + 2, K, true), gn_ld(row, k + 4, K, true), gn_ld(row, k + 6, K, true));
+}
+
 // part: GN_WARPS x 16*MI x (8*NJ + 1) floats of shared memory.
 template <int MI, int NJ, int UNROLL>
 __device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *out, int M, int N, int K, int outFmt, float *part) {
@@ -1949,33 +1959,41 @@ __device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *
         for (int j = 0; j < NJ; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
-    for (int k = warp * 16; k < K; k += 16 * GN_WARPS * UNROLL) {
-        unsigned af[UNROLL][MI][4], bf[UNROLL][NJ][2];
+    // A warp takes 32-k double slices, warp*32 + m*32*GN_WARPS; lane t4
+    // loads elements 8*t4 .. 8*t4+7 of each (16 bytes), whose first and
+    // second word pairs are its fragments of the double slice's two MMAs.
+    // Each MMA then sums k slots {0-3, 8-11, 16-19, 24-27} (or the other
+    // half) of the 32, the same way in gemm_narrow and gemm_narrow_wide.
+    const bool vec = K % 8 == 0 && (reinterpret_cast<unsigned long long>(A) & 15) == 0 &&
+                     (reinterpret_cast<unsigned long long>(W) & 15) == 0;
+    constexpr int DU = UNROLL / 2 > 0 ? UNROLL / 2 : 1; // double slices per iteration
+    for (int k = warp * 32; k < K; k += 32 * GN_WARPS * DU) {
+        uint4 af[DU][MI][2], bf[DU][NJ];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) { // all loads first: they fly together
-            const int ka = k + u * 16 * GN_WARPS + 2 * t4, kb = ka + 8;
+        for (int u = 0; u < DU; u++) { // all loads first: they fly together
+            const int kk = k + u * 32 * GN_WARPS + 8 * t4;
 #pragma unroll
             for (int i = 0; i < MI; i++) {
-                af[u][i][0] = gn_ld(ar[i][0], ka, K, rok[i][0]);
-                af[u][i][1] = gn_ld(ar[i][1], ka, K, rok[i][1]);
-                af[u][i][2] = gn_ld(ar[i][0], kb, K, rok[i][0]);
-                af[u][i][3] = gn_ld(ar[i][1], kb, K, rok[i][1]);
+                af[u][i][0] = gn_ld8(ar[i][0], kk, K, rok[i][0], vec);
+                af[u][i][1] = gn_ld8(ar[i][1], kk, K, rok[i][1], vec);
             }
 #pragma unroll
-            for (int j = 0; j < NJ; j++) {
-                bf[u][j][0] = gn_ld(wr[j], ka, K, wok[j]);
-                bf[u][j][1] = gn_ld(wr[j], kb, K, wok[j]);
-            }
+            for (int j = 0; j < NJ; j++) bf[u][j] = gn_ld8(wr[j], kk, K, wok[j], vec);
         }
-        // Then the slices in k order; only slices inside K, so the chain
-        // is the same whatever UNROLL is.
+        // Then the double slices in k order; only those starting inside K,
+        // so the chain is the same whatever UNROLL is.
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++)
-            if (k + u * 16 * GN_WARPS < K)
+        for (int u = 0; u < DU; u++)
+            if (k + u * 32 * GN_WARPS < K)
 #pragma unroll
                 for (int i = 0; i < MI; i++)
 #pragma unroll
-                    for (int j = 0; j < NJ; j++) mma16816(acc[i][j], af[u][i], bf[u][j][0], bf[u][j][1]);
+                    for (int j = 0; j < NJ; j++) {
+                        const uint4 &a0 = af[u][i][0], &a1 = af[u][i][1];
+                        const unsigned lo[4] = {a0.x, a1.x, a0.y, a1.y}, hi[4] = {a0.z, a1.z, a0.w, a1.w};
+                        mma16816(acc[i][j], lo, bf[u][j].x, bf[u][j].y);
+                        mma16816(acc[i][j], hi, bf[u][j].z, bf[u][j].w);
+                    }
     }
 #pragma unroll
     for (int i = 0; i < MI; i++)
