@@ -82,10 +82,14 @@ type Backend struct {
 	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
 	// kernel instead of the streamed one (tests compare them).
 	bf16Generic bool
-	pinned      [2][]byte
-	events      [2]*drv.Event
-	busy        [2]bool // a copy from pinned[i] may still be in flight
-	cap         *capture
+	// streamJ is the n8 tiles a warp of a streamed 16-row-tile kernel
+	// multiplies: 0 picks by the launch's size (streamFewBlocks), 1 or 2
+	// force it (tests compare them).
+	streamJ int
+	pinned  [2][]byte
+	events  [2]*drv.Event
+	busy    [2]bool // a copy from pinned[i] may still be in flight
+	cap     *capture
 }
 
 var (

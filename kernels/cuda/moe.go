@@ -177,17 +177,20 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 // g4LD is grouped_gemm_fp4's shared tile row stride in BF16 elements.
 const g4LD = 128 + 8
 
-// Streamed GEMM geometry (src/moe.cu, g5_gemm): 8 warps of two n8 tiles,
-// 128 output columns per block (64 for SwiGLU: a gate and an up tile per
-// warp). Each 16-row tile of activations takes 4 KB of shared memory per K
-// chunk, double buffered; each warp keeps a ring of weight chunks in
+// Streamed GEMM geometry (src/moe.cu, g5_gemm): 8 warps of j = 2 n8
+// tiles, 128 output columns per block (64 for SwiGLU: a gate and an up
+// tile per warp), or of j = 1 tile (the _j1 kernels: 64 columns). Each
+// 16-row tile of activations takes 4 KB of shared memory per K chunk,
+// double buffered; each warp keeps a ring of weight chunks in
 // flight in shared memory (G5_D): for NVFP4 16 B of codes per lane and
 // tile and a word of block scales per lane pair and tile, 5 chunks deep
 // for 16-row tiles (four blocks an SM) and 8 for larger ones; for BF16 4
 // chunks of 64 B.
 const streamTileSmem = 2 * 4096
 
-func streamSmem(fp4 bool, bm int) int {
+// streamSmem is the dynamic shared memory of a streamed kernel of bm-row
+// tiles and j n8 tiles a warp.
+func streamSmem(fp4 bool, bm, j int) int {
 	ring := 4 * 64 // bytes per lane and tile: 4 chunks of 64 B
 	if fp4 {
 		depth := 8
@@ -196,7 +199,7 @@ func streamSmem(fp4 bool, bm int) int {
 		}
 		ring = depth * (16 + 2) // per chunk: 16 B of codes, half a lane pair's scale word
 	}
-	return bm/16*streamTileSmem + 8*2*32*ring
+	return bm/16*streamTileSmem + 8*j*32*ring
 }
 
 // streamDepth16 is G5_D for NVFP4 16-row tiles (src/moe.cu): 5 chunks, so
@@ -217,6 +220,16 @@ func streamFits(ta, k int) bool { return int64(ta)*int64(k) < 1<<31 }
 // K alone decides, never the batch: batch invariance holds.
 func splitK(k int) bool { return k >= 4096 }
 
+// streamFewBlocks: a streamed launch of 16-row tiles (not SwiGLU) with
+// fewer blocks than this many an SM runs the _j1 kernels, one n8 tile a
+// warp, so twice the blocks. At the seed's shapes on an H200 (132 SMs)
+// that is the one-token layer (8 experts' tiles: 128 to 448 blocks); from 8
+// tokens on the launches have 1088 blocks or more.
+// Measured on the H200 (docs/MOE.md, tenth session, ncu at one token):
+// NVFP4 FC1 46.3 -> 41.1 us, FC2 44.9 -> 42.1; BF16 FC2 136.8 -> 129.7,
+// FC1 unchanged. Four is the NVFP4 kernel's residency an SM.
+const streamFewBlocks = 4
+
 // streamLaunch launches a streamed grouped GEMM kernel (gemm_fp4_stream_*
 // or gemm_bf16_stream_*). Its row tile is 16, 32 or 64
 // rows, by the average rows per expert; the tile never changes an output
@@ -224,6 +237,22 @@ func splitK(k int) bool { return k >= 4096 }
 // memory figure must match src/moe.cu's G5_D, G5_WB and G5_KERNEL
 // (8 warps, two n8 tiles); TestStreamSmemFits bounds it.
 func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
+	l := streamPlan(fp4, a.Act, s, be.info.SMs, be.streamJ)
+	return be.launch(l.name, l.grid, drv.Dim3{X: 256}, l.smem, scatterArgs(a, args)...)
+}
+
+// streamLaunchPlan is a streamed kernel's launch: kernel name, grid and
+// dynamic shared memory.
+type streamLaunchPlan struct {
+	name string
+	grid drv.Dim3
+	smem int
+}
+
+// streamPlan picks the streamed kernel and its geometry for a GEMM of
+// shape s on a device of sms SMs; j forces the n8 tiles a warp of a
+// 16-row-tile kernel (0: by streamFewBlocks).
+func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sms, j int) streamLaunchPlan {
 	family := "gemm_bf16_stream"
 	if fp4 {
 		family = "gemm_fp4_stream"
@@ -236,15 +265,29 @@ func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.G
 		bm, name = 32, family+"_m32"
 	}
 	cols := 128
-	if a.Act == kernels.SwiGLU {
+	if act == kernels.SwiGLU {
 		cols, name = 64, name+"_swiglu"
 	}
-	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
+	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 1}
 	if fp4 && splitK(s.Kp) {
 		// Z: the two blocks of a cluster, which split K (src/moe.cu g5_gemm).
 		name, grid.Z = name+"_ks2", 2
 	}
-	return be.launch(name, grid, drv.Dim3{X: 256}, streamSmem(fp4, bm), scatterArgs(a, args)...)
+	smem := streamSmem(fp4, bm, 2)
+	if bm == 16 && act != kernels.SwiGLU {
+		if j == 0 {
+			j = 2
+			if grid.X*grid.Y*grid.Z < streamFewBlocks*sms {
+				j = 1
+			}
+		}
+		if j == 1 {
+			// One n8 tile a warp, twice the blocks, each with half the
+			// shared memory. Same bits (src/moe.cu g5_gemm).
+			name, grid.Y, smem = name+"_j1", (s.OutN+cols/2-1)/(cols/2), streamSmem(fp4, bm, 1)
+		}
+	}
+	return streamLaunchPlan{name: name, grid: grid, smem: smem}
 }
 
 // scatterArgs appends the streamed and tiled kernels' last arguments: the

@@ -4,9 +4,11 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe/moetest"
 )
@@ -73,9 +75,9 @@ func TestStreamedGemm(t *testing.T) {
 	}
 	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
-	defer func(staged, generic bool, tile, tile8 int) {
-		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows = staged, generic, tile, tile8
-	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows)
+	defer func(staged, generic bool, tile, tile8, j int) {
+		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = staged, generic, tile, tile8, j
+	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.streamJ)
 	for _, c := range []struct {
 		w             string
 		act           kernels.Activation
@@ -129,22 +131,28 @@ func TestStreamedGemm(t *testing.T) {
 					return be.GroupedGemm(kernels.GroupedGemmArgs{A: A, W: W, Offsets: offs[i%sets], Act: c.act, Out: out})
 				}
 				bytesRead := float64(c.touched*n*k+R*k) * bytesPer
-				// The variants: streamed, tiled (NVFP4: 16 and 8 warps), and
-				// the kernel they replace, which checks them.
+				// The variants: streamed (as picked, and with one and two n8
+				// tiles a warp where it has 16-row tiles), tiled (NVFP4: 16
+				// and 8 warps), and the kernel they replace, which checks them.
 				type variant struct {
 					name     string
 					old      bool
 					tileRows int
 					tile8    int
+					j        int
 				}
-				variants := []variant{{"streamed", false, math.MaxInt32, 0}, {"before", true, 0, 0}}
+				variants := []variant{{"streamed", false, math.MaxInt32, 0, 0}}
+				if c.rows <= 8 && c.act != kernels.SwiGLU {
+					variants = append(variants, variant{"streamed_j1", false, math.MaxInt32, 0, 1}, variant{"streamed_j2", false, math.MaxInt32, 0, 2})
+				}
+				variants = append(variants, variant{"before", true, 0, 0, 0})
 				if recipe == "nvfp4" {
-					variants = append([]variant{{"tiled", false, 0, math.MaxInt32}, {"tiled8", false, 0, 0}}, variants...)
+					variants = append([]variant{{"tiled", false, 0, math.MaxInt32, 0}, {"tiled8", false, 0, 0, 0}}, variants...)
 				}
 				outs := make([][]byte, len(variants))
 				times := make([]float64, len(variants))
 				for p, v := range variants {
-					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows = v.old, v.old, v.tileRows, v.tile8
+					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = v.old, v.old, v.tileRows, v.tile8, v.j
 					out := moetest.Alloc(t, be, kernels.BF16, R, outN)
 					i := 0
 					d, err := be.Time(iters, func() error { i++; return run(out, i) })
@@ -196,8 +204,10 @@ func TestStreamSmemFits(t *testing.T) {
 	const optin, static = 227 << 10, 3104
 	for _, fp4 := range []bool{true, false} {
 		for _, bm := range []int{16, 32, 64} {
-			if got := streamSmem(fp4, bm) + static; got > optin {
-				t.Errorf("fp4=%v, %d-row tile: %d bytes of shared memory, more than %d", fp4, bm, got, optin)
+			for _, j := range []int{1, 2} {
+				if got := streamSmem(fp4, bm, j) + static; got > optin {
+					t.Errorf("fp4=%v, %d-row tile, %d n8 tiles a warp: %d bytes of shared memory, more than %d", fp4, bm, j, got, optin)
+				}
 			}
 		}
 	}
@@ -208,7 +218,7 @@ func TestStreamSmemFits(t *testing.T) {
 	// an SM's 228 KiB (each block also takes 1 KiB the driver reserves;
 	// ptxas reports 2592 bytes of static arrays).
 	const perSM, reserved, static16 = 228 << 10, 1 << 10, 2592
-	if got := 4 * (streamSmem(true, 16) + static16 + reserved); got > perSM {
+	if got := 4 * (streamSmem(true, 16, 2) + static16 + reserved); got > perSM {
 		t.Errorf("NVFP4 16-row tile: four blocks take %d bytes of shared memory, more than an SM's %d", got, perSM)
 	}
 }
@@ -226,7 +236,9 @@ func TestStreamSmemFits(t *testing.T) {
 // partly zero-filled; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
-	defer func(tile, tile8 int) { be.fp4TileRows, be.fp4Tile8Rows = tile, tile8 }(be.fp4TileRows, be.fp4Tile8Rows)
+	defer func(tile, tile8, j int) {
+		be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = tile, tile8, j
+	}(be.fp4TileRows, be.fp4Tile8Rows, be.streamJ)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
 	for _, K := range []int{2048 + 48, 2048 + 64, 4096, 7168 + 32, 7168 + 64} { // 2096: rows of half 16-byte units
@@ -263,8 +275,8 @@ func TestGroupedGemmInvariance(t *testing.T) {
 			if act == kernels.SwiGLU {
 				outN = N / 2
 			}
-			run := func(perExpert, tileRows, tile8Rows int) [][]byte {
-				be.fp4TileRows, be.fp4Tile8Rows = tileRows, tile8Rows
+			run := func(perExpert, tileRows, tile8Rows, j int) [][]byte {
+				be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = tileRows, tile8Rows, j
 				R := E * perExpert
 				offs, gather := make([]int32, E+1), make([]int32, R)
 				for e := range E {
@@ -288,20 +300,23 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				}
 				return rows
 			}
-			alone := run(1, math.MaxInt32, 0)
+			alone := run(1, math.MaxInt32, 0, 0)
 			for _, c := range []struct {
-				name                   string
-				perExpert, tile, tile8 int
+				name                      string
+				perExpert, tile, tile8, j int
 			}{
-				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0},
-				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32},
-				{"tiled, 1 row per expert", 1, 0, math.MaxInt32}, // 0: every batch tiled
-				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows},
+				// 1 row per expert: j = 1 by the launch's size (8 or 16 blocks), or forced.
+				{"streamed with two n8 tiles a warp, 1 row per expert", 1, math.MaxInt32, 0, 2},
+				{"streamed with one n8 tile a warp, 1 row per expert", 1, math.MaxInt32, 0, 1},
+				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0, 0},
+				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32, 0},
+				{"tiled, 1 row per expert", 1, 0, math.MaxInt32, 0}, // 0: every batch tiled
+				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, 0},
 			} {
 				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows || c.tile8 == defaultTile8Rows && c.perExpert <= defaultTile8Rows {
 					t.Fatalf("%s: at or below the default thresholds (%d, %d): not the kernel named", c.name, defaultTileRows, defaultTile8Rows)
 				}
-				got := run(c.perExpert, c.tile, c.tile8)
+				got := run(c.perExpert, c.tile, c.tile8, c.j)
 				for e := range E {
 					if string(alone[e]) != string(got[e]) {
 						t.Errorf("K %d, %v, expert %d: the row's output differs between 1 row per expert (streamed) and %s", K, act, e, c.name)
@@ -309,5 +324,59 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestStreamPlan checks, without a GPU, which streamed kernel and grid the
+// host picks at the seed's shapes (hidden 7168, intermediate 2048, 256
+// experts, top-8) on an H200's 132 SMs: one n8 tile a warp (_j1) only for
+// the one-token layer's non-SwiGLU GEMMs, and that every kernel it names
+// is in the sources.
+func TestStreamPlan(t *testing.T) {
+	src, err := Source()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const H, I, E, K, sms = 7168, 2048, 256, 8, 132
+	fc1 := func(T, outN int) kernels.GroupedGemmShape {
+		return kernels.GroupedGemmShape{R: T * K, E: E, N: I, K: H, Kp: H, OutN: outN}
+	}
+	fc2 := func(T int) kernels.GroupedGemmShape {
+		return kernels.GroupedGemmShape{R: T * K, E: E, N: H, K: I, Kp: I, OutN: H}
+	}
+	for _, c := range []struct {
+		name  string
+		fp4   bool
+		act   kernels.Activation
+		s     kernels.GroupedGemmShape
+		j     int
+		kern  string
+		grid  drv.Dim3
+		fewer bool // less shared memory than the kernel with two n8 tiles a warp
+	}{
+		{"1 token NVFP4 FC1", true, kernels.ReLU2, fc1(1, I), 0, "gemm_fp4_stream_m16_ks2_j1", drv.Dim3{X: 8, Y: 32, Z: 2}, true},
+		{"1 token NVFP4 FC2", true, kernels.Identity, fc2(1), 0, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 8, Y: 112, Z: 1}, true},
+		{"1 token BF16 FC1", false, kernels.ReLU2, fc1(1, I), 0, "gemm_bf16_stream_m16_j1", drv.Dim3{X: 8, Y: 32, Z: 1}, true},
+		{"1 token BF16 FC2", false, kernels.Identity, fc2(1), 0, "gemm_bf16_stream_m16_j1", drv.Dim3{X: 8, Y: 112, Z: 1}, true},
+		{"1 token NVFP4 FC1 SwiGLU", true, kernels.SwiGLU, fc1(1, I), 0, "gemm_fp4_stream_m16_swiglu_ks2", drv.Dim3{X: 8, Y: 32, Z: 2}, false},
+		{"1 token NVFP4 FC1, two tiles forced", true, kernels.ReLU2, fc1(1, I), 2, "gemm_fp4_stream_m16_ks2", drv.Dim3{X: 8, Y: 16, Z: 2}, false},
+		{"8 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(8, I), 0, "gemm_fp4_stream_m16_ks2", drv.Dim3{X: 68, Y: 16, Z: 2}, false},
+		{"8 tokens BF16 FC1", false, kernels.ReLU2, fc1(8, I), 0, "gemm_bf16_stream_m16", drv.Dim3{X: 68, Y: 16, Z: 1}, false},
+		{"8 tokens NVFP4 FC2, one tile forced", true, kernels.Identity, fc2(8), 1, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 68, Y: 112, Z: 1}, true},
+		{"512 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(512, I), 0, "gemm_fp4_stream_m32_ks2", drv.Dim3{X: 384, Y: 16, Z: 2}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := streamPlan(c.fp4, c.act, c.s, sms, c.j)
+			if p.name != c.kern || p.grid != c.grid {
+				t.Errorf("%s grid %+v, want %s grid %+v", p.name, p.grid, c.kern, c.grid)
+			}
+			if !strings.Contains(src, "("+p.name+",") {
+				t.Errorf("kernel %s is not in the sources", p.name)
+			}
+			two := streamPlan(c.fp4, c.act, c.s, sms, 2)
+			if got := p.smem < two.smem; got != c.fewer {
+				t.Errorf("shared memory %d, with two tiles a warp %d: less = %v, want %v", p.smem, two.smem, got, c.fewer)
+			}
+		})
 	}
 }

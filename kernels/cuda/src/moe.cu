@@ -1070,7 +1070,6 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 #define G5_D(FP4, MI) ((FP4) ? ((MI) == 1 ? 5 : 8) : 4)
 #define G5_MINB(FP4, MI) ((FP4) && (MI) == 1 ? 4 : 1) // blocks an SM the registers must allow
 #define G5_NW 8 // warps per block
-#define G5_J 2  // n8 tiles per warp
 #define G5_WB(FP4) ((FP4) ? 16 : 64) // bytes per lane, tile and chunk
 
 __device__ __forceinline__ void cp_async(void *smem, const void *gmem, int bytes, bool full) {
@@ -1391,16 +1390,17 @@ __device__ __forceinline__ void g5_epilogue(int *err, float acc[][J][4], int rba
 // the launch's MI m16 row tiles hold rows, and only those are staged and
 // multiplied. The shared memory keeps the launch's layout (MI). A row's
 // MMAs, K order and bits are the same whatever MA is.
-template <int MA, int H, int MI, bool SWIGLU, bool FP4, bool V16, int KS>
+template <int MA, int H, int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS>
 __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const void *W, const unsigned char *wSF, const float *wScale, int N, int act, bf16_t *out,
                                         int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk,
                                         int expert, int row0, int row1, const int *s_src, const unsigned *lut) {
-    constexpr int J = G5_J, NW = G5_NW, D = G5_D(FP4, MI), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
+    constexpr int NW = G5_NW, D = G5_D(FP4, MI), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
+    static_assert(J == 2 || (J == 1 && !SWIGLU), "SwiGLU pairs a gate tile with its up tile");
     extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; W: per warp D x J x WU x 32 units; NVFP4 scales: per warp D x J x 16 words
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
-    // This warp's J n8 tiles of W rows: 16 columns, or 8 gate + 8 up.
+    // This warp's J n8 tiles of W rows: 8 J columns, or 8 gate + 8 up.
     // Columns past outN read the last row and are never written.
     const int cw = SWIGLU ? blockIdx.y * (8 * NW) + warp * 8 : blockIdx.y * (8 * J * NW) + warp * (8 * J);
     const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
@@ -1559,8 +1559,11 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
 // aScale/wScale global ones) or BF16 matrices (the scale pointers unused).
 // K is the padded reduction length for NVFP4, the row length for BF16.
 // Launched as clusters of two along z (the K split above); V16 as in
-// g5_wissue, decided once per launch.
-template <int MI, bool SWIGLU, bool FP4, bool V16, int KS>
+// g5_wissue, decided once per launch. A warp multiplies J n8 tiles of
+// columns: 2, or 1 (the _j1 kernels, not SwiGLU) so that a launch of few
+// tiles has twice the blocks: a column's MMAs, K order and bits are the
+// same whatever J is.
+template <int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS>
 __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
                                         int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
@@ -1586,8 +1589,8 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     // A partial tile runs with only its m16 tiles that hold rows.
     const int ma = (row1 - row0 + 15) / 16;
 #define G5_TAIL(MA, H)                                                                                                         \
-    g5_tail<MA, H, MI, SWIGLU, FP4, V16, KS>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt, sslots,  \
-                                             sT, sk, expert, row0, row1, s_src, lut)
+    g5_tail<MA, H, MI, J, SWIGLU, FP4, V16, KS>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,    \
+                                                sslots, sT, sk, expert, row0, row1, s_src, lut)
     // A 16-row tile of at most 8 rows stages only rows 0-7 (G5AStage).
     if constexpr (MI == 1) {
         if (row1 - row0 <= 8) {
@@ -1625,44 +1628,47 @@ extern "C" __global__ void finalize_scattered(bf16_t *out, float *acc, long long
 // = 2). V16 needs whole 16-byte units per row (K % 64 == 0 for NVFP4, so
 // that the block scales of a lane pair are one aligned word; K % 8 == 0
 // for BF16), 16-byte aligned W and (NVFP4) 4-byte aligned block scales.
-#define G5_BODY(MI, SWIGLU, FP4, KS)                                                                                           \
+#define G5_BODY(MI, J, SWIGLU, FP4, KS)                                                                                        \
     const bool v16 = (FP4 ? K % 64 == 0 && (reinterpret_cast<unsigned long long>(wSF) & 3) == 0 : K % 8 == 0) &&               \
                      (reinterpret_cast<unsigned long long>(W) & 15) == 0;                                                      \
     if (v16)                                                                                                                   \
-        g5_gemm<MI, SWIGLU, FP4, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, \
-                                           sacc, stok, swt, sslots, sT, sk);                                                   \
+        g5_gemm<MI, J, SWIGLU, FP4, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out,  \
+                                              outN, sacc, stok, swt, sslots, sT, sk);                                          \
     else                                                                                                                       \
-        g5_gemm<MI, SWIGLU, FP4, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out,     \
-                                            outN, sacc, stok, swt, sslots, sT, sk);
+        g5_gemm<MI, J, SWIGLU, FP4, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, \
+                                               outN, sacc, stok, swt, sslots, sT, sk);
 #define G5_PARAMS                                                                                                              \
     (int *err, const void *A, const unsigned char *aSF, const float *aScale, int K, const int *gather, int Ta, const void *W,   \
      const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN,    \
      float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk)
-#define G5_KERNEL(NAME, MI, SWIGLU, FP4)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(FP4, MI)) NAME G5_PARAMS { G5_BODY(MI, SWIGLU, FP4, 1) }
-#define G5_KERNEL_KS2(NAME, MI, SWIGLU)                                                                                         \
+#define G5_KERNEL(NAME, MI, J, SWIGLU, FP4)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(FP4, MI)) NAME G5_PARAMS { G5_BODY(MI, J, SWIGLU, FP4, 1) }
+#define G5_KERNEL_KS2(NAME, MI, J, SWIGLU)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(true, MI)) __cluster_dims__(1, 1, 2) NAME G5_PARAMS {     \
-        G5_BODY(MI, SWIGLU, true, 2)                                                                                           \
+        G5_BODY(MI, J, SWIGLU, true, 2)                                                                                        \
     }
 
-G5_KERNEL(gemm_fp4_stream_m16, 1, false, true)
-G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, true, true)
-G5_KERNEL(gemm_fp4_stream_m32, 2, false, true)
-G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, true, true)
-G5_KERNEL(gemm_fp4_stream_m64, 4, false, true)
-G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, true, true)
-G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2, 1, false)
-G5_KERNEL_KS2(gemm_fp4_stream_m16_swiglu_ks2, 1, true)
-G5_KERNEL_KS2(gemm_fp4_stream_m32_ks2, 2, false)
-G5_KERNEL_KS2(gemm_fp4_stream_m32_swiglu_ks2, 2, true)
-G5_KERNEL_KS2(gemm_fp4_stream_m64_ks2, 4, false)
-G5_KERNEL_KS2(gemm_fp4_stream_m64_swiglu_ks2, 4, true)
-G5_KERNEL(gemm_bf16_stream_m16, 1, false, false)
-G5_KERNEL(gemm_bf16_stream_m16_swiglu, 1, true, false)
-G5_KERNEL(gemm_bf16_stream_m32, 2, false, false)
-G5_KERNEL(gemm_bf16_stream_m32_swiglu, 2, true, false)
-G5_KERNEL(gemm_bf16_stream_m64, 4, false, false)
-G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, true, false)
+G5_KERNEL(gemm_fp4_stream_m16, 1, 2, false, true)
+G5_KERNEL(gemm_fp4_stream_m16_j1, 1, 1, false, true)
+G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, 2, true, true)
+G5_KERNEL(gemm_fp4_stream_m32, 2, 2, false, true)
+G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, 2, true, true)
+G5_KERNEL(gemm_fp4_stream_m64, 4, 2, false, true)
+G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, 2, true, true)
+G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2, 1, 2, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2_j1, 1, 1, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m16_swiglu_ks2, 1, 2, true)
+G5_KERNEL_KS2(gemm_fp4_stream_m32_ks2, 2, 2, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m32_swiglu_ks2, 2, 2, true)
+G5_KERNEL_KS2(gemm_fp4_stream_m64_ks2, 4, 2, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m64_swiglu_ks2, 4, 2, true)
+G5_KERNEL(gemm_bf16_stream_m16, 1, 2, false, false)
+G5_KERNEL(gemm_bf16_stream_m16_j1, 1, 1, false, false)
+G5_KERNEL(gemm_bf16_stream_m16_swiglu, 1, 2, true, false)
+G5_KERNEL(gemm_bf16_stream_m32, 2, 2, false, false)
+G5_KERNEL(gemm_bf16_stream_m32_swiglu, 2, 2, true, false)
+G5_KERNEL(gemm_bf16_stream_m64, 4, 2, false, false)
+G5_KERNEL(gemm_bf16_stream_m64_swiglu, 4, 2, true, false)
 
 // ---- Grouped GEMM, NVFP4 x NVFP4, for many rows per expert ----
 //
