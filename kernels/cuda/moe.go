@@ -226,8 +226,9 @@ func splitK(k int) bool { return k >= 4096 }
 // that is the one-token layer (8 experts' tiles: 128 to 448 blocks); from 8
 // tokens on the launches have 1088 blocks or more.
 // Measured on the H200 (docs/MOE.md, tenth session, ncu at one token):
-// NVFP4 FC1 46.3 -> 41.1 us, FC2 44.9 -> 42.1; BF16 FC2 136.8 -> 129.7,
-// FC1 unchanged. Four is the NVFP4 kernel's residency an SM.
+// NVFP4 FC1 46.3-48.0 -> 41.1-42.5 us, FC2 44.9-45.8 -> 41.6-43.0; BF16
+// FC2 135.5-137.5 -> 126.8-131.2, FC1 unchanged; the layer 109.7 -> 100.0
+// us. Four is the NVFP4 kernel's residency an SM.
 const streamFewBlocks = 4
 
 // streamLaunch launches a streamed grouped GEMM kernel (gemm_fp4_stream_*
@@ -235,7 +236,7 @@ const streamFewBlocks = 4
 // rows, by the average rows per expert; the tile never changes an output
 // bit (src/moe.cu), so the choice keeps batch invariance. The shared
 // memory figure must match src/moe.cu's G5_D, G5_WB and G5_KERNEL
-// (8 warps, two n8 tiles); TestStreamSmemFits bounds it.
+// (8 warps of one or two n8 tiles); TestStreamSmemFits bounds it.
 func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
 	l := streamPlan(fp4, a.Act, s, be.info.SMs, be.streamJ)
 	return be.launch(l.name, l.grid, drv.Dim3{X: 256}, l.smem, scatterArgs(a, args)...)
