@@ -464,12 +464,12 @@ func (be *Backend) Dispatch(r kernels.RouteArgs, p kernels.PermuteArgs, q *kerne
 		}
 		return nil
 	}
-	args := struct {
+	op := struct { // its buffers: checked for ownership, recorded by a capture
 		R kernels.RouteArgs
 		P kernels.PermuteArgs
 		Q *kernels.QuantizeArgs
 	}{r, p, q}
-	return be.issue("dispatch", args, func() error { return verr }, func(*drv.Ctx) error {
+	return be.issue("dispatch", op, func() error { return verr }, func(*drv.Ctx) error {
 		var qsrc, qpacked, qscales, qscale drv.DevicePtr
 		vec := int32(0)
 		if q != nil {
