@@ -639,7 +639,18 @@ type RawArg []byte
 // Launch errors that depend on the kernel's execution appear at the next
 // synchronisation.
 func (f *Function) Launch(grid, block Dim3, shared int, s *Stream, args ...any) error {
-	return f.launch(false, grid, block, shared, s, args)
+	return f.launch(launchPlain, grid, block, shared, s, args)
+}
+
+// LaunchPDL is Launch with programmatic stream serialization
+// (cuLaunchKernelEx, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION):
+// f's blocks may start before the kernel before it on s has finished, once
+// that kernel's blocks have all run griddepcontrol.launch_dependents. f must
+// run griddepcontrol.wait before it reads or writes memory that kernel (or
+// any before it) touches. Where the driver lacks cuLaunchKernelEx it is
+// Launch. It may be captured into a graph (a programmatic edge).
+func (f *Function) LaunchPDL(grid, block Dim3, shared int, s *Stream, args ...any) error {
+	return f.launch(launchPDL, grid, block, shared, s, args)
 }
 
 // LaunchCooperative is Launch through cuLaunchCooperativeKernel: every
@@ -647,8 +658,39 @@ func (f *Function) Launch(grid, block Dim3, shared int, s *Stream, args ...any) 
 // (grid-wide barriers). The grid must fit the device (see
 // MaxActiveBlocksPerSM). It may be captured into a graph.
 func (f *Function) LaunchCooperative(grid, block Dim3, shared int, s *Stream, args ...any) error {
-	return f.launch(true, grid, block, shared, s, args)
+	return f.launch(launchCooperative, grid, block, shared, s, args)
 }
+
+type launchMode int
+
+const (
+	launchPlain launchMode = iota
+	launchCooperative
+	launchPDL
+)
+
+// launchConfig is CUlaunchConfig and launchAttr CUlaunchAttribute
+// (cuda.h): an id padded to 8 bytes, then a 64-byte value union.
+type launchConfig struct {
+	gridX, gridY, gridZ    uint32
+	blockX, blockY, blockZ uint32
+	shared                 uint32
+	_                      uint32
+	stream, attrs          uintptr
+	numAttrs               uint32
+	_                      uint32
+}
+
+type launchAttr struct {
+	id    uint32
+	_     uint32
+	value [64]byte
+}
+
+// launchAttrProgrammaticStreamSerialization is
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION; its value is an
+// int, programmaticStreamSerializationAllowed.
+const launchAttrProgrammaticStreamSerialization = 6
 
 // MaxActiveBlocksPerSM returns how many blocks of f with block threads and
 // shared bytes of dynamic shared memory fit on one multiprocessor
@@ -664,7 +706,7 @@ func (f *Function) MaxActiveBlocksPerSM(block, shared int) (int, error) {
 	return int(n), nil
 }
 
-func (f *Function) launch(coop bool, grid, block Dim3, shared int, s *Stream, args []any) error {
+func (f *Function) launch(mode launchMode, grid, block Dim3, shared int, s *Stream, args []any) error {
 	c := f.c
 	if err := c.check(); err != nil {
 		return err
@@ -694,7 +736,19 @@ func (f *Function) launch(coop bool, grid, block Dim3, shared int, s *Stream, ar
 		pin.Pin(&ptrs[0])
 		params = uintptr(unsafe.Pointer(&ptrs[0]))
 	}
-	if coop {
+	if mode == launchPDL && c.drv.cuLaunchKernelEx != 0 {
+		attr := &launchAttr{id: launchAttrProgrammaticStreamSerialization}
+		attr.value[0] = 1 // little-endian int 1
+		cfg := &launchConfig{gridX: uint32(gx), gridY: uint32(gy), gridZ: uint32(gz), blockX: uint32(bx), blockY: uint32(by),
+			blockZ: uint32(bz), shared: uint32(shared), stream: h, attrs: uintptr(unsafe.Pointer(attr)), numAttrs: 1}
+		pin.Pin(attr)
+		pin.Pin(cfg)
+		if r := ccall(c.drv.cuLaunchKernelEx, uintptr(unsafe.Pointer(cfg)), f.h, params, 0); r != Success {
+			return c.drv.err("cuLaunchKernelEx", r, f.name, fmt.Sprintf("grid=%v block=%v shared=%d", grid, block, shared))
+		}
+		return nil
+	}
+	if mode == launchCooperative {
 		if r := ccall(c.drv.cuLaunchCooperativeKernel, f.h, gx, gy, gz, bx, by, bz, uintptr(shared), h, params); r != Success {
 			return c.drv.err("cuLaunchCooperativeKernel", r, f.name, fmt.Sprintf("grid=%v block=%v shared=%d", grid, block, shared))
 		}

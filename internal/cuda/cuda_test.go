@@ -311,3 +311,27 @@ func TestDeviceLoop(t *testing.T) {
 		t.Errorf("Do after Close: %v", err)
 	}
 }
+
+// TestLaunchConfigLayout checks the Go mirrors of cuda.h's CUlaunchConfig
+// (7 unsigned ints, a stream, an attribute pointer, a count: 56 bytes on
+// 64-bit hosts) and CUlaunchAttribute (an id padded to 8 bytes and a
+// 64-byte union) that cuLaunchKernelEx reads.
+func TestLaunchConfigLayout(t *testing.T) {
+	var cfg launchConfig
+	var attr launchAttr
+	for _, c := range []struct {
+		name      string
+		got, want uintptr
+	}{
+		{"sizeof CUlaunchConfig", unsafe.Sizeof(cfg), 56},
+		{"offsetof hStream", unsafe.Offsetof(cfg.stream), 32},
+		{"offsetof attrs", unsafe.Offsetof(cfg.attrs), 40},
+		{"offsetof numAttrs", unsafe.Offsetof(cfg.numAttrs), 48},
+		{"sizeof CUlaunchAttribute", unsafe.Sizeof(attr), 72},
+		{"offsetof value", unsafe.Offsetof(attr.value), 8},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s = %d, want %d", c.name, c.got, c.want)
+		}
+	}
+}

@@ -22,9 +22,10 @@ func ccall(fn uintptr, args ...uintptr) Result {
 // sym is one symbol to resolve: the address lands in *p. alt is tried when
 // name is missing (an older or newer spelling of the same ABI).
 type sym struct {
-	p    *uintptr
-	name string
-	alt  string
+	p        *uintptr
+	name     string
+	alt      string
+	optional bool // missing from older drivers: left 0
 }
 
 func dlopen(path string) (uintptr, error) {
@@ -36,6 +37,9 @@ func resolve(h uintptr, lib string, syms []sym) error {
 		p, err := purego.Dlsym(h, s.name)
 		if err != nil && s.alt != "" {
 			p, err = purego.Dlsym(h, s.alt)
+		}
+		if err != nil && s.optional {
+			continue
 		}
 		if err != nil {
 			return fmt.Errorf("cuda: dlsym %s in %s: %v", s.name, lib, err)
@@ -81,6 +85,7 @@ type driver struct {
 	cuEventDestroy                                                                         uintptr
 	cuModuleLoadData, cuModuleGetFunction, cuModuleUnload, cuFuncSetAttribute              uintptr
 	cuLaunchKernel, cuLaunchCooperativeKernel, cuOccupancyMaxActiveBlocksPerMultiprocessor uintptr
+	cuLaunchKernelEx                                                                       uintptr // 0 where the driver lacks it
 	cuStreamBeginCapture, cuStreamEndCapture, cuGraphInstantiateWithFlags                  uintptr
 	cuGraphLaunch, cuGraphExecDestroy, cuGraphDestroy                                      uintptr
 }
@@ -146,6 +151,7 @@ func loadDriver(path string) (*driver, error) {
 		{p: &d.cuFuncSetAttribute, name: "cuFuncSetAttribute"},
 		{p: &d.cuLaunchKernel, name: "cuLaunchKernel"},
 		{p: &d.cuLaunchCooperativeKernel, name: "cuLaunchCooperativeKernel"},
+		{p: &d.cuLaunchKernelEx, name: "cuLaunchKernelEx", optional: true},
 		{p: &d.cuOccupancyMaxActiveBlocksPerMultiprocessor, name: "cuOccupancyMaxActiveBlocksPerMultiprocessor"},
 		{p: &d.cuStreamBeginCapture, name: "cuStreamBeginCapture_v2"},
 		{p: &d.cuStreamEndCapture, name: "cuStreamEndCapture"},

@@ -28,6 +28,10 @@ type Config struct {
 	// StagingBytes is the size of each of the two pinned host buffers that
 	// Stage streams through (default 8 MiB).
 	StagingBytes int
+	// NoPDL launches every kernel after the one before it has finished,
+	// instead of letting the MoE layer's kernels start their blocks early
+	// (programmatic dependent launch; pdlKernel).
+	NoPDL bool
 }
 
 // Backend is the CUDA implementation of kernels.Backend, with
@@ -79,6 +83,9 @@ type Backend struct {
 	// fp4Tile8Rows is the average rows per expert above which the tiled
 	// kernel runs its 8-warp variant (defaultTile8Rows; tests force either).
 	fp4Tile8Rows int
+	// pdl: launch the kernels pdlKernel names with programmatic stream
+	// serialization (not Config.NoPDL).
+	pdl bool
 	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
 	// kernel instead of the streamed one (tests compare them).
 	bf16Generic bool
@@ -133,7 +140,7 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		return nil, err
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
-		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows}
+		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, pdl: !cfg.NoPDL}
 	start := time.Now()
 	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
@@ -82,7 +83,25 @@ func (be *Backend) launch(name string, grid, block drv.Dim3, shared int, args ..
 			return err
 		}
 	}
+	if be.pdl && pdlKernel(name) {
+		return f.LaunchPDL(grid, block, shared, be.stream, args...)
+	}
 	return f.Launch(grid, block, shared, be.stream, args...)
+}
+
+// pdlKernel reports whether kernel name reads global memory only after
+// pdl_wait (src/common.cuh), so that it may start its blocks while the
+// kernel before it finishes: the MoE
+// layer's chain at small batch (router GEMM, dispatch, streamed expert
+// GEMMs, quantize, finalize), where launch and block start-up are a
+// visible share of each kernel. TestPDLKernels checks the sources.
+func pdlKernel(name string) bool {
+	switch name {
+	case "gemm_narrow", "gemm_narrow_wide", "quant_rows", "finalize":
+		return true
+	}
+	return strings.HasPrefix(name, "dispatch_r") || strings.HasPrefix(name, "gemm_fp4_stream_") ||
+		strings.HasPrefix(name, "gemm_bf16_stream_")
 }
 
 // BeginCapture starts recording the ops issued on this backend into a CUDA

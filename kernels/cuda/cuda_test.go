@@ -7,6 +7,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"regexp"
+	"strings"
 	"sync"
 	"testing"
 
@@ -14,6 +16,8 @@ import (
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/kernels/kernelstest"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/moe/moebench"
 	"github.com/rollout-worker/rollout-worker/moe/moetest"
 )
 
@@ -208,5 +212,172 @@ func testQuantizeAll(t *testing.T, be, ref kernels.Backend, mode kernels.QuantMo
 			}
 		}
 		t.Logf("%s (%s) kp=%d: %d values, packed/scales/scale equal to the CPU", mode, path, kp, len(vals))
+	}
+}
+
+// TestPDLKernels checks, without a GPU, that every kernel the host launches
+// with programmatic stream serialization (pdlKernel) touches no global
+// memory before pdl_wait: the plain kernels and the DISPATCH ones begin
+// with pdl_enter (after shared-memory declarations at most); the streamed
+// GEMMs (G5_KERNEL, G5_KERNEL_KS2) wait in g5_gemm before any of their
+// pointer parameters is used and trigger in g5_tail after the chunk loop;
+// and kernels without a wait are not named.
+func TestPDLKernels(t *testing.T) {
+	src, err := Source()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// first returns the first statement after from in the source that is
+	// not a shared-memory declaration, line continuations removed.
+	first := func(from string, brace bool) string {
+		t.Helper()
+		i := strings.Index(src, from)
+		if i < 0 {
+			t.Fatalf("no %q in the kernel source", from)
+		}
+		rest := src[i+len(from):]
+		if brace {
+			rest = rest[strings.Index(rest, "{")+1:]
+		}
+		for _, st := range strings.Split(strings.ReplaceAll(rest, "\\\n", " "), ";") {
+			st = strings.Join(strings.Fields(st), " ")
+			if !strings.HasPrefix(st, "__shared__") && !strings.HasPrefix(st, "extern __shared__") {
+				return st
+			}
+		}
+		return ""
+	}
+	for _, k := range []struct {
+		from  string
+		brace bool
+		names []string
+	}{
+		{" gemm_narrow(", true, []string{"gemm_narrow"}},
+		{" gemm_narrow_wide(", true, []string{"gemm_narrow_wide"}},
+		{" quant_rows(", true, []string{"quant_rows"}},
+		{" finalize(", true, []string{"finalize"}},
+		{"#define DISPATCH(PER)", true, []string{"dispatch_r1", "dispatch_r8"}},
+	} {
+		if got := first(k.from, k.brace); got != "pdl_enter()" {
+			t.Errorf("%s: begins with %q, not pdl_enter()", strings.TrimSpace(k.from), got)
+		}
+		for _, n := range k.names {
+			if !pdlKernel(n) {
+				t.Errorf("pdlKernel(%q) = false", n)
+			}
+		}
+	}
+	// The streamed GEMMs: nothing before g5_gemm's wait names a pointer
+	// parameter, and g5_tail triggers after its chunk loop.
+	body := func(from string) string {
+		t.Helper()
+		i := strings.Index(src, from)
+		if i < 0 {
+			t.Fatalf("no %q in the kernel source", from)
+		}
+		return src[i:]
+	}
+	g5 := body("__device__ __forceinline__ void g5_gemm(")
+	g5 = g5[strings.Index(g5, "{")+1:]
+	before, _, ok := strings.Cut(g5, "pdl_wait();")
+	if !ok {
+		t.Fatal("g5_gemm: no pdl_wait()")
+	}
+	for _, param := range []string{"err", "A", "aSF", "aScale", "gather", "W", "wSF", "wScale", "offsets", "out", "sacc", "stok", "swt", "sslots"} {
+		if regexp.MustCompile(`\b` + param + `\b`).MatchString(before) {
+			t.Errorf("g5_gemm: %s is used before pdl_wait()", param)
+		}
+	}
+	tail := body("__device__ __forceinline__ void g5_tail(")
+	tail = tail[:strings.Index(tail, "\n}\n")]
+	if loop, trig := strings.LastIndex(tail, "chunk(c, u);"), strings.Index(tail, "pdl_trigger();"); loop < 0 || trig < loop {
+		t.Errorf("g5_tail: pdl_trigger() at %d, not after the chunk loop (%d)", trig, loop)
+	}
+	for _, n := range []string{"gemm_fp4_stream_m16", "gemm_fp4_stream_m16_ks2_j1", "gemm_bf16_stream_m64_swiglu"} {
+		if !pdlKernel(n) {
+			t.Errorf("pdlKernel(%q) = false", n)
+		}
+	}
+	// Every kernel a macro defines: the streamed GEMMs and the dispatch
+	// (G5_BODY, DISPATCH) are named, the tiled GEMMs (GT_BODY) are not.
+	for _, line := range strings.Split(src, "\n") {
+		for _, m := range []string{"G5_KERNEL(", "G5_KERNEL_KS2(", "GT_KERNEL(", "DISPATCH("} {
+			if !strings.HasPrefix(line, m) {
+				continue
+			}
+			name := strings.TrimSpace(strings.SplitN(strings.TrimPrefix(line, m), ",", 2)[0])
+			if m == "DISPATCH(" {
+				name = "dispatch_r" + strings.TrimSuffix(name, ")")
+			}
+			if want := m != "GT_KERNEL("; pdlKernel(name) != want {
+				t.Errorf("pdlKernel(%q) = %v, want %v (defined by %s...)", name, !want, want, m)
+			}
+		}
+	}
+	for _, n := range []string{"gemm_fp4_tile_ks2", "route", "route_r8", "permute", "finalize_scattered", "quant_stack", "grouped_gemm"} {
+		if pdlKernel(n) {
+			t.Errorf("pdlKernel(%q) = true: it does not wait (pdl_wait)", n)
+		}
+	}
+}
+
+// TestPDLSameBits runs an MoE layer (hidden 4096, so FC1 splits K over a
+// cluster pair, intermediate 768, 32 experts, top-8) at 1, 8 and 40 tokens (dispatch in one kernel up to 32, the
+// separate kernels above), both recipes and activations, with the MoE
+// kernels launched after the ones before them have finished (pdl off) and
+// allowed to start early (pdl on), eagerly and replayed from a captured
+// graph: the outputs must be the same bits.
+func TestPDLSameBits(t *testing.T) {
+	be := gpu(t)
+	defer func(p bool) { be.pdl = p }(be.pdl)
+	for _, act := range []moe.Activation{moe.ReLU2, moe.SwiGLU} {
+		for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16} {
+			cfg := moe.Config{Hidden: 4096, Intermediate: 768, Experts: 32, TopK: 8, Activation: act, Scoring: moe.Softmax,
+				MaxTokens: 40, Recipe: recipe}
+			w := moebench.RandomWeightsFast(cfg, 7)
+			l := moetest.NewLayer(t, be, cfg, w)
+			for _, T := range []int{1, 8, 40} {
+				t.Run(fmt.Sprintf("%s_%s_T%d", act, recipe, T), func(t *testing.T) {
+					x := moebench.RandomBF16(rand.New(rand.NewPCG(uint64(T), 9)), T*cfg.Hidden, 1)
+					be.pdl = false
+					ref := moetest.Forward(t, be, l, x)
+					be.pdl = true
+					if got := moetest.Forward(t, be, l, x); !bytes.Equal(got, ref) {
+						t.Fatal("eager, pdl on: the output differs from pdl off")
+					}
+					in := moetest.Alloc(t, be, kernels.BF16, T, cfg.Hidden)
+					out := moetest.Alloc(t, be, kernels.BF16, T, cfg.Hidden)
+					if err := be.Upload(in, 0, x); err != nil {
+						t.Fatal(err)
+					}
+					if err := be.BeginCapture(); err != nil {
+						t.Fatal(err)
+					}
+					if err := l.Forward(out, in); err != nil {
+						t.Fatal(err)
+					}
+					g, err := be.EndCapture()
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer g.Destroy()
+					for rep := range 3 {
+						if err := be.Zero(out); err != nil {
+							t.Fatal(err)
+						}
+						if err := g.Launch(); err != nil {
+							t.Fatal(err)
+						}
+						got := make([]byte, out.Size())
+						if err := be.Download(got, out, 0); err != nil {
+							t.Fatal(err)
+						}
+						if !bytes.Equal(got, ref) {
+							t.Fatalf("graph replay %d, pdl on: the output differs from pdl off", rep)
+						}
+					}
+				})
+			}
+		}
 	}
 }

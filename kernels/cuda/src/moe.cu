@@ -148,6 +148,7 @@ __device__ __forceinline__ void quant_row_block(const bf16_t *src, unsigned char
 
 extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int rows,
                                       int k, int kp, int vec) {
+    pdl_enter();
     if (blockIdx.x < rows) quant_row_block(src, packed, scales, scale, blockIdx.x, k, kp, vec);
 }
 
@@ -544,6 +545,7 @@ extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *
         const float *logits, int *ids, float *weights, int T, int E, int K, int scoring, int renorm, float scale, int *err,   \
         int *offsets, int *rows, int *slots, const bf16_t *qsrc, unsigned char *qpacked, unsigned char *qscales,             \
         float *qscale, int qk, int qkp, int qvec) {                                                                            \
+        pdl_enter();                                                                                                           \
         if (blockIdx.x > 0) {                                                                                                  \
             quant_row_block(qsrc, qpacked, qscales, qscale, blockIdx.x - 1, qk, qkp, qvec);                                    \
             return;                                                                                                            \
@@ -565,6 +567,7 @@ DISPATCH(8)
 // product rounded to FP32 and summed in j order. A bad slot skips the token.
 extern "C" __global__ void finalize(int *err, bf16_t *out, const bf16_t *rows, const float *w, const int *slots, int H,
                                     int K, int R) {
+    pdl_enter();
     int t = blockIdx.x;
     for (int j = 0; j < K; j++) {
         int s = slots[(long long)t * K + j];
@@ -1542,6 +1545,10 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         }
     }
 
+    // The operands are read: the next kernel (quantize h, finalize) may
+    // launch its blocks while this one's epilogue runs.
+    pdl_trigger();
+
     // The K split: block 1 leaves its sums in its activation buffers (free
     // now: every copy has landed and the last barrier has passed), block 0
     // adds them to its own, block 1 waits until they are read.
@@ -1579,6 +1586,10 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
             const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
             lut[b] = h | (h << 16);
         }
+    // Before the wait only the scale table, which reads no global memory:
+    // the block starts while the kernel before it (quantize h, dispatch)
+    // ends.
+    pdl_wait();
     if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
     __syncthreads();
     const int expert = s_expert, row0 = s_row0, row1 = s_row1;
@@ -2024,6 +2035,7 @@ __device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *
 extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
                                                                         int K, int outFmt) {
     __shared__ float part[GN_WARPS * 16 * 9];
+    pdl_enter();
     gn_gemm<1, 1, 8>(A, W, out, M, N, K, outFmt, part);
 }
 
@@ -2031,5 +2043,6 @@ extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf
 extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow_wide(const bf16_t *A, const bf16_t *W, void *out, int M,
                                                                              int N, int K, int outFmt) {
     extern __shared__ float gn_part[];
+    pdl_enter();
     gn_gemm<2, 4, 2>(A, W, out, M, N, K, outFmt, gn_part);
 }
