@@ -93,6 +93,9 @@ type Backend struct {
 	// multiplies: 0 picks by the launch's size (streamFewBlocks), 1 or 2
 	// force it (tests compare them).
 	streamJ int
+	// narrow8 is the kernel for Gemms of at most gemmNarrow8M rows
+	// (gemmNarrow8; tests force the others, which give the same bits).
+	narrow8 string
 	pinned  [2][]byte
 	events  [2]*drv.Event
 	busy    [2]bool // a copy from pinned[i] may still be in flight
@@ -140,7 +143,8 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		return nil, err
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
-		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, pdl: !cfg.NoPDL}
+		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, pdl: !cfg.NoPDL,
+		narrow8: gemmNarrow8}
 	start := time.Now()
 	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
 	if err != nil {

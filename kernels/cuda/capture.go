@@ -97,7 +97,7 @@ func (be *Backend) launch(name string, grid, block drv.Dim3, shared int, args ..
 // visible share of each kernel. TestPDLKernels checks the sources.
 func pdlKernel(name string) bool {
 	switch name {
-	case "gemm_narrow", "gemm_narrow_wide", "quant_rows", "finalize":
+	case "gemm_narrow", "gemm_narrow8", "gemm_narrow_wide", "quant_rows", "finalize":
 		return true
 	}
 	return strings.HasPrefix(name, "dispatch_r") || strings.HasPrefix(name, "gemm_fp4_stream_") ||

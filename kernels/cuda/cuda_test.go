@@ -253,6 +253,7 @@ func TestPDLKernels(t *testing.T) {
 		names []string
 	}{
 		{" gemm_narrow(", true, []string{"gemm_narrow"}},
+		{" gemm_narrow8(", true, []string{"gemm_narrow8"}},
 		{" gemm_narrow_wide(", true, []string{"gemm_narrow_wide"}},
 		{" quant_rows(", true, []string{"quant_rows"}},
 		{" finalize(", true, []string{"finalize"}},

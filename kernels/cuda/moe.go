@@ -82,6 +82,13 @@ const (
 	gemmWideSmem = 16 * 32 * 33 * 4
 )
 
+// gemmNarrow8 is the kernel for at most 8 rows (gemmNarrow8M): gemm_narrow
+// with more slices in flight a warp (src/moe.cu), the same bits.
+const (
+	gemmNarrow8M = 8
+	gemmNarrow8  = "gemm_narrow8"
+)
+
 // packedAligned checks what the NVFP4 kernels assume of a quantized
 // operand's addresses: packed rows are read and written 8 bytes at a time,
 // the FP32 scales 4. Buffers from Alloc and their row views always are; a
@@ -117,7 +124,11 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 				return be.launch("gemm_narrow_wide", drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, gemmWideSmem,
 					ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 			}
-			return be.launch("gemm_narrow", drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
+			name := "gemm_narrow"
+			if m <= gemmNarrow8M {
+				name = be.narrow8
+			}
+			return be.launch(name, drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
 				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 		}
 		g := gemmLaunch{aFmt: fmtBF16, a: ptr(a), aK: int32(k), aVec: aligned16(a, k), ta: int32(m),

@@ -649,35 +649,41 @@ func testGroupedGemm(t *testing.T, be kernels.Backend) {
 
 func testFinalize(t *testing.T, be kernels.Backend) {
 	r := rand.New(rand.NewPCG(11, 12))
-	const T, H, k = 19, 72, 3
-	R := T * k
-	y := randBF16(r, R*H, 1)
-	w := make([]float32, T*k)
-	for i := range w {
-		w[i] = r.Float32()
-	}
-	slots := make([]int32, R)
-	for i, p := range r.Perm(R) {
-		slots[i] = int32(p)
-	}
-	out := alloc(t, be, kernels.BF16, T, H)
-	err := be.Finalize(kernels.FinalizeArgs{Out: out, Rows: bf16Buf(t, be, y, R, H), Weights: f32Buf(t, be, w, T, k), Slots: i32Buf(t, be, slots, R)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := make([]uint16, T*H)
-	for tok := range T {
-		for c := range H {
-			var acc float32
-			for j := range k {
-				// The conversion keeps the product rounded on its own
-				// (no FMA on arm64), as the contract says.
-				acc += float32(w[tok*k+j] * bf16.ToFloat32(y[int(slots[tok*k+j])*H+c]))
+	// Top-k up to 8 with an even H and beyond either (the CUDA kernel has
+	// a path for each): the same bits.
+	for _, c := range []struct{ T, H, k int }{{19, 72, 3}, {4, 200, 8}, {5, 71, 8}, {3, 40, 9}, {2, 7168, 8}} {
+		t.Run(fmt.Sprintf("T%d_H%d_k%d", c.T, c.H, c.k), func(t *testing.T) {
+			T, H, k := c.T, c.H, c.k
+			R := T * k
+			y := randBF16(r, R*H, 1)
+			w := make([]float32, T*k)
+			for i := range w {
+				w[i] = r.Float32()
 			}
-			want[tok*H+c] = bf16.FromFloat32(acc)
-		}
+			slots := make([]int32, R)
+			for i, p := range r.Perm(R) {
+				slots[i] = int32(p)
+			}
+			out := alloc(t, be, kernels.BF16, T, H)
+			err := be.Finalize(kernels.FinalizeArgs{Out: out, Rows: bf16Buf(t, be, y, R, H), Weights: f32Buf(t, be, w, T, k), Slots: i32Buf(t, be, slots, R)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := make([]uint16, T*H)
+			for tok := range T {
+				for c := range H {
+					var acc float32
+					for j := range k {
+						// The conversion keeps the product rounded on its own
+						// (no FMA on arm64), as the contract says.
+						acc += float32(w[tok*k+j] * bf16.ToFloat32(y[int(slots[tok*k+j])*H+c]))
+					}
+					want[tok*H+c] = bf16.FromFloat32(acc)
+				}
+			}
+			expectBytes(t, "out", download(t, be, out), kernels.Uint16Bytes(want), 2*H)
+		})
 	}
-	expectBytes(t, "out", download(t, be, out), kernels.Uint16Bytes(want), 2*H)
 }
 
 func testErrors(t *testing.T, be kernels.Backend) {

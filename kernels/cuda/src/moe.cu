@@ -528,6 +528,42 @@ __device__ __forceinline__ void permute_block(int *err, const int *ids, int *off
     }
 }
 
+// permute_small is permute_block for n <= 32 assignments (a decode step's
+// few tokens), with the same results: a stable sort is unique, so an
+// assignment's slot is the count of valid ids below its expert plus the
+// count of equal ones before it, and offsets[e] the count of valid ids
+// below e. One warp ranks (each lane one assignment, the ids in shared
+// memory), then the block's threads count the offsets: two barriers
+// instead of permute_block's six passes over 32 x E counts.
+__device__ __forceinline__ void permute_small(int *err, const int *ids, int *offsets, int *rows, int *slots, int n, int k, int E,
+                                              int *sids) {
+    if (threadIdx.x < 32) {
+        const int i = threadIdx.x;
+        const int id = i < n ? ids[i] : -1;
+        const bool ok = i < n && id >= 0 && id < E;
+        if (i < n && !ok) report(err, E_PERMUTE_EXPERT, i, id, E);
+        sids[i] = ok ? id : 0x7fffffff; // an invalid id is below no expert
+        __syncwarp();
+        if (ok) {
+            int r = 0;
+            for (int j = 0; j < n; j++) {
+                const int o = sids[j];
+                r += o < id || (o == id && j < i);
+            }
+            rows[r] = i / k;
+            slots[i] = r;
+        } else if (i < n) {
+            slots[i] = -1;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+        int c = 0;
+        for (int j = 0; j < n; j++) c += sids[j] < e;
+        offsets[e] = c;
+    }
+}
+
 extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *rows, int *slots, int n, int k, int E) {
     extern __shared__ int perm_smem[];
     permute_block(err, ids, offsets, rows, slots, n, k, E, perm_smem);
@@ -535,7 +571,8 @@ extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *
 
 // dispatch_r*: the MoE layer's dispatch for at most 32 tokens in one
 // launch. Block 0 routes (route_r*, warp t routing token t) and sorts
-// (permute_block) in its 32 warps, reading the ids back after the barrier
+// (permute_small up to 32 assignments, else permute_block in its 32
+// warps), reading the ids back after the barrier
 // with plain loads (the block's own writes are visible to it then); blocks
 // 1..qrows quantize activation row b-1 (quant_row_block, as quant_rows:
 // the row's amax is an order-free max, so the block's width changes no
@@ -554,7 +591,8 @@ extern "C" __global__ void permute(int *err, const int *ids, int *offsets, int *
         const int t = threadIdx.x >> 5;                                                                                        \
         if (t < T) route_regs<PER>(logits, ids, weights, t, E, K, scoring, renorm, scale);                                     \
         __syncthreads();                                                                                                       \
-        permute_block(err, ids, offsets, rows, slots, T * K, K, E, perm_smem);                                                 \
+        if (T * K <= 32) permute_small(err, ids, offsets, rows, slots, T * K, K, E, perm_smem);                                \
+        else permute_block(err, ids, offsets, rows, slots, T * K, K, E, perm_smem);                                            \
     }
 DISPATCH(1)
 DISPATCH(2)
@@ -565,10 +603,48 @@ DISPATCH(8)
 
 // finalize: out[t, c] = bf16(sum_j w[t,j] * rows[slots[t*k+j], c]), each
 // product rounded to FP32 and summed in j order. A bad slot skips the token.
+// FIN_FASTK: finalize keeps up to this many slots a token in registers
+// (top-k of 8 and below; larger k takes the loop that reloads them).
+#define FIN_FASTK 8
+
 extern "C" __global__ void finalize(int *err, bf16_t *out, const bf16_t *rows, const float *w, const int *slots, int H,
                                     int K, int R) {
     pdl_enter();
-    int t = blockIdx.x;
+    const int t = blockIdx.x;
+    if (K <= FIN_FASTK && H % 2 == 0 && ((reinterpret_cast<unsigned long long>(rows) | reinterpret_cast<unsigned long long>(out)) & 3) == 0) {
+        // The token's slots and weights read once, together; then each
+        // column pair's K row reads issued together (4-byte pairs: H even,
+        // aligned rows), summed in j order as below: the same bits, one
+        // memory round trip a pair instead of K.
+        int sl[FIN_FASTK];
+        float wt[FIN_FASTK];
+#pragma unroll
+        for (int j = 0; j < FIN_FASTK; j++) {
+            sl[j] = j < K ? slots[(long long)t * K + j] : 0;
+            wt[j] = j < K ? w[(long long)t * K + j] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < FIN_FASTK; j++)
+            if (j < K && (sl[j] < 0 || sl[j] >= R)) {
+                if (blockIdx.y == 0 && threadIdx.x == 0) report(err, E_FIN_SLOT, t * K + j, sl[j], R);
+                return;
+            }
+        for (int c = (blockIdx.y * blockDim.x + threadIdx.x) * 2; c < H; c += gridDim.y * blockDim.x * 2) {
+            unsigned v[FIN_FASTK];
+#pragma unroll
+            for (int j = 0; j < FIN_FASTK; j++)
+                v[j] = j < K ? *reinterpret_cast<const unsigned *>(rows + (long long)sl[j] * H + c) : 0u;
+            float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < FIN_FASTK; j++)
+                if (j < K) {
+                    a0 = __fadd_rn(a0, __fmul_rn(wt[j], __uint_as_float(v[j] << 16)));
+                    a1 = __fadd_rn(a1, __fmul_rn(wt[j], __uint_as_float(v[j] & 0xffff0000u)));
+                }
+            *reinterpret_cast<unsigned *>(out + (long long)t * H + c) = (unsigned)f2bf(a0) | (unsigned)f2bf(a1) << 16;
+        }
+        return;
+    }
     for (int j = 0; j < K; j++) {
         int s = slots[(long long)t * K + j];
         if (s < 0 || s >= R) {
@@ -1947,8 +2023,11 @@ __device__ __forceinline__ uint4 gn_ld8(const bf16_t *row, int k, int K, bool ok
     return make_uint4(gn_ld(row, k, K, true), gn_ld(row, k + 2, K, true), gn_ld(row, k + 4, K, true), gn_ld(row, k + 6, K, true));
 }
 
-// part: GN_WARPS x 16*MI x (8*NJ + 1) floats of shared memory.
-template <int MI, int NJ, int UNROLL>
+// part: GN_WARPS x 16*MI x (8*NJ + 1) floats of shared memory. H is the
+// halves of a row tile that may hold rows: 1 where M <= 8 (rows 8-15 of
+// the tile are missing, zeros, as they would read with H = 2), which
+// frees the registers of their loads for more slices in flight.
+template <int MI, int NJ, int UNROLL, int H = 2>
 __device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *out, int M, int N, int K, int outFmt, float *part) {
     constexpr int RM = 16 * MI, CN = 8 * NJ, LDP = CN + 1;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
@@ -1992,7 +2071,7 @@ __device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *
 #pragma unroll
             for (int i = 0; i < MI; i++) {
                 af[u][i][0] = gn_ld8(ar[i][0], kk, K, rok[i][0], vec);
-                af[u][i][1] = gn_ld8(ar[i][1], kk, K, rok[i][1], vec);
+                af[u][i][1] = H == 2 ? gn_ld8(ar[i][1], kk, K, rok[i][1], vec) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int j = 0; j < NJ; j++) bf[u][j] = gn_ld8(wr[j], kk, K, wok[j], vec);
@@ -2037,6 +2116,19 @@ extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf
     __shared__ float part[GN_WARPS * 16 * 9];
     pdl_enter();
     gn_gemm<1, 1, 8>(A, W, out, M, N, K, outFmt, part);
+}
+
+// gemm_narrow8: gemm_narrow for M <= 8 (one row tile, its first half):
+// a warp's 14 double slices of a 7168-long K (the router at one token) in
+// flight at once, one round of loads instead of 4. The same bits. ptxas
+// gives it 24 bytes of spills at 128 registers; measured on the H200 it
+// was still 0.7 us faster at one token than 7 slices in flight without
+// spills (docs/MOE.md).
+extern "C" __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow8(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
+                                                                         int K, int outFmt) {
+    __shared__ float part[GN_WARPS * 16 * 9];
+    pdl_enter();
+    gn_gemm<1, 1, 28, 1>(A, W, out, M, N, K, outFmt, part);
 }
 
 // gemm_narrow_wide: dynamic shared memory GN_WARPS x 32 x 33 floats.
