@@ -178,14 +178,7 @@ func testRowInvariance(t *testing.T, be kernels.Backend) {
 
 	R := T * k
 	y := bf16Buf(t, be, randBF16(r, R*H, 1), R, H)
-	w := make([]float32, T*k)
-	for i := range w {
-		w[i] = r.Float32()
-	}
-	slots := make([]int32, R)
-	for i, v := range r.Perm(R) {
-		slots[i] = int32(v)
-	}
+	w, slots := finalizeInputs(r, T, k)
 	fin := func(w []float32, slots []int32, n int) []byte {
 		out := alloc(t, be, kernels.BF16, n, H)
 		if err := be.Finalize(kernels.FinalizeArgs{Out: out, Rows: y, Weights: f32Buf(t, be, w, n, k), Slots: i32Buf(t, be, slots, n*k)}); err != nil {

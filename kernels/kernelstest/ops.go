@@ -647,6 +647,20 @@ func testGroupedGemm(t *testing.T, be kernels.Backend) {
 	}
 }
 
+// finalizeInputs returns T tokens' k routing weights in [0, 1) and their
+// slots: a random permutation of the T*k sorted rows.
+func finalizeInputs(r *rand.Rand, T, k int) ([]float32, []int32) {
+	w := make([]float32, T*k)
+	for i := range w {
+		w[i] = r.Float32()
+	}
+	slots := make([]int32, T*k)
+	for i, p := range r.Perm(T * k) {
+		slots[i] = int32(p)
+	}
+	return w, slots
+}
+
 func testFinalize(t *testing.T, be kernels.Backend) {
 	r := rand.New(rand.NewPCG(11, 12))
 	// Top-k up to 8 with an even H and beyond either (the CUDA kernel has
@@ -656,14 +670,7 @@ func testFinalize(t *testing.T, be kernels.Backend) {
 			T, H, k := c.T, c.H, c.k
 			R := T * k
 			y := randBF16(r, R*H, 1)
-			w := make([]float32, T*k)
-			for i := range w {
-				w[i] = r.Float32()
-			}
-			slots := make([]int32, R)
-			for i, p := range r.Perm(R) {
-				slots[i] = int32(p)
-			}
+			w, slots := finalizeInputs(r, T, k)
 			out := alloc(t, be, kernels.BF16, T, H)
 			err := be.Finalize(kernels.FinalizeArgs{Out: out, Rows: bf16Buf(t, be, y, R, H), Weights: f32Buf(t, be, w, T, k), Slots: i32Buf(t, be, slots, R)})
 			if err != nil {
