@@ -241,7 +241,10 @@ func TestGroupedGemmInvariance(t *testing.T) {
 	}(be.fp4TileRows, be.fp4Tile8Rows, be.streamJ)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
-	for _, K := range []int{2048 + 48, 2048 + 64, 4096, 7168 + 32, 7168 + 64} { // 2096: rows of half 16-byte units
+	// 2096: rows of half 16-byte units; 8256: a block's half of K (33
+	// chunks) is past G5_ROWCH (32), so one row per expert takes the
+	// 8-row staging instead of the ROW path (src/moe.cu g5_gemm).
+	for _, K := range []int{2048 + 48, 2048 + 64, 4096, 7168 + 32, 7168 + 64, 8192 + 64} {
 		if splitK(K) != (K >= 4096) {
 			t.Fatalf("K %d: splitK %v, the cases assume a split from 4096", K, splitK(K))
 		}
@@ -308,6 +311,7 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				// 1 row per expert: j = 1 by the launch's size (8 or 16 blocks), or forced.
 				{"streamed with two n8 tiles a warp, 1 row per expert", 1, math.MaxInt32, 0, 2},
 				{"streamed with one n8 tile a warp, 1 row per expert", 1, math.MaxInt32, 0, 1},
+				{"streamed, 3 rows per expert (8-row staging)", 3, math.MaxInt32, 0, 0},
 				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0, 0},
 				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32, 0},
 				{"tiled, 1 row per expert", 1, 0, math.MaxInt32, 0}, // 0: every batch tiled

@@ -1150,6 +1150,7 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 #define G5_MINB(FP4, MI) ((FP4) && (MI) == 1 ? 4 : 1) // blocks an SM the registers must allow
 #define G5_NW 8 // warps per block
 #define G5_WB(FP4) ((FP4) ? 16 : 64) // bytes per lane, tile and chunk
+#define G5_ROWCH 32 // chunks of a one-row tile's K range staged at once: 256 B each in the 2 x 4 KB of a 16-row tile's buffers
 
 __device__ __forceinline__ void cp_async(void *smem, const void *gmem, int bytes, bool full) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -1391,6 +1392,27 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> 
     }
 }
 
+// g5_rowstage fills aq with a one-row tile's A fragments for chunks cbeg ..
+// cend - 1, all at once: item (chunk cc, slice s, quarter q4) at
+// aq[cc * 32 + s * 4 + q4] holds the low and high words of row 0's pair
+// for lanes of t4 = q4, the words g5_astore gives row 0 (zeros past K or
+// for a missing row, a < 0). The NVFP4 g5_tail's ROW path reads them for
+// every row of the m16 tile.
+__device__ __forceinline__ void g5_rowstage(uint2 *aq, const void *A, const unsigned char *aSF, int K, int a, int cbeg, int cend,
+                                            const unsigned *lut, int tid, int nt) {
+#pragma unroll 4
+    for (int it = tid; it < (cend - cbeg) * 32; it += nt) {
+        const int c = cbeg + (it >> 5), s = (it >> 2) & 7, q4 = it & 3;
+        unsigned lo = 0, hi = 0;
+        if (a >= 0 && c * G5_KC + 32 * q4 + 16 * (s >> 2) < K) {
+            const int e = a * K + c * G5_KC + 32 * q4 + 8 * (s >> 1);
+            const unsigned q = __ldg(reinterpret_cast<const unsigned *>(static_cast<const unsigned char *>(A) + e / 2));
+            g5_slice4(q, lut[__ldg(aSF + a * (K / 16) + c * (G5_KC / 16) + 2 * q4 + (s >> 2))], s, lo, hi);
+        }
+        aq[it] = make_uint2(lo, hi);
+    }
+}
+
 // g5_epilogue writes a warp's outputs: acc[i][j] is the MMA tile of rows
 // rbase + 16i (+ g, + g + 8) of the block's row tile, columns cw + 8j
 // (+ 2t4, + 2t4 + 1); for SwiGLU tile j < J/2 is a gate and j + J/2 its
@@ -1469,13 +1491,15 @@ __device__ __forceinline__ void g5_epilogue(int *err, float acc[][J][4], int rba
 // the launch's MI m16 row tiles hold rows, and only those are staged and
 // multiplied. The shared memory keeps the launch's layout (MI). A row's
 // MMAs, K order and bits are the same whatever MA is.
-template <int MA, int H, int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS>
+template <int MA, int H, int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS, bool ROW = false>
 __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const void *W, const unsigned char *wSF, const float *wScale, int N, int act, bf16_t *out,
                                         int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk,
                                         int expert, int row0, int row1, const int *s_src, const unsigned *lut) {
     constexpr int NW = G5_NW, D = G5_D(FP4, MI), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
     static_assert(J == 2 || (J == 1 && !SWIGLU), "SwiGLU pairs a gate tile with its up tile");
+    static_assert(!ROW || (MA == 1 && MI == 1 && FP4 && G5_ROWCH * 32 * 8 <= 2 * MI * 256 * 16),
+                  "ROW: an NVFP4 16-row tile, its K range in the activation buffers");
     extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; W: per warp D x J x WU x 32 units; NVFP4 scales: per warp D x J x 16 words
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
@@ -1529,14 +1553,21 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     // H = 1: a warp whose row is missing (the same for its lanes) zeroes its
     // items of both buffers once and skips the staging; the others stage
     // every chunk, zeros included past K.
-    const bool stage = H == 2 || ast.off[0][0] >= 0;
-    if (!stage) {
-        const int item = g5_item<NT, H>(tid, 0);
-        g5_smem[item] = g5_smem[MI * 256 + item] = make_uint4(0, 0, 0, 0);
-    }
-    if (stage && cbeg < cend) {
-        g5_aload<MA, NT, FP4>(ast, A, aSF, K, cbeg, tid);
-        g5_astore<MA, NT, FP4>(g5_smem, ast, lut, tid);
+    // ROW (a tile of one row, g5_gemm): the whole K range is staged here,
+    // once, and the chunk loop below meets no block barrier.
+    const bool stage = !ROW && (H == 2 || ast.off[0][0] >= 0);
+    const uint2 *aq = reinterpret_cast<const uint2 *>(g5_smem) + t4;
+    if constexpr (ROW) {
+        g5_rowstage(reinterpret_cast<uint2 *>(g5_smem), A, aSF, K, s_src[0], cbeg, cend, lut, tid, NT);
+    } else {
+        if (!stage) {
+            const int item = g5_item<NT, H>(tid, 0);
+            g5_smem[item] = g5_smem[MI * 256 + item] = make_uint4(0, 0, 0, 0);
+        }
+        if (stage && cbeg < cend) {
+            g5_aload<MA, NT, FP4>(ast, A, aSF, K, cbeg, tid);
+            g5_astore<MA, NT, FP4>(g5_smem, ast, lut, tid);
+        }
     }
     __syncthreads();
 
@@ -1576,8 +1607,17 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             uint4 a[MA];
+            if constexpr (ROW) {
+                // Every row of the m16 tile gets row 0's words: each output
+                // row's MMA reads only its own A row, so row 0's bits are
+                // those of a zero-padded tile, and rows 1-15 (copies of it)
+                // are never written (row1 = row0 + 1).
+                const uint2 q = aq[((c - cbeg) * 8 + s) * 4];
+                a[0] = make_uint4(q.x, q.x, q.y, q.y);
+            } else {
 #pragma unroll
-            for (int i = 0; i < MA; i++) a[i] = As[(i * 8 + s) * 32];
+                for (int i = 0; i < MA; i++) a[i] = As[(i * 8 + s) * 32];
+            }
 #pragma unroll
             for (int j = 0; j < J; j++) {
                 unsigned b0, b1;
@@ -1600,8 +1640,10 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         if (FP4 && V16) __syncwarp(); // every lane has read slot u's scale word
         if (c + D < cend) issue(u, c + D);
         cp_async_commit();
-        if (stage && c + 1 < cend) g5_astore<MA, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
-        __syncthreads();
+        if constexpr (!ROW) {
+            if (stage && c + 1 < cend) g5_astore<MA, NT, FP4>(g5_smem + ((c + 1 - cbeg) & 1) * MI * 256, ast, lut, tid);
+            __syncthreads();
+        }
     };
     if constexpr (FP4) {
         // Not unrolled over the ring: unrolled, the NVFP4 loop outgrew the
@@ -1675,29 +1717,42 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
 
     // A partial tile runs with only its m16 tiles that hold rows.
     const int ma = (row1 - row0 + 15) / 16;
-#define G5_TAIL(MA, H)                                                                                                         \
-    g5_tail<MA, H, MI, J, SWIGLU, FP4, V16, KS>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,    \
-                                                sslots, sT, sk, expert, row0, row1, s_src, lut)
-    // A 16-row tile of at most 8 rows stages only rows 0-7 (G5AStage).
+#define G5_TAIL(MA, H, ROW)                                                                                                    \
+    g5_tail<MA, H, MI, J, SWIGLU, FP4, V16, KS, ROW>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok,    \
+                                                     swt, sslots, sT, sk, expert, row0, row1, s_src, lut)
     if constexpr (MI == 1) {
+        // An NVFP4 tile of one row in the _j1 kernels (a token per expert:
+        // the one-token layer) whose block's K range fits the 8 KB of
+        // activation buffers as 256-byte chunks (G5_ROWCH): the ROW path of
+        // g5_tail. Not in the J = 2 kernels: with a ROW path ptxas spilled
+        // 48-64 bytes in each of them (64 registers for four blocks an SM)
+        // and they ran 0.7-8% slower at 8-128 tokens (session 12, run2).
+        if constexpr (FP4 && J == 1) {
+            const int nch = (K + G5_KC - 1) / G5_KC;
+            if (row1 - row0 == 1 && (KS == 2 ? (nch + 1) / 2 : nch) <= G5_ROWCH) {
+                G5_TAIL(1, 1, true);
+                return;
+            }
+        }
+        // A 16-row tile of at most 8 rows stages only rows 0-7 (G5AStage).
         if (row1 - row0 <= 8) {
-            G5_TAIL(1, 1);
+            G5_TAIL(1, 1, false);
             return;
         }
     }
     if constexpr (MI >= 2) {
         if (ma <= 1) {
-            G5_TAIL(1, 2);
+            G5_TAIL(1, 2, false);
             return;
         }
     }
     if constexpr (MI >= 4) {
         if (ma <= 2) {
-            G5_TAIL(2, 2);
+            G5_TAIL(2, 2, false);
             return;
         }
     }
-    G5_TAIL(MI, 2);
+    G5_TAIL(MI, 2, false);
 #undef G5_TAIL
 }
 
