@@ -1401,9 +1401,9 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> 
 
 // g5_rowstage fills aq with a one-row tile's A fragments for chunks cbeg ..
 // cend - 1, all at once: item (chunk cc, slice s, quarter q4) at
-// aq[cc * 32 + s * 4 + q4] holds the low and high words of row 0's pair
-// for lanes of t4 = q4, the words g5_astore gives row 0 (zeros past K or
-// for a missing row, a < 0). The NVFP4 g5_tail's ROW path reads them for
+// aq[cc * 32 + (s / 2) * 8 + q4 * 2 + s % 2] holds the low and high words
+// of row 0's pair for lanes of t4 = q4, the words g5_astore gives row 0
+// (zeros past K or for a missing row, a < 0). The NVFP4 g5_tail's ROW path reads them for
 // every row of the m16 tile.
 __device__ __forceinline__ void g5_rowstage(uint2 *aq, const void *A, const unsigned char *aSF, int K, int a, int cbeg, int cend,
                                             const unsigned *lut, int tid, int nt) {
@@ -1416,7 +1416,7 @@ __device__ __forceinline__ void g5_rowstage(uint2 *aq, const void *A, const unsi
             const unsigned q = __ldg(reinterpret_cast<const unsigned *>(static_cast<const unsigned char *>(A) + e / 2));
             g5_slice4(q, lut[__ldg(aSF + a * (K / 16) + c * (G5_KC / 16) + 2 * q4 + (s >> 2))], s, lo, hi);
         }
-        aq[it] = make_uint2(lo, hi);
+        aq[(it & ~31) | ((s >> 1) << 3) | (q4 << 1) | (s & 1)] = make_uint2(lo, hi);
     }
 }
 
@@ -1563,7 +1563,10 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     // ROW (a tile of one row, g5_gemm): the whole K range is staged here,
     // once, and the chunk loop below meets no block barrier.
     const bool stage = !ROW && (H == 2 || ast.off[0][0] >= 0);
-    const uint2 *aq = reinterpret_cast<const uint2 *>(g5_smem) + t4;
+    // ROW: a lane's two slices 2k, 2k + 1 of a chunk are one 16-byte word
+    // (g5_rowstage's layout), and the four lanes of a group read 64
+    // contiguous bytes: 4 LDS.128 a chunk, one wavefront each.
+    const uint4 *aq = g5_smem + t4;
     if constexpr (ROW) {
         g5_rowstage(reinterpret_cast<uint2 *>(g5_smem), A, aSF, K, s_src[0], cbeg, cend, lut, tid, NT);
     } else {
@@ -1595,6 +1598,11 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         const uint4 *As = g5_smem + ((c - cbeg) & 1) * MI * 256 + lane;
         cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
         if (FP4 && V16) __syncwarp(); // and its even neighbour's scale word
+        uint4 ar[ROW ? 4 : 1];
+        if constexpr (ROW) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) ar[k] = aq[(c - cbeg) * 16 + k * 4];
+        }
         uint4 wv[J][WU];
 #pragma unroll
         for (int j = 0; j < J; j++)
@@ -1619,8 +1627,9 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
                 // row's MMA reads only its own A row, so row 0's bits are
                 // those of a zero-padded tile, and rows 1-15 (copies of it)
                 // are never written (row1 = row0 + 1).
-                const uint2 q = aq[((c - cbeg) * 8 + s) * 4];
-                a[0] = make_uint4(q.x, q.x, q.y, q.y);
+                const uint4 &r = ar[s >> 1];
+                const unsigned lo = s & 1 ? r.z : r.x, hi = s & 1 ? r.w : r.y;
+                a[0] = make_uint4(lo, lo, hi, hi);
             } else {
 #pragma unroll
                 for (int i = 0; i < MA; i++) a[i] = As[(i * 8 + s) * 32];
