@@ -1403,8 +1403,8 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> 
 // cend - 1, all at once: item (chunk cc, slice s, quarter q4) at
 // aq[cc * 32 + (s / 2) * 8 + q4 * 2 + s % 2] holds the low and high words
 // of row 0's pair for lanes of t4 = q4, the words g5_astore gives row 0
-// (zeros past K or for a missing row, a < 0). The NVFP4 g5_tail's ROW path reads them for
-// every row of the m16 tile.
+// (zeros past K or for a missing row, a < 0). The NVFP4 g5_tail's ROW
+// path reads them for every row of the m16 tile.
 __device__ __forceinline__ void g5_rowstage(uint2 *aq, const void *A, const unsigned char *aSF, int K, int a, int cbeg, int cend,
                                             const unsigned *lut, int tid, int nt) {
 #pragma unroll 4
