@@ -1400,23 +1400,27 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> 
 }
 
 // g5_rowstage fills aq with a one-row tile's A fragments for chunks cbeg ..
-// cend - 1, all at once: item (chunk cc, slice s, quarter q4) at
-// aq[cc * 32 + (s / 2) * 8 + q4 * 2 + s % 2] holds the low and high words
-// of row 0's pair for lanes of t4 = q4, the words g5_astore gives row 0
-// (zeros past K or for a missing row, a < 0). The NVFP4 g5_tail's ROW
-// path reads them for every row of the m16 tile.
-__device__ __forceinline__ void g5_rowstage(uint2 *aq, const void *A, const unsigned char *aSF, int K, int a, int cbeg, int cend,
+// cend - 1, all at once: aq[cc * 16 + k * 4 + q4] holds, for the lanes of
+// t4 = q4, row 0's words of slices 2k and 2k + 1 of chunk cc as {lo(2k),
+// lo(2k + 1), hi(2k), hi(2k + 1)}: the words g5_astore gives row 0 (zeros
+// past K or for a missing row, a < 0). Both slices come from the same code
+// word and block scale, so a thread converts them together. The NVFP4
+// g5_tail's ROW path passes each 16-byte word to slice 2k's MMA as it is
+// and to slice 2k + 1's with its odd words in the even places (below).
+__device__ __forceinline__ void g5_rowstage(uint4 *aq, const void *A, const unsigned char *aSF, int K, int a, int cbeg, int cend,
                                             const unsigned *lut, int tid, int nt) {
-#pragma unroll 4
-    for (int it = tid; it < (cend - cbeg) * 32; it += nt) {
-        const int c = cbeg + (it >> 5), s = (it >> 2) & 7, q4 = it & 3;
-        unsigned lo = 0, hi = 0;
-        if (a >= 0 && c * G5_KC + 32 * q4 + 16 * (s >> 2) < K) {
-            const int e = a * K + c * G5_KC + 32 * q4 + 8 * (s >> 1);
+#pragma unroll 2
+    for (int it = tid; it < (cend - cbeg) * 16; it += nt) {
+        const int c = cbeg + (it >> 4), k = (it >> 2) & 3, q4 = it & 3;
+        unsigned lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
+        if (a >= 0 && c * G5_KC + 32 * q4 + 16 * (k >> 1) < K) {
+            const int e = a * K + c * G5_KC + 32 * q4 + 8 * k;
             const unsigned q = __ldg(reinterpret_cast<const unsigned *>(static_cast<const unsigned char *>(A) + e / 2));
-            g5_slice4(q, lut[__ldg(aSF + a * (K / 16) + c * (G5_KC / 16) + 2 * q4 + (s >> 2))], s, lo, hi);
+            const unsigned sc = lut[__ldg(aSF + a * (K / 16) + c * (G5_KC / 16) + 2 * q4 + (k >> 1))];
+            g5_slice4(q, sc, 2 * k, lo0, hi0);
+            g5_slice4(q, sc, 2 * k + 1, lo1, hi1);
         }
-        aq[(it & ~31) | ((s >> 1) << 3) | (q4 << 1) | (s & 1)] = make_uint2(lo, hi);
+        aq[it] = make_uint4(lo0, lo1, hi0, hi1);
     }
 }
 
@@ -1568,7 +1572,7 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     // contiguous bytes: 4 LDS.128 a chunk, one wavefront each.
     const uint4 *aq = g5_smem + t4;
     if constexpr (ROW) {
-        g5_rowstage(reinterpret_cast<uint2 *>(g5_smem), A, aSF, K, s_src[0], cbeg, cend, lut, tid, NT);
+        g5_rowstage(g5_smem, A, aSF, K, s_src[0], cbeg, cend, lut, tid, NT);
     } else {
         if (!stage) {
             const int item = g5_item<NT, H>(tid, 0);
@@ -1623,13 +1627,15 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         for (int s = 0; s < 8; s++) {
             uint4 a[MA];
             if constexpr (ROW) {
-                // Every row of the m16 tile gets row 0's words: each output
+                // Rows 0-7 of the m16 tile (a[i].x, .z) get row 0's words;
+                // rows 8-15 (.y, .w) get whatever is at hand: each output
                 // row's MMA reads only its own A row, so row 0's bits are
-                // those of a zero-padded tile, and rows 1-15 (copies of it)
-                // are never written (row1 = row0 + 1).
+                // those of a zero-padded tile, and rows 1-15 are never
+                // written (row1 = row0 + 1). Slice 2k takes the staged
+                // word as it is; slice 2k + 1 repeats its odd words, so
+                // the MMA's aligned register quad takes two moves at most.
                 const uint4 &r = ar[s >> 1];
-                const unsigned lo = s & 1 ? r.z : r.x, hi = s & 1 ? r.w : r.y;
-                a[0] = make_uint4(lo, lo, hi, hi);
+                a[0] = s & 1 ? make_uint4(r.y, r.y, r.w, r.w) : r;
             } else {
 #pragma unroll
                 for (int i = 0; i < MA; i++) a[i] = As[(i * 8 + s) * 32];
