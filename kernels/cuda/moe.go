@@ -205,8 +205,11 @@ func streamSmem(fp4 bool, bm, j int) int {
 	ring := 4 * 64 // bytes per lane and tile: 4 chunks of 64 B
 	if fp4 {
 		depth := 8
-		if bm == 16 {
+		switch {
+		case bm == 16:
 			depth = streamDepth16
+		case j == 4:
+			depth = 4
 		}
 		ring = depth * (16 + 2) // per chunk: 16 B of codes, half a lane pair's scale word
 	}
@@ -298,6 +301,14 @@ func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sm
 			// shared memory. Same bits (src/moe.cu g5_gemm).
 			name, grid.Y, smem = name+"_j1", (s.OutN+cols/2-1)/(cols/2), streamSmem(fp4, bm, 1)
 		}
+	}
+	if fp4 && bm == 32 {
+		// Four n8 tiles a warp (twice the columns a block): each A
+		// fragment read from shared memory feeds four MMAs instead of two,
+		// and the block's activation staging serves twice the columns.
+		// H200, 512 tokens (docs/MOE.md, fourteenth session): 2812 -> 2345
+		// us. Same bits (src/moe.cu g5_gemm).
+		name, grid.Y, smem = name+"_j4", (s.OutN+2*cols-1)/(2*cols), streamSmem(fp4, bm, 4)
 	}
 	return streamLaunchPlan{name: name, grid: grid, smem: smem}
 }

@@ -204,7 +204,10 @@ func TestStreamSmemFits(t *testing.T) {
 	const optin, static = 227 << 10, 3104
 	for _, fp4 := range []bool{true, false} {
 		for _, bm := range []int{16, 32, 64} {
-			for _, j := range []int{1, 2} {
+			for _, j := range []int{1, 2, 4} {
+				if j == 4 && !(fp4 && bm == 32) {
+					continue // only the NVFP4 32-row kernels take four n8 tiles a warp
+				}
 				if got := streamSmem(fp4, bm, j) + static; got > optin {
 					t.Errorf("fp4=%v, %d-row tile, %d n8 tiles a warp: %d bytes of shared memory, more than %d", fp4, bm, j, got, optin)
 				}
@@ -221,12 +224,18 @@ func TestStreamSmemFits(t *testing.T) {
 	if got := 4 * (streamSmem(true, 16, 2) + static16 + reserved); got > perSM {
 		t.Errorf("NVFP4 16-row tile: four blocks take %d bytes of shared memory, more than an SM's %d", got, perSM)
 	}
+	// The NVFP4 32-row kernels with four n8 tiles a warp: two blocks an SM
+	// (G5_MINB).
+	if got := 2 * (streamSmem(true, 32, 4) + static16 + reserved); got > perSM {
+		t.Errorf("NVFP4 32-row tile, four n8 tiles a warp: two blocks take %d bytes of shared memory, more than an SM's %d", got, perSM)
+	}
 }
 
 // TestGroupedGemmInvariance checks batch invariance across the NVFP4
 // kernels the host picks by batch: each expert's first sorted row gathers
 // the same activation row in a batch of 1 row per expert (streamed, 16-row
-// tiles), 80 (streamed, 64-row tiles) and 160 (tiled, two 128-row tiles,
+// tiles), 12 and 20 (streamed, 32-row tiles of four n8 tiles a warp, one
+// or both m16 tiles), 80 (streamed, 64-row tiles) and 160 (tiled, two 128-row tiles,
 // the second partial, with 16 and with 8 warps), and with the tiled kernel
 // forced at 1 row per expert; its output must not change by a bit. K 2096
 // and 2112 run in one block, 4096, 7200 and 7232 split over a cluster
@@ -312,6 +321,8 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				{"streamed with two n8 tiles a warp, 1 row per expert", 1, math.MaxInt32, 0, 2},
 				{"streamed with one n8 tile a warp, 1 row per expert", 1, math.MaxInt32, 0, 1},
 				{"streamed, 3 rows per expert (8-row staging)", 3, math.MaxInt32, 0, 0},
+				{"streamed, 12 rows per expert (32-row tiles, four n8 tiles a warp, one m16 tile)", 12, math.MaxInt32, 0, 0},
+				{"streamed, 20 rows per expert (32-row tiles, four n8 tiles a warp)", 20, math.MaxInt32, 0, 0},
 				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0, 0},
 				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32, 0},
 				{"tiled, 1 row per expert", 1, 0, math.MaxInt32, 0}, // 0: every batch tiled
@@ -367,7 +378,10 @@ func TestStreamPlan(t *testing.T) {
 		{"8 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(8, I), 0, "gemm_fp4_stream_m16_ks2", drv.Dim3{X: 68, Y: 16, Z: 2}, false},
 		{"8 tokens BF16 FC1", false, kernels.ReLU2, fc1(8, I), 0, "gemm_bf16_stream_m16", drv.Dim3{X: 68, Y: 16, Z: 1}, false},
 		{"8 tokens NVFP4 FC2, one tile forced", true, kernels.Identity, fc2(8), 1, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 68, Y: 112, Z: 1}, true},
-		{"512 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(512, I), 0, "gemm_fp4_stream_m32_ks2", drv.Dim3{X: 384, Y: 16, Z: 2}, false},
+		{"512 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(512, I), 0, "gemm_fp4_stream_m32_ks2_j4", drv.Dim3{X: 384, Y: 8, Z: 2}, false},
+		{"512 tokens NVFP4 FC1 SwiGLU", true, kernels.SwiGLU, fc1(512, I), 0, "gemm_fp4_stream_m32_swiglu_ks2_j4", drv.Dim3{X: 384, Y: 16, Z: 2}, false},
+		{"512 tokens NVFP4 FC2", true, kernels.Identity, fc2(512), 0, "gemm_fp4_stream_m32_j4", drv.Dim3{X: 384, Y: 28, Z: 1}, false},
+		{"512 tokens BF16 FC2", false, kernels.Identity, fc2(512), 0, "gemm_bf16_stream_m32", drv.Dim3{X: 384, Y: 56, Z: 1}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p := streamPlan(c.fp4, c.act, c.s, sms, c.j)

@@ -1146,8 +1146,8 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 // NVFP4 16-row tiles keep 5 chunks, so that four blocks fit in an SM's
 // shared memory (kernels/cuda/moe.go streamSmem) and registers (G5_MINB):
 // at 8-128 tokens 1-2% faster than three blocks of 7 chunks.
-#define G5_D(FP4, MI) ((FP4) ? ((MI) == 1 ? 5 : 8) : 4)
-#define G5_MINB(FP4, MI) ((FP4) && (MI) == 1 ? 4 : 1) // blocks an SM the registers must allow
+#define G5_D(FP4, MI, J) ((FP4) ? ((MI) == 1 ? 5 : (J) == 4 ? 4 : 8) : 4)
+#define G5_MINB(FP4, MI, J) ((FP4) && (MI) == 1 ? 4 : (FP4) && (J) == 4 ? 2 : 1) // blocks an SM the registers must allow
 #define G5_NW 8 // warps per block
 #define G5_WB(FP4) ((FP4) ? 16 : 64) // bytes per lane, tile and chunk
 #define G5_ROWCH 32 // chunks of a one-row tile's K range staged at once: 256 B each in the 2 x 4 KB of a 16-row tile's buffers
@@ -1507,16 +1507,18 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
                                         const void *W, const unsigned char *wSF, const float *wScale, int N, int act, bf16_t *out,
                                         int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk,
                                         int expert, int row0, int row1, const int *s_src, const unsigned *lut) {
-    constexpr int NW = G5_NW, D = G5_D(FP4, MI), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
-    static_assert(J == 2 || (J == 1 && !SWIGLU), "SwiGLU pairs a gate tile with its up tile");
+    constexpr int NW = G5_NW, D = G5_D(FP4, MI, J), WU = G5_WB(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
+    static_assert(J == 2 || J == 4 || (J == 1 && !SWIGLU), "SwiGLU pairs gate tiles with their up tiles");
     static_assert(!ROW || (MA == 1 && MI == 1 && FP4 && G5_ROWCH * 32 * 8 <= 2 * MI * 256 * 16),
                   "ROW: an NVFP4 16-row tile, its K range in the activation buffers");
     extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; W: per warp D x J x WU x 32 units; NVFP4 scales: per warp D x J x 16 words
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
-    // This warp's J n8 tiles of W rows: 8 J columns, or 8 gate + 8 up.
+    // This warp's J n8 tiles of W rows: 8 J columns, or for SwiGLU 8 JC
+    // gate columns (tiles j < JC) and their up rows (tiles JC + j).
     // Columns past outN read the last row and are never written.
-    const int cw = SWIGLU ? blockIdx.y * (8 * NW) + warp * 8 : blockIdx.y * (8 * J * NW) + warp * (8 * J);
+    constexpr int JC = SWIGLU ? J / 2 : J; // n8 tiles of output columns a warp
+    const int cw = blockIdx.y * (8 * JC * NW) + warp * (8 * JC);
     const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
     const int rank = KS == 2 ? (int)blockIdx.z : 0;
     const int cbeg = rank * half, cend = min(nch, cbeg + half);
@@ -1526,8 +1528,8 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     const unsigned char *srow[J] = {}, *sp[J] = {}; // NVFP4: its block scales of chunk 0; of the next chunk to issue
 #pragma unroll
     for (int j = 0; j < J; j++) {
-        const int col = min(SWIGLU ? cw + g : cw + 8 * j + g, outN - 1);
-        const long long row = (long long)expert * N + (SWIGLU && j == 1 ? outN + col : col);
+        const int col = min(cw + 8 * (j % JC) + g, outN - 1);
+        const long long row = (long long)expert * N + (SWIGLU && j >= JC ? outN + col : col);
         if constexpr (FP4) {
             wrow[j] = static_cast<const unsigned char *>(W) + row * (K / 2);
             wp[j] = wrow[j] + 16 * t4 + cbeg * WSTEP;
@@ -1806,9 +1808,9 @@ extern "C" __global__ void finalize_scattered(bf16_t *out, float *acc, long long
      const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN,    \
      float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk)
 #define G5_KERNEL(NAME, MI, J, SWIGLU, FP4)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(FP4, MI)) NAME G5_PARAMS { G5_BODY(MI, J, SWIGLU, FP4, 1) }
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(FP4, MI, J)) NAME G5_PARAMS { G5_BODY(MI, J, SWIGLU, FP4, 1) }
 #define G5_KERNEL_KS2(NAME, MI, J, SWIGLU)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(true, MI)) __cluster_dims__(1, 1, 2) NAME G5_PARAMS {     \
+    extern "C" __global__ void __launch_bounds__(32 * G5_NW, G5_MINB(true, MI, J)) __cluster_dims__(1, 1, 2) NAME G5_PARAMS {     \
         G5_BODY(MI, J, SWIGLU, true, 2)                                                                                        \
     }
 
@@ -1817,6 +1819,8 @@ G5_KERNEL(gemm_fp4_stream_m16_j1, 1, 1, false, true)
 G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, 2, true, true)
 G5_KERNEL(gemm_fp4_stream_m32, 2, 2, false, true)
 G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, 2, true, true)
+G5_KERNEL(gemm_fp4_stream_m32_j4, 2, 4, false, true)
+G5_KERNEL(gemm_fp4_stream_m32_swiglu_j4, 2, 4, true, true)
 G5_KERNEL(gemm_fp4_stream_m64, 4, 2, false, true)
 G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, 2, true, true)
 G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2, 1, 2, false)
@@ -1824,6 +1828,8 @@ G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2_j1, 1, 1, false)
 G5_KERNEL_KS2(gemm_fp4_stream_m16_swiglu_ks2, 1, 2, true)
 G5_KERNEL_KS2(gemm_fp4_stream_m32_ks2, 2, 2, false)
 G5_KERNEL_KS2(gemm_fp4_stream_m32_swiglu_ks2, 2, 2, true)
+G5_KERNEL_KS2(gemm_fp4_stream_m32_ks2_j4, 2, 4, false)
+G5_KERNEL_KS2(gemm_fp4_stream_m32_swiglu_ks2_j4, 2, 4, true)
 G5_KERNEL_KS2(gemm_fp4_stream_m64_ks2, 4, 2, false)
 G5_KERNEL_KS2(gemm_fp4_stream_m64_swiglu_ks2, 4, 2, true)
 G5_KERNEL(gemm_bf16_stream_m16, 1, 2, false, false)
