@@ -15,6 +15,9 @@ Then, anywhere with Python 3:
 get instructions per warp and chunk). It prints the instructions executed
 by opcode, the stall samples by reason, and with --hot every instruction
 of the most executed count (the steady-state loop) with its samples.
+--groups N prints the N execution counts with the most stall samples: the
+instructions that ran equally often (a loop body, a block's prologue),
+their share of instructions and samples, and their largest stall reasons.
 """
 import argparse
 import collections
@@ -28,6 +31,7 @@ def main():
     ap.add_argument("--per", type=float, default=1, help="divide counts by this (e.g. warps x chunks)")
     ap.add_argument("--top", type=int, default=25, help="opcodes to print")
     ap.add_argument("--hot", action="store_true", help="list the instructions of the hottest execution count")
+    ap.add_argument("--groups", type=int, default=0, help="summarise the N execution counts with the most stall samples")
     a = ap.parse_args()
 
     rows = list(csv.reader(open(a.csv, newline="")))
@@ -42,6 +46,7 @@ def main():
     ops, counts, reasons = collections.Counter(), collections.Counter(), collections.Counter()
     total = 0
     parsed = []
+    groups = {}  # execution count -> [instructions, samples, stall reasons]
     for r in data:
         try:
             n = int(r[ie])
@@ -61,6 +66,15 @@ def main():
             except ValueError:
                 pass
         parsed.append((r, n))
+        g = groups.setdefault(n, [0, 0, collections.Counter()])
+        g[0] += 1
+        if isamp is not None and r[isamp]:
+            g[1] += int(r[isamp])
+        for h in stalls:
+            try:
+                g[2][h[6:]] += int(r[ix[h]])
+            except ValueError:
+                pass
 
     print(f"instructions executed: {total / a.per:.1f} per unit (--per {a.per:g})")
     for op, n in ops.most_common(a.top):
@@ -77,6 +91,14 @@ def main():
             if n == hot:
                 s = r[isamp] if isamp is not None else ""
                 print(f"  {r[0][-5:]} {s:>6s}  {r[isrc].strip()}")
+    if a.groups:
+        samples = sum(g[1] for g in groups.values()) or 1
+        print("execution counts with the most stall samples:")
+        for n, g in sorted(groups.items(), key=lambda kv: -kv[1][1])[: a.groups]:
+            st = sum(g[2].values()) or 1
+            top = ", ".join(f"{k} {100 * v / st:.0f}%" for k, v in g[2].most_common(3))
+            print(f"  count {n:>10d}: {g[0]:4d} instructions, {100 * n * g[0] / (total or 1):5.1f}% executed, "
+                  f"{100 * g[1] / samples:5.1f}% of samples ({top})")
     return 0
 
 
