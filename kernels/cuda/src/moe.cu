@@ -1221,8 +1221,10 @@ __device__ __forceinline__ void g5_slice4(unsigned q, unsigned sc, int s, unsign
 // g5_wissue starts the copy of chunk c of a lane's weight share into its
 // slot (dst: the lane's first 16 bytes; BF16 shares are 4 units 512 bytes
 // apart, so each LDS.128 of a warp is contiguous). p points at the lane's
-// quarter of chunk c, row at the row's chunk 0 (a valid source address for
-// the zero-filled copies). Only the last chunk can be partial: K is a
+// quarter of chunk c, sp (NVFP4) at its lane pair's block scales of chunk
+// c; the zero-filled copies read from the row's chunk 0 instead (a valid
+// address), derived from them only on that path, so that no row start
+// stays in a register. Only the last chunk can be partial: K is a
 // multiple of 16 (NVFP4) or 8 (BF16, checked by the host); what lies past
 // K is zero-filled. V16: rows of whole 16-byte units from 16-byte aligned
 // addresses and (NVFP4) K a multiple of 64 with 4-byte aligned block
@@ -1230,13 +1232,14 @@ __device__ __forceinline__ void g5_slice4(unsigned q, unsigned sc, int s, unsign
 // their lane pair (blocks 2t4 .. 2t4+3 of chunk c, from sp) to sdst.
 // Without V16 the scales are read where they are used (g5_wscale).
 template <bool V16>
-__device__ __forceinline__ void g5_wissue(uint4 *dst, unsigned *sdst, const unsigned char *p, const unsigned char *sp,
-                                          const unsigned char *row, const unsigned char *srow, int c, int nfull, int K, int t4) {
+__device__ __forceinline__ void g5_wissue(uint4 *dst, unsigned *sdst, const unsigned char *p, const unsigned char *sp, int c,
+                                          int nfull, int K, int t4) {
     if (V16 && c < nfull) {
         cp_async(dst, p, 16, true);
         cp_async4_if(sdst, sp, !(t4 & 1));
         return;
     }
+    const unsigned char *row = p - 16 * t4 - c * (G5_KC / 2), *srow = sp - c * (G5_KC / 16);
     const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
     const bool in0 = c < nfull || b0 < nb, in1 = c < nfull || b0 + 1 < nb;
     cp_async(dst, in0 ? p : row, 8, in0);
@@ -1259,11 +1262,17 @@ __device__ __forceinline__ unsigned g5_wscale(const unsigned *ss, const unsigned
 }
 
 template <bool V16>
-__device__ __forceinline__ void g5_wissue(uint4 *dst, unsigned *, const bf16_t *p, const unsigned char *, const bf16_t *row,
-                                          const unsigned char *, int c, int nfull, int K, int t4) {
+__device__ __forceinline__ void g5_wissue(uint4 *dst, unsigned *, const bf16_t *p, const unsigned char *, int c, int nfull, int K,
+                                          int t4) {
+    if (c < nfull) {
+#pragma unroll
+        for (int v = 0; v < 4; v++) cp_async(dst + 32 * v, p + 8 * v, 16, true);
+        return;
+    }
+    const bf16_t *row = p - 32 * t4 - c * G5_KC;
 #pragma unroll
     for (int v = 0; v < 4; v++) {
-        const bool in = c < nfull || c * G5_KC + 32 * t4 + 8 * v < K;
+        const bool in = c * G5_KC + 32 * t4 + 8 * v < K;
         cp_async(dst + 32 * v, in ? p + 8 * v : row, 16, in);
     }
 }
@@ -1524,20 +1533,23 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     const int cbeg = rank * half, cend = min(nch, cbeg + half);
     using WT = typename G5Cond<FP4, unsigned char, bf16_t>::type;
     constexpr int WSTEP = FP4 ? G5_KC / 2 : G5_KC; // W elements per row and chunk
-    const WT *wrow[J], *wp[J];                     // the lane's row start; its share of the next chunk to issue
-    const unsigned char *srow[J] = {}, *sp[J] = {}; // NVFP4: its block scales of chunk 0; of the next chunk to issue
+    // wrow is the W row of the lane's tile j; srow its block scales of chunk
+    // 0 (NVFP4). Only the pointers that move (wp: the lane's share of the
+    // next chunk to issue; sp: its block scales) stay in registers.
+    auto wrow = [&](int j) -> long long {
+        const int col = min(cw + 8 * (j % JC) + g, outN - 1);
+        return (long long)expert * N + (SWIGLU && j >= JC ? outN + col : col);
+    };
+    auto srow = [&](int j) -> const unsigned char * { return FP4 ? wSF + wrow(j) * (K / 16) + 2 * t4 : nullptr; };
+    const WT *wp[J];
+    const unsigned char *sp[J] = {};
 #pragma unroll
     for (int j = 0; j < J; j++) {
-        const int col = min(cw + 8 * (j % JC) + g, outN - 1);
-        const long long row = (long long)expert * N + (SWIGLU && j >= JC ? outN + col : col);
         if constexpr (FP4) {
-            wrow[j] = static_cast<const unsigned char *>(W) + row * (K / 2);
-            wp[j] = wrow[j] + 16 * t4 + cbeg * WSTEP;
-            srow[j] = wSF + row * (K / 16) + 2 * t4;
-            sp[j] = srow[j] + cbeg * (G5_KC / 16);
+            wp[j] = static_cast<const unsigned char *>(W) + wrow(j) * (K / 2) + 16 * t4 + cbeg * WSTEP;
+            sp[j] = srow(j) + cbeg * (G5_KC / 16);
         } else {
-            wrow[j] = static_cast<const bf16_t *>(W) + row * K;
-            wp[j] = wrow[j] + 32 * t4 + cbeg * WSTEP;
+            wp[j] = static_cast<const bf16_t *>(W) + wrow(j) * K + 32 * t4 + cbeg * WSTEP;
         }
     }
 
@@ -1550,7 +1562,7 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     auto issue = [&](int u, int c) {
 #pragma unroll
         for (int j = 0; j < J; j++) {
-            g5_wissue<V16>(wsm + (u * J + j) * WU * 32, ssm + (u * J + j) * 16, wp[j], sp[j], wrow[j], srow[j], c, nfull, K, t4);
+            g5_wissue<V16>(wsm + (u * J + j) * WU * 32, ssm + (u * J + j) * 16, wp[j], sp[j], c, nfull, K, t4);
             wp[j] += WSTEP;
             if (FP4) sp[j] += G5_KC / 16;
         }
@@ -1620,7 +1632,7 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         if constexpr (FP4) {
 #pragma unroll
             for (int j = 0; j < J; j++) {
-                const unsigned w = g5_wscale<V16>(ssm + (u * J + j) * 16, srow[j], c, K, lane);
+                const unsigned w = g5_wscale<V16>(ssm + (u * J + j) * 16, V16 ? nullptr : srow(j), c, K, lane);
                 sc[j][0] = lut[w & 0xff];
                 sc[j][1] = lut[w >> 8];
             }
