@@ -1145,7 +1145,9 @@ G4_KERNEL(grouped_gemm_fp4_m16_swiglu, 16, true)
 // BF16), and so do the NVFP4 block scales (a word per lane pair and tile).
 // NVFP4 16-row tiles keep 5 chunks, so that four blocks fit in an SM's
 // shared memory (kernels/cuda/moe.go streamSmem) and registers (G5_MINB):
-// at 8-128 tokens 1-2% faster than three blocks of 7 chunks.
+// at 8-128 tokens 1-2% faster than three blocks of 7 chunks. The 32-row
+// kernels with four n8 tiles a warp (_j4) keep 4, the bytes in flight of
+// two tiles and 8 chunks, so that two blocks fit an SM.
 #define G5_D(FP4, MI, J) ((FP4) ? ((MI) == 1 ? 5 : (J) == 4 ? 4 : 8) : 4)
 #define G5_MINB(FP4, MI, J) ((FP4) && (MI) == 1 ? 4 : (FP4) && (J) == 4 ? 2 : 1) // blocks an SM the registers must allow
 #define G5_NW 8 // warps per block
