@@ -1828,11 +1828,12 @@ extern "C" __global__ void finalize_scattered(bf16_t *out, float *acc, long long
         G5_BODY(MI, J, SWIGLU, true, 2)                                                                                        \
     }
 
+// The NVFP4 32-row tiles run only with four n8 tiles a warp (_j4; the
+// host's streamPlan): with two, each A fragment fed two MMAs and the
+// kernels were bound by shared memory (docs/MOE.md, fourteenth session).
 G5_KERNEL(gemm_fp4_stream_m16, 1, 2, false, true)
 G5_KERNEL(gemm_fp4_stream_m16_j1, 1, 1, false, true)
 G5_KERNEL(gemm_fp4_stream_m16_swiglu, 1, 2, true, true)
-G5_KERNEL(gemm_fp4_stream_m32, 2, 2, false, true)
-G5_KERNEL(gemm_fp4_stream_m32_swiglu, 2, 2, true, true)
 G5_KERNEL(gemm_fp4_stream_m32_j4, 2, 4, false, true)
 G5_KERNEL(gemm_fp4_stream_m32_swiglu_j4, 2, 4, true, true)
 G5_KERNEL(gemm_fp4_stream_m64, 4, 2, false, true)
@@ -1840,8 +1841,6 @@ G5_KERNEL(gemm_fp4_stream_m64_swiglu, 4, 2, true, true)
 G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2, 1, 2, false)
 G5_KERNEL_KS2(gemm_fp4_stream_m16_ks2_j1, 1, 1, false)
 G5_KERNEL_KS2(gemm_fp4_stream_m16_swiglu_ks2, 1, 2, true)
-G5_KERNEL_KS2(gemm_fp4_stream_m32_ks2, 2, 2, false)
-G5_KERNEL_KS2(gemm_fp4_stream_m32_swiglu_ks2, 2, 2, true)
 G5_KERNEL_KS2(gemm_fp4_stream_m32_ks2_j4, 2, 4, false)
 G5_KERNEL_KS2(gemm_fp4_stream_m32_swiglu_ks2_j4, 2, 4, true)
 G5_KERNEL_KS2(gemm_fp4_stream_m64_ks2, 4, 2, false)
