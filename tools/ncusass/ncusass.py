@@ -43,7 +43,7 @@ def main():
     isamp = ix.get("Warp Stall Sampling (All Samples)")
     stalls = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
 
-    ops, counts, reasons = collections.Counter(), collections.Counter(), collections.Counter()
+    ops, reasons = collections.Counter(), collections.Counter()
     total = 0
     parsed = []
     groups = {}  # execution count -> [instructions, samples, stall reasons]
@@ -58,23 +58,20 @@ def main():
         op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
         op = op.split(".")[0]
         ops[op] += n
-        counts[n] += 1
         total += n
+        row = collections.Counter()  # this instruction's stall samples by reason
         for h in stalls:
             try:
-                reasons[h] += int(r[ix[h]])
+                row[h[6:]] += int(r[ix[h]])
             except ValueError:
                 pass
+        reasons.update(row)
         parsed.append((r, n))
         g = groups.setdefault(n, [0, 0, collections.Counter()])
         g[0] += 1
         if isamp is not None and r[isamp]:
             g[1] += int(r[isamp])
-        for h in stalls:
-            try:
-                g[2][h[6:]] += int(r[ix[h]])
-            except ValueError:
-                pass
+        g[2].update(row)
 
     print(f"instructions executed: {total / a.per:.1f} per unit (--per {a.per:g})")
     for op, n in ops.most_common(a.top):
@@ -83,10 +80,10 @@ def main():
     print("stall samples by reason:")
     for h, n in reasons.most_common():
         if n:
-            print(f"  {h[6:]:20s} {100 * n / tot:5.1f}%")
+            print(f"  {h:20s} {100 * n / tot:5.1f}%")
     if a.hot:
-        hot = max(counts, key=lambda n: n * counts[n])
-        print(f"hottest execution count {hot}: {counts[hot]} instructions")
+        hot = max(groups, key=lambda n: n * groups[n][0])
+        print(f"hottest execution count {hot}: {groups[hot][0]} instructions")
         for r, n in parsed:
             if n == hot:
                 s = r[isamp] if isamp is not None else ""
