@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -83,6 +84,10 @@ type Backend struct {
 	// fp4Tile8Rows is the average rows per expert above which the tiled
 	// kernel runs its 8-warp variant (defaultTile8Rows; tests force either).
 	fp4Tile8Rows int
+	// fp4WSRows is the average rows per expert above which the tiled
+	// kernel is the warp-specialised wgmma one (defaultWSRows; only on
+	// sm_90a, the one target with wgmma; tests force either).
+	fp4WSRows int
 	// pdl: launch the kernels pdlKernel names with programmatic stream
 	// serialization (not Config.NoPDL).
 	pdl bool
@@ -143,8 +148,11 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		return nil, err
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
-		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, pdl: !cfg.NoPDL,
+		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, pdl: !cfg.NoPDL,
 		narrow8: gemmNarrow8}
+	if be.hasWGMMA() {
+		be.fp4WSRows = defaultWSRows
+	}
 	start := time.Now()
 	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
 	if err != nil {
@@ -235,6 +243,10 @@ func (be *Backend) Name() string { return "cuda" }
 
 // Info describes the device.
 func (be *Backend) Info() drv.Info { return be.info }
+
+// hasWGMMA reports whether the kernels were built for sm_90a, the one
+// target with wgmma (gemm_fp4_ws).
+func (be *Backend) hasWGMMA() bool { return be.info.Arch == "sm_90a" }
 
 // MemInfo returns the device's free and total memory in bytes.
 func (be *Backend) MemInfo() (free, total int64, err error) {

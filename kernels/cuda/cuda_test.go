@@ -76,17 +76,25 @@ func TestConformance(t *testing.T) {
 
 // TestConformanceTiled runs the suite with every NVFP4 grouped GEMM on the
 // tiled kernel (by default it takes only batches of many rows per expert),
-// in both its variants.
+// in each of its variants: 16 warps, 8 warps, and warp-specialised on
+// wgmma where the device has it.
 func TestConformanceTiled(t *testing.T) {
 	be := gpu(t)
-	defer func(tile, tile8 int) { be.fp4TileRows, be.fp4Tile8Rows = tile, tile8 }(be.fp4TileRows, be.fp4Tile8Rows)
+	defer func(tile, tile8, ws int) {
+		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows = tile, tile8, ws
+	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows)
 	be.fp4TileRows = 0
-	for _, w8 := range []bool{false, true} {
-		t.Run(fmt.Sprintf("w8=%v", w8), func(t *testing.T) {
-			be.fp4Tile8Rows = math.MaxInt32
-			if w8 {
-				be.fp4Tile8Rows = 0
+	never := math.MaxInt32
+	variants := []struct {
+		name      string
+		tile8, ws int
+	}{{"w16", never, never}, {"w8", 0, never}, {"ws", never, 0}}
+	for _, v := range variants {
+		t.Run(v.name, func(t *testing.T) {
+			if v.ws == 0 && !be.hasWGMMA() {
+				t.Skipf("no wgmma on %s (%s): gemm_fp4_ws needs sm_90a", be.info.Name, be.info.Arch)
 			}
+			be.fp4Tile8Rows, be.fp4WSRows = v.tile8, v.ws
 			kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
 		})
 	}

@@ -347,11 +347,23 @@ const defaultTileRows = 24
 // 578 us). Both give the same bits.
 const defaultTile8Rows = 96
 
-// tileLaunch launches gemm_fp4_tile_* (K split over a cluster of two like
-// the streamed kernels, by K alone).
+// wsSmem is gemm_fp4_ws's dynamic shared memory (src/moe.cu GW_SMEM):
+// a ring of 3 stages of both operands' 128 x 128 BF16, and 1 KB to align
+// it to 1024 bytes for the 128-byte swizzle.
+const wsSmem = 3*2*32768 + 1024
+
+// defaultWSRows is the average rows per expert above which the tiled
+// GEMM is the warp-specialised wgmma kernel (gemm_fp4_ws) on sm_90a.
+const defaultWSRows = 96
+
+// tileLaunch launches gemm_fp4_tile_* or gemm_fp4_ws_* (K split over a
+// cluster of two like the streamed kernels, by K alone).
 func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
-	name, cols, threads := "gemm_fp4_tile", 128, 512
-	if s.R > be.fp4Tile8Rows*s.E {
+	name, cols, threads, smem := "gemm_fp4_tile", 128, 512, tileSmem
+	switch {
+	case s.R > be.fp4WSRows*s.E:
+		name, smem = "gemm_fp4_ws", wsSmem
+	case s.R > be.fp4Tile8Rows*s.E:
 		name, threads = name+"_w8", 256
 	}
 	if a.Act == kernels.SwiGLU {
@@ -361,7 +373,7 @@ func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmSh
 	if splitK(s.Kp) {
 		name, grid.Z = name+"_ks2", 2
 	}
-	return be.launch(name, grid, drv.Dim3{X: threads}, tileSmem, scatterArgs(a, args)...)
+	return be.launch(name, grid, drv.Dim3{X: threads}, smem, scatterArgs(a, args)...)
 }
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's

@@ -75,9 +75,9 @@ func TestStreamedGemm(t *testing.T) {
 	}
 	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
-	defer func(staged, generic bool, tile, tile8, j int) {
-		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = staged, generic, tile, tile8, j
-	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.streamJ)
+	defer func(staged, generic bool, tile, tile8, ws, j int) {
+		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = staged, generic, tile, tile8, ws, j
+	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ)
 	for _, c := range []struct {
 		w             string
 		act           kernels.Activation
@@ -133,26 +133,33 @@ func TestStreamedGemm(t *testing.T) {
 				bytesRead := float64(c.touched*n*k+R*k) * bytesPer
 				// The variants: streamed (as picked, and with one and two n8
 				// tiles a warp where it has 16-row tiles), tiled (NVFP4: 16
-				// and 8 warps), and the kernel they replace, which checks them.
+				// and 8 warps, and warp-specialised on wgmma where the device
+				// has it), and the kernel they replace, which checks them.
 				type variant struct {
 					name     string
 					old      bool
 					tileRows int
 					tile8    int
+					ws       int
 					j        int
 				}
-				variants := []variant{{"streamed", false, math.MaxInt32, 0, 0}}
+				never := math.MaxInt32
+				variants := []variant{{"streamed", false, never, 0, never, 0}}
 				if c.rows <= 8 && c.act != kernels.SwiGLU {
-					variants = append(variants, variant{"streamed_j1", false, math.MaxInt32, 0, 1}, variant{"streamed_j2", false, math.MaxInt32, 0, 2})
+					variants = append(variants, variant{"streamed_j1", false, never, 0, never, 1}, variant{"streamed_j2", false, never, 0, never, 2})
 				}
-				variants = append(variants, variant{"before", true, 0, 0, 0})
+				variants = append(variants, variant{"before", true, 0, 0, never, 0})
 				if recipe == "nvfp4" {
-					variants = append([]variant{{"tiled", false, 0, math.MaxInt32, 0}, {"tiled8", false, 0, 0, 0}}, variants...)
+					tiled := []variant{{"tiled", false, 0, never, never, 0}, {"tiled8", false, 0, 0, never, 0}}
+					if be.hasWGMMA() {
+						tiled = append(tiled, variant{"tiledws", false, 0, 0, 0, 0})
+					}
+					variants = append(tiled, variants...)
 				}
 				outs := make([][]byte, len(variants))
 				times := make([]float64, len(variants))
 				for p, v := range variants {
-					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = v.old, v.old, v.tileRows, v.tile8, v.j
+					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = v.old, v.old, v.tileRows, v.tile8, v.ws, v.j
 					out := moetest.Alloc(t, be, kernels.BF16, R, outN)
 					i := 0
 					d, err := be.Time(iters, func() error { i++; return run(out, i) })
@@ -217,6 +224,11 @@ func TestStreamSmemFits(t *testing.T) {
 	if got := tileSmem + static; got > optin {
 		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
+	// gemm_fp4_ws: its static arrays are the tiled kernel's and 48 bytes of
+	// mbarriers.
+	if got := wsSmem + static + 48; got > optin {
+		t.Errorf("warp-specialised tiled kernel: %d bytes of shared memory, more than %d", got, optin)
+	}
 	// NVFP4 16-row tiles keep a shorter ring so that four blocks fit in
 	// an SM's 228 KiB (each block also takes 1 KiB the driver reserves;
 	// ptxas reports 2592 bytes of static arrays).
@@ -245,9 +257,9 @@ func TestStreamSmemFits(t *testing.T) {
 // partly zero-filled; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
-	defer func(tile, tile8, j int) {
-		be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = tile, tile8, j
-	}(be.fp4TileRows, be.fp4Tile8Rows, be.streamJ)
+	defer func(tile, tile8, ws, j int) {
+		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = tile, tile8, ws, j
+	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
 	// 2096: rows of half 16-byte units; 8256: a block's half of K (33
@@ -287,8 +299,8 @@ func TestGroupedGemmInvariance(t *testing.T) {
 			if act == kernels.SwiGLU {
 				outN = N / 2
 			}
-			run := func(perExpert, tileRows, tile8Rows, j int) [][]byte {
-				be.fp4TileRows, be.fp4Tile8Rows, be.streamJ = tileRows, tile8Rows, j
+			run := func(perExpert, tileRows, tile8Rows, wsRows, j int) [][]byte {
+				be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = tileRows, tile8Rows, wsRows, j
 				R := E * perExpert
 				offs, gather := make([]int32, E+1), make([]int32, R)
 				for e := range E {
@@ -312,26 +324,34 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				}
 				return rows
 			}
-			alone := run(1, math.MaxInt32, 0, 0)
-			for _, c := range []struct {
-				name                      string
-				perExpert, tile, tile8, j int
-			}{
+			never := math.MaxInt32
+			alone := run(1, never, 0, never, 0)
+			type kase struct {
+				name                          string
+				perExpert, tile, tile8, ws, j int
+			}
+			cases := []kase{
 				// 1 row per expert: j = 1 by the launch's size (8 or 16 blocks), or forced.
-				{"streamed with two n8 tiles a warp, 1 row per expert", 1, math.MaxInt32, 0, 2},
-				{"streamed with one n8 tile a warp, 1 row per expert", 1, math.MaxInt32, 0, 1},
-				{"streamed, 3 rows per expert (8-row staging)", 3, math.MaxInt32, 0, 0},
-				{"streamed, 12 rows per expert (32-row tiles, four n8 tiles a warp, one m16 tile)", 12, math.MaxInt32, 0, 0},
-				{"streamed, 20 rows per expert (32-row tiles, four n8 tiles a warp)", 20, math.MaxInt32, 0, 0},
-				{"streamed, 80 rows per expert", 80, math.MaxInt32, 0, 0},
-				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, math.MaxInt32, 0},
-				{"tiled, 1 row per expert", 1, 0, math.MaxInt32, 0}, // 0: every batch tiled
-				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, 0},
-			} {
-				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows || c.tile8 == defaultTile8Rows && c.perExpert <= defaultTile8Rows {
-					t.Fatalf("%s: at or below the default thresholds (%d, %d): not the kernel named", c.name, defaultTileRows, defaultTile8Rows)
+				{"streamed with two n8 tiles a warp, 1 row per expert", 1, never, 0, never, 2},
+				{"streamed with one n8 tile a warp, 1 row per expert", 1, never, 0, never, 1},
+				{"streamed, 3 rows per expert (8-row staging)", 3, never, 0, never, 0},
+				{"streamed, 12 rows per expert (32-row tiles, four n8 tiles a warp, one m16 tile)", 12, never, 0, never, 0},
+				{"streamed, 20 rows per expert (32-row tiles, four n8 tiles a warp)", 20, never, 0, never, 0},
+				{"streamed, 80 rows per expert", 80, never, 0, never, 0},
+				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, never, never, 0},
+				{"tiled, 1 row per expert", 1, 0, never, never, 0}, // 0: every batch tiled
+				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, never, 0},
+			}
+			if be.hasWGMMA() {
+				cases = append(cases, kase{"warp-specialised wgmma tile, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, 0},
+					kase{"warp-specialised wgmma tile, 1 row per expert", 1, 0, 0, 0, 0})
+			}
+			for _, c := range cases {
+				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows || c.tile8 == defaultTile8Rows && c.perExpert <= defaultTile8Rows ||
+					c.ws == defaultWSRows && c.perExpert <= defaultWSRows {
+					t.Fatalf("%s: at or below the default thresholds (%d, %d, %d): not the kernel named", c.name, defaultTileRows, defaultTile8Rows, defaultWSRows)
 				}
-				got := run(c.perExpert, c.tile, c.tile8, c.j)
+				got := run(c.perExpert, c.tile, c.tile8, c.ws, c.j)
 				for e := range E {
 					if string(alone[e]) != string(got[e]) {
 						t.Errorf("K %d, %v, expert %d: the row's output differs between 1 row per expert (streamed) and %s", K, act, e, c.name)

@@ -35,7 +35,7 @@ template <typename T> T __shfl_down_sync(unsigned, T v, int, int = 32) { return 
 template <typename T> T __shfl_up_sync(unsigned, T v, int, int = 32) { return v; }
 template <typename T> T atomicAdd(T *, T); template <typename T> T atomicMax(T *, T); template <typename T> T atomicMin(T *, T);
 template <typename T> T atomicCAS(T *, T, T); template <typename T> T atomicExch(T *, T); template <typename T> T atomicOr(T *, T);
-void __syncthreads(); void __syncwarp(unsigned = 0xffffffffu); void __threadfence(); void __threadfence_block();
+void __syncthreads(); void __syncwarp(unsigned = 0xffffffffu); void __threadfence(); void __threadfence_block(); void __trap();
 int __syncthreads_or(int); int __syncthreads_and(int); int __syncthreads_count(int);
 unsigned __ballot_sync(unsigned, int); int __any_sync(unsigned, int); int __all_sync(unsigned, int);
 float __int_as_float(int); int __float_as_int(float); float __uint_as_float(unsigned); unsigned __float_as_uint(float);

@@ -2089,6 +2089,338 @@ GT_KERNEL(gemm_fp4_tile_swiglu, 16, true)
 GT_KERNEL(gemm_fp4_tile_w8, 8, false)
 GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 
+// ---- Grouped GEMM, NVFP4 x NVFP4, many rows per expert: warp-specialised wgmma ----
+//
+// gt_gemm (above) is latency-bound at one block of 8 warps an SM: every
+// warp dequantizes its share of a chunk, waits at the block barrier, then
+// reads its fragments and issues its MMAs, so the tensor cores idle while
+// the dequantization runs and the other way round (docs/MOE.md: no eligible
+// warp 68.6% of the cycles, tensor pipe 32% active). gw_gemm computes the
+// same 128 x 128 tile with the work split by role:
+//  - warps 0-7 (producers) load each 128-K chunk's raw NVFP4 codes two
+//    chunks ahead into registers and dequantize them into a ring of
+//    GW_STAGES shared-memory stages (warps 0-3: the 128 activation rows,
+//    4-7: the 128 weight rows, four rows' quarter of K a thread);
+//  - warps 8-15 (two consumer warpgroups, 64 rows each) multiply each stage
+//    with Hopper's asynchronous warpgroup MMA (wgmma m64n128k16) from shared
+//    memory, one chunk's MMAs in flight while the next stage is awaited.
+// A stage passes between them through two mbarriers: full (256 producer
+// arrivals, each after its stores and a proxy fence, since wgmma reads
+// through the async proxy) and empty (one arrival a consumer warp, once
+// the MMAs that read the stage have completed). No block barrier in the
+// loop, so no warp waits on the slowest one; each side waits only when the
+// ring is empty or full.
+//
+// Shared memory holds both operands K-major with the 128-byte swizzle:
+// each half of a chunk's K (64 values) is a run of 128-byte rows, and the
+// 16-byte unit j of row r sits at unit j ^ (r % 8). A k16 step's 16 K
+// slots hold the values g5_slice4 gives the mma.sync fragments of the same
+// slice (slot 2q + h: quarter q's lo pair, 8 + 2q + h: its hi pair), and
+// wgmma adds a k16 step's products as mma.sync m16n8k16 does (found with
+// the fifth session's wgmma kernel, 61d8543: TestGroupedGemmInvariance), so
+// with the same slices in order, the same K split (ks2_add) and the same
+// epilogue every output has gt_gemm's and g5_gemm's bits.
+#define GW_STAGES 3 // ring stages: 3 x 64 KB
+#define GW_OP 32768 // bytes of one operand's stage: 128 rows x 128 K of BF16
+#define GW_HALF 16384 // bytes of one half of its K
+#define GW_SMEM (GW_STAGES * 2 * GW_OP + 1024) // dynamic shared memory, with room to align the ring to 1024 bytes
+
+// GWShare is one thread's raw share of a chunk: quarter t4 (16 code bytes,
+// block scales 2t4 and 2t4 + 1) of NR rows.
+template <int NR>
+struct GWShare {
+    uint4 q[NR];
+    unsigned sf[(NR + 1) / 2]; // row i's scale pair at bits 16 (i % 2) of sf[i / 2]
+};
+
+// gw_load reads chunk c of the share's rows: codes at p + off[i], scales
+// at sp + off[i] / 8 (off < 0: no row, zeros). V16 as in gt_load;
+// otherwise each 8-byte half is read if its block lies inside K.
+template <bool V16, int NR>
+__device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p, const unsigned char *sp, const int (&off)[NR], int c,
+                                        int nfull, int K, int t4) {
+    const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
+#pragma unroll
+    for (int i = 0; i < (NR + 1) / 2; i++) sh.sf[i] = 0;
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        sh.q[i] = make_uint4(0, 0, 0, 0);
+        if (off[i] < 0) continue;
+        const unsigned char *src = p + off[i] + c * (G5_KC / 2) + 16 * t4, *ss = sp + off[i] / 8 + b0;
+        const int sh16 = 16 * (i & 1);
+        if (V16 && c < nfull) {
+            sh.q[i] = __ldg(reinterpret_cast<const uint4 *>(src));
+            sh.sf[i >> 1] |= (unsigned)__ldg(reinterpret_cast<const unsigned short *>(ss)) << sh16;
+            continue;
+        }
+        if (c < nfull || b0 < nb) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
+            sh.q[i].x = v.x;
+            sh.q[i].y = v.y;
+            sh.sf[i >> 1] |= (unsigned)__ldg(ss) << sh16;
+        }
+        if (c < nfull || b0 + 1 < nb) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src + 8));
+            sh.q[i].z = v.x;
+            sh.q[i].w = v.y;
+            sh.sf[i >> 1] |= (unsigned)__ldg(ss + 1) << (sh16 + 8);
+        }
+    }
+}
+
+__device__ __forceinline__ unsigned gw_word(const uint4 &v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
+
+// gw_store dequantizes a share into an operand's stage op (1024-byte
+// aligned), rows rbase + 8i + g: slice s's lo pair of quarter t4 is word
+// t4 of the row's K unit 2s, its hi pair word t4 of unit 2s + 1, the units
+// swizzled (rbase is a multiple of 8, so the row's x is g). A warp's
+// 4-byte stores of one slice fill 8 rows' units, all banks once.
+template <int NR>
+__device__ __forceinline__ void gw_store(unsigned char *op, int rbase, const GWShare<NR> &sh, const int (&off)[NR], const unsigned *lut,
+                                         int g, int t4) {
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        if (off[i] < 0) continue;
+        unsigned char *row = op + (rbase + 8 * i + g) * 128 + 4 * t4;
+        const unsigned pair = sh.sf[i >> 1] >> (16 * (i & 1));
+        const unsigned sc0 = lut[pair & 0xff], sc1 = lut[(pair >> 8) & 0xff];
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            unsigned lo, hi;
+            g5_slice4(gw_word(sh.q[i], s >> 1), s < 4 ? sc0 : sc1, s, lo, hi);
+            const int j = 2 * (s & 3);
+            *reinterpret_cast<unsigned *>(row + (s >> 2) * GW_HALF + ((j ^ g) << 4)) = lo;
+            *reinterpret_cast<unsigned *>(row + (s >> 2) * GW_HALF + (((j + 1) ^ g) << 4)) = hi;
+        }
+    }
+}
+
+// gw_desc is the wgmma descriptor of a K-major operand at shared address
+// a with the 128-byte swizzle: 8-row groups 1024 bytes apart (the stride
+// byte offset; the leading one is unused when a step's K lies in one row).
+__device__ __forceinline__ unsigned long long gw_desc(unsigned a) {
+    return (unsigned long long)((a & 0x3FFFF) >> 4) | 1ull << 16 | (unsigned long long)(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// gw_mma issues d += A * B^T for a 64 x 16 A and a 128 x 16 B (descriptors
+// da, db), asynchronously: wgmma m64n128k16, FP32 accumulation.
+__device__ __forceinline__ void gw_mma(float (&d)[16][4], unsigned long long da, unsigned long long db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+                   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+                   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+                   "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+                   "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+                   "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+                   "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+                   "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+                   "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+                   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+                   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "l"(da), "l"(db), "r"(1));
+#else
+    __trap(); // the host launches gw_gemm on sm_90a only
+#endif
+}
+
+__device__ __forceinline__ void gw_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gw_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// gw_wait waits until at most N of this warpgroup's MMA groups are
+// pending; the empty asm statements keep the compiler from touching the
+// accumulators before then.
+template <int N>
+__device__ __forceinline__ void gw_wait(float (&d)[16][4]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+#pragma unroll
+    for (int j = 0; j < 16; j++) asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
+}
+
+// gw_proxy makes this thread's shared-memory stores visible to the
+// asynchronous proxy that wgmma reads through (before the arrival).
+__device__ __forceinline__ void gw_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// mbarriers at shared addresses: init (count arrivals a phase), arrive,
+// and wait until the phase of the given parity has completed (a fresh
+// barrier counts the phase before its first as completed, parity 1).
+__device__ __forceinline__ void mb_init(unsigned a, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mb_arrive(unsigned a) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mb_wait(unsigned a, unsigned parity) {
+    asm volatile("{\n.reg .pred p;\nGW_WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra GW_WAIT;\n}\n" ::"r"(a),
+                 "r"(parity)
+                 : "memory");
+}
+
+template <bool SWIGLU, bool V16, int KS>
+__device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
+                                        const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
+                                        int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
+                                        const int *stok, const float *swt, const int *sslots, int sT, int sk) {
+    constexpr int BM = 128, NT = 512, NP = 256; // threads; the first NP produce
+    extern __shared__ __align__(1024) unsigned char gw_dyn[]; // the ring, from the first 1024-byte boundary
+    __shared__ int s_expert, s_row0, s_row1;
+    __shared__ int s_src[BM];
+    __shared__ unsigned lut[256];
+    __shared__ __align__(8) unsigned long long s_bar[2 * GW_STAGES]; // full[s], then empty[s]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const unsigned dyn = static_cast<unsigned>(__cvta_generic_to_shared(gw_dyn)), sbase = (dyn + 1023) & ~1023u;
+    unsigned char *const ring = gw_dyn + (sbase - dyn);
+    const unsigned full = static_cast<unsigned>(__cvta_generic_to_shared(s_bar)), empty = full + 8 * GW_STAGES;
+
+    for (int b = tid; b < 256; b += NT) {
+        const unsigned h = f2bf(__fmul_rn(e4m3_decode(b), __uint_as_float(0x7A800000u))); // * 2^118
+        lut[b] = h | (h << 16);
+    }
+    if (warp == 0) gg_schedule(err, offsets, E, R, lane, BM, &s_expert, &s_row0, &s_row1);
+    if (tid == 32) {
+#pragma unroll
+        for (int s = 0; s < GW_STAGES; s++) {
+            mb_init(full + 8 * s, NP);
+            mb_init(empty + 8 * s, (NT - NP) / 32);
+        }
+    }
+    __syncthreads();
+    const int expert = s_expert, row0 = s_row0, row1 = s_row1, nrows = row1 - row0;
+    if (expert < 0) return; // both blocks of a pair: they share the tile
+    gg_sources(err, s_src, gather, row0, row1, Ta, BM);
+    __syncthreads();
+
+    const int c0 = blockIdx.y * (SWIGLU ? 64 : 128);
+    const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
+    const int rank = KS == 2 ? (int)blockIdx.z : 0;
+    const int cbeg = rank * half, cend = min(nch, cbeg + half);
+
+    if (warp < NP / 32) {
+        // Producer: warp w < 4 takes A rows 32w + 8i + g (rows past the
+        // tile's, or without a source, are left as they are: their outputs
+        // are never written), warp w >= 4 B rows n = 32(w - 4) + 8i + g,
+        // i < 4. B row n is (relu2) column c0 + n, or (SwiGLU) gate column
+        // c0 + n for n < 64 and the up row of column c0 + n - 64 after them,
+        // so the consumers' n8 tile j < 8 is a gate and j + 8 its up
+        // (g5_epilogue). Columns past outN read the last row and are never
+        // written. Offsets are 32-bit: A's within Ta * K / 2, B's within an
+        // expert's N * K / 2 (the host checks both).
+        const bool isA = warp < 4;
+        const int rbase = 32 * (warp & 3);
+        const unsigned char *p = isA ? static_cast<const unsigned char *>(A)
+                                     : static_cast<const unsigned char *>(W) + (long long)expert * N * (K / 2);
+        const unsigned char *sp = isA ? aSF : wSF + (long long)expert * N * (K / 16);
+        int off[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int n = rbase + 8 * i + g;
+            if (isA) {
+                const int a = s_src[n];
+                off[i] = n < nrows && a >= 0 ? a * (K / 2) : -1;
+            } else {
+                const bool up = SWIGLU && n >= 64;
+                const int col = min(SWIGLU ? c0 + (n & 63) : c0 + n, outN - 1);
+                off[i] = (up ? outN + col : col) * (K / 2);
+            }
+        }
+        unsigned char *const opb = ring + (isA ? 0 : GW_OP);
+        GWShare<4> r0, r1; // chunks c and c + 1, loaded two chunks ahead
+        if (cbeg < cend) gw_load<V16>(r0, p, sp, off, cbeg, nfull, K, t4);
+        if (cbeg + 1 < cend) gw_load<V16>(r1, p, sp, off, cbeg + 1, nfull, K, t4);
+        int st = 0;
+        unsigned ph = 0;
+        auto step = [&](int c, GWShare<4> &r) {
+            mb_wait(empty + 8 * st, ph ^ 1);
+            gw_store(opb + st * 2 * GW_OP, rbase, r, off, lut, g, t4);
+            gw_proxy();
+            mb_arrive(full + 8 * st);
+            if (c + 2 < cend) gw_load<V16>(r, p, sp, off, c + 2, nfull, K, t4);
+            if (++st == GW_STAGES) {
+                st = 0;
+                ph ^= 1;
+            }
+        };
+        for (int c = cbeg; c < cend; c += 2) {
+            step(c, r0);
+            if (c + 1 < cend) step(c + 1, r1);
+        }
+        return; // the cluster barriers of ks2_add count only threads that have not exited
+    }
+
+    // Consumer warpgroup wm takes rows 64wm .. 64wm + 63 and all 128 B rows.
+    const int cwarp = warp - NP / 32, wm = cwarp >> 2;
+    float acc[1][16][4];
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[0][j][q] = 0.f;
+    const bool mine = 64 * wm < nrows; // this warpgroup has rows
+    const unsigned long long da0 = gw_desc(sbase + wm * 64 * 128), db0 = gw_desc(sbase + GW_OP);
+    int st = 0, prev = -1;
+    unsigned ph = 0;
+    for (int c = cbeg; c < cend; c++) {
+        mb_wait(full + 8 * st, ph);
+        if (mine) {
+            gw_fence();
+#pragma unroll
+            for (int s = 0; s < 8; s++) { // step s: K half s / 4, bytes 32 (s % 4) of its rows
+                const unsigned long long o = (unsigned long long)(st * 2 * GW_OP + (s >> 2) * GW_HALF + (s & 3) * 32) >> 4;
+                gw_mma(acc[0], da0 + o, db0 + o);
+            }
+            gw_commit();
+            gw_wait<1>(acc[0]); // the previous chunk's MMAs are done: its stage is free
+        }
+        if (prev >= 0 && lane == 0) mb_arrive(empty + 8 * prev);
+        prev = st;
+        if (++st == GW_STAGES) {
+            st = 0;
+            ph ^= 1;
+        }
+    }
+    if (mine) gw_wait<0>(acc[0]);
+
+    if constexpr (KS == 2) {
+        // ks2_add reuses the ring: both warpgroups' MMAs must be done.
+        asm volatile("bar.sync 1, %0;\n" ::"n"(NT - NP) : "memory");
+        if (!ks2_add<16, NT - NP>(&acc[0][0], reinterpret_cast<uint4 *>(ring), rank, tid - NP)) return;
+    }
+    g5_epilogue<1, 16, SWIGLU, true>(err, acc, 64 * wm + 16 * (cwarp & 3), c0, s_src, row0, row1, wScale[expert], aScale, act, out, outN,
+                                     sacc, stok, swt, sslots, sT, sk, g, t4);
+}
+
+#define GW_BODY(SWIGLU, KS)                                                                                                    \
+    const bool v16 = K % 32 == 0 && ((reinterpret_cast<unsigned long long>(W) | reinterpret_cast<unsigned long long>(A)) & 15) == 0 && \
+                     ((reinterpret_cast<unsigned long long>(wSF) | reinterpret_cast<unsigned long long>(aSF)) & 1) == 0;      \
+    if (v16)                                                                                                                   \
+        gw_gemm<SWIGLU, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
+                                  swt, sslots, sT, sk);                                                                        \
+    else                                                                                                                       \
+        gw_gemm<SWIGLU, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc,   \
+                                   stok, swt, sslots, sT, sk);
+#define GW_KERNEL(NAME, SWIGLU)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME G5_PARAMS { GW_BODY(SWIGLU, 1) }                                \
+    extern "C" __global__ void __launch_bounds__(512, 1) __cluster_dims__(1, 1, 2) NAME##_ks2 G5_PARAMS { GW_BODY(SWIGLU, 2) }
+GW_KERNEL(gemm_fp4_ws, false)
+GW_KERNEL(gemm_fp4_ws_swiglu, true)
+
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
 // dst[M, N] = a[M, K] * w[N, K]^T for N <= 1024, where the tiled kernel
