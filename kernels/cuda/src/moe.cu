@@ -2099,8 +2099,10 @@ GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 // same 128 x 128 tile with the work split by role:
 //  - warps 0-7 (producers) load each 128-K chunk's raw NVFP4 codes two
 //    chunks ahead into registers and dequantize them into a ring of
-//    GW_STAGES shared-memory stages (warps 0-3: the 128 activation rows,
-//    4-7: the 128 weight rows, four rows' quarter of K a thread);
+//    GW_STAGES shared-memory stages (warp w: activation rows and weight
+//    rows 16w .. 16w + 15, a quarter of K of two of each a thread, so an
+//    expert's partial tile, with few activation rows, still spreads its
+//    weights over all eight);
 //  - warps 8-15 (two consumer warpgroups, 64 rows each) multiply each stage
 //    with Hopper's asynchronous warpgroup MMA (wgmma m64n128k16) from shared
 //    memory, one chunk's MMAs in flight while the next stage is awaited.
@@ -2285,7 +2287,9 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
     __shared__ int s_src[BM];
     __shared__ unsigned lut[256];
     __shared__ __align__(8) unsigned long long s_bar[2 * GW_STAGES]; // full[s], then empty[s]
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    // warp from lane 0, so that ptxas knows the role branches are
+    // warp-uniform (wgmma in a divergent path is serialized).
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), g = lane >> 2, t4 = lane & 3;
     const unsigned dyn = static_cast<unsigned>(__cvta_generic_to_shared(gw_dyn)), sbase = (dyn + 1023) & ~1023u;
     unsigned char *const ring = gw_dyn + (sbase - dyn);
     const unsigned full = static_cast<unsigned>(__cvta_generic_to_shared(s_bar)), empty = full + 8 * GW_STAGES;
@@ -2314,53 +2318,54 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
     const int cbeg = rank * half, cend = min(nch, cbeg + half);
 
     if (warp < NP / 32) {
-        // Producer: warp w < 4 takes A rows 32w + 8i + g (rows past the
-        // tile's, or without a source, are left as they are: their outputs
-        // are never written), warp w >= 4 B rows n = 32(w - 4) + 8i + g,
-        // i < 4. B row n is (relu2) column c0 + n, or (SwiGLU) gate column
-        // c0 + n for n < 64 and the up row of column c0 + n - 64 after them,
-        // so the consumers' n8 tile j < 8 is a gate and j + 8 its up
-        // (g5_epilogue). Columns past outN read the last row and are never
-        // written. Offsets are 32-bit: A's within Ta * K / 2, B's within an
-        // expert's N * K / 2 (the host checks both).
-        const bool isA = warp < 4;
-        const int rbase = 32 * (warp & 3);
-        const unsigned char *p = isA ? static_cast<const unsigned char *>(A)
-                                     : static_cast<const unsigned char *>(W) + (long long)expert * N * (K / 2);
-        const unsigned char *sp = isA ? aSF : wSF + (long long)expert * N * (K / 16);
-        int off[4];
+        // Producer warp w takes A rows and B rows n = 16w + 8i + g, i < 2.
+        // A rows past the tile's, or without a source, are left as they
+        // are: their outputs are never written. B row n is (relu2) column
+        // c0 + n, or (SwiGLU) gate column c0 + n for n < 64 and the up row
+        // of column c0 + n - 64 after them, so the consumers' n8 tile j < 8
+        // is a gate and j + 8 its up (g5_epilogue). Columns past outN read
+        // the last row and are never written. Offsets are 32-bit: A's
+        // within Ta * K / 2, B's within an expert's N * K / 2 (the host
+        // checks both).
+        const int rbase = 16 * warp;
+        const unsigned char *pa = static_cast<const unsigned char *>(A);
+        const unsigned char *pb = static_cast<const unsigned char *>(W) + (long long)expert * N * (K / 2);
+        const unsigned char *sb = wSF + (long long)expert * N * (K / 16);
+        int offa[2], offb[2];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 2; i++) {
             const int n = rbase + 8 * i + g;
-            if (isA) {
-                const int a = s_src[n];
-                off[i] = n < nrows && a >= 0 ? a * (K / 2) : -1;
-            } else {
-                const bool up = SWIGLU && n >= 64;
-                const int col = min(SWIGLU ? c0 + (n & 63) : c0 + n, outN - 1);
-                off[i] = (up ? outN + col : col) * (K / 2);
-            }
+            const int a = s_src[n];
+            offa[i] = n < nrows && a >= 0 ? a * (K / 2) : -1;
+            const bool up = SWIGLU && n >= 64;
+            const int col = min(SWIGLU ? c0 + (n & 63) : c0 + n, outN - 1);
+            offb[i] = (up ? outN + col : col) * (K / 2);
         }
-        unsigned char *const opb = ring + (isA ? 0 : GW_OP);
-        GWShare<4> r0, r1; // chunks c and c + 1, loaded two chunks ahead
-        if (cbeg < cend) gw_load<V16>(r0, p, sp, off, cbeg, nfull, K, t4);
-        if (cbeg + 1 < cend) gw_load<V16>(r1, p, sp, off, cbeg + 1, nfull, K, t4);
+        // Chunks c and c + 1 in two register sets, loaded two chunks ahead.
+        GWShare<2> ra0, rb0, ra1, rb1;
+        auto load = [&](GWShare<2> &ra, GWShare<2> &rb, int c) {
+            gw_load<V16>(ra, pa, aSF, offa, c, nfull, K, t4);
+            gw_load<V16>(rb, pb, sb, offb, c, nfull, K, t4);
+        };
+        if (cbeg < cend) load(ra0, rb0, cbeg);
+        if (cbeg + 1 < cend) load(ra1, rb1, cbeg + 1);
         int st = 0;
         unsigned ph = 0;
-        auto step = [&](int c, GWShare<4> &r) {
+        auto step = [&](int c, GWShare<2> &ra, GWShare<2> &rb) {
             mb_wait(empty + 8 * st, ph ^ 1);
-            gw_store(opb + st * 2 * GW_OP, rbase, r, off, lut, g, t4);
+            gw_store(ring + st * 2 * GW_OP, rbase, ra, offa, lut, g, t4);
+            gw_store(ring + st * 2 * GW_OP + GW_OP, rbase, rb, offb, lut, g, t4);
             gw_proxy();
             mb_arrive(full + 8 * st);
-            if (c + 2 < cend) gw_load<V16>(r, p, sp, off, c + 2, nfull, K, t4);
+            if (c + 2 < cend) load(ra, rb, c + 2);
             if (++st == GW_STAGES) {
                 st = 0;
                 ph ^= 1;
             }
         };
         for (int c = cbeg; c < cend; c += 2) {
-            step(c, r0);
-            if (c + 1 < cend) step(c + 1, r1);
+            step(c, ra0, rb0);
+            if (c + 1 < cend) step(c + 1, ra1, rb1);
         }
         return; // the cluster barriers of ks2_add count only threads that have not exited
     }
@@ -2372,22 +2377,22 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
     for (int j = 0; j < 16; j++)
 #pragma unroll
         for (int q = 0; q < 4; q++) acc[0][j][q] = 0.f;
-    const bool mine = 64 * wm < nrows; // this warpgroup has rows
+    const bool mine = __shfl_sync(0xffffffffu, 64 * wm < nrows, 0); // this warpgroup has rows (warp-uniform, as above)
     const unsigned long long da0 = gw_desc(sbase + wm * 64 * 128), db0 = gw_desc(sbase + GW_OP);
     int st = 0, prev = -1;
     unsigned ph = 0;
     for (int c = cbeg; c < cend; c++) {
         mb_wait(full + 8 * st, ph);
+        gw_fence();
         if (mine) {
-            gw_fence();
 #pragma unroll
             for (int s = 0; s < 8; s++) { // step s: K half s / 4, bytes 32 (s % 4) of its rows
                 const unsigned long long o = (unsigned long long)(st * 2 * GW_OP + (s >> 2) * GW_HALF + (s & 3) * 32) >> 4;
                 gw_mma(acc[0], da0 + o, db0 + o);
             }
-            gw_commit();
-            gw_wait<1>(acc[0]); // the previous chunk's MMAs are done: its stage is free
         }
+        gw_commit();
+        gw_wait<1>(acc[0]); // the previous chunk's MMAs are done: its stage is free
         if (prev >= 0 && lane == 0) mb_arrive(empty + 8 * prev);
         prev = st;
         if (++st == GW_STAGES) {
@@ -2395,7 +2400,7 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
             ph ^= 1;
         }
     }
-    if (mine) gw_wait<0>(acc[0]);
+    gw_wait<0>(acc[0]);
 
     if constexpr (KS == 2) {
         // ks2_add reuses the ring: both warpgroups' MMAs must be done.
