@@ -2135,6 +2135,20 @@ struct GWShare {
     unsigned sf[(NR + 1) / 2]; // row i's scale pair at bits 16 (i % 2) of sf[i / 2]
 };
 
+// gw_ldg16 and gw_ldg2 load 16 and 2 read-only bytes where the program
+// puts them: volatile, so that the raw codes stay loaded two chunks ahead
+// (ptxas may otherwise sink a read-only load to its use).
+__device__ __forceinline__ uint4 gw_ldg16(const void *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ unsigned gw_ldg2(const void *p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+    return v;
+}
+
 // gw_load reads chunk c of the share's rows: codes at p + off[i], scales
 // at sp + off[i] / 8 (off < 0: no row, zeros). V16 as in gt_load;
 // otherwise each 8-byte half is read if its block lies inside K.
@@ -2151,8 +2165,8 @@ __device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p,
         const unsigned char *src = p + off[i] + c * (G5_KC / 2) + 16 * t4, *ss = sp + off[i] / 8 + b0;
         const int sh16 = 16 * (i & 1);
         if (V16 && c < nfull) {
-            sh.q[i] = __ldg(reinterpret_cast<const uint4 *>(src));
-            sh.sf[i >> 1] |= (unsigned)__ldg(reinterpret_cast<const unsigned short *>(ss)) << sh16;
+            sh.q[i] = gw_ldg16(src);
+            sh.sf[i >> 1] |= gw_ldg2(ss) << sh16;
             continue;
         }
         if (c < nfull || b0 < nb) {
