@@ -2132,7 +2132,7 @@ GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 template <int NR>
 struct GWShare {
     uint4 q[NR];
-    unsigned sf[(NR + 1) / 2]; // row i's scale pair at bits 16 (i % 2) of sf[i / 2]
+    unsigned sf[NR]; // row i's scale pair (block 2t4 in bits 0-7)
 };
 
 // gw_ldg16 and gw_ldg2 load 16 and 2 read-only bytes where the program
@@ -2144,42 +2144,43 @@ __device__ __forceinline__ uint4 gw_ldg16(const void *p) {
     return v;
 }
 __device__ __forceinline__ unsigned gw_ldg2(const void *p) {
-    unsigned short v;
-    asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+    unsigned v;
+    asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=r"(v) : "l"(p));
     return v;
 }
 
 // gw_load reads chunk c of the share's rows: codes at p + off[i], scales
-// at sp + off[i] / 8 (off < 0: no row, zeros). V16 as in gt_load;
-// otherwise each 8-byte half is read if its block lies inside K.
+// at sp + off[i] / 8 (off < 0: no row, zeros). V16 as in gt_load: a full
+// chunk's loads land in registers nothing reads until gw_store (combining
+// the two rows' scales here made every load wait for its data: ncu, 60%
+// of the stall samples); otherwise each 8-byte half is read if its block
+// lies inside K.
 template <bool V16, int NR>
 __device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p, const unsigned char *sp, const int (&off)[NR], int c,
                                         int nfull, int K, int t4) {
     const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
 #pragma unroll
-    for (int i = 0; i < (NR + 1) / 2; i++) sh.sf[i] = 0;
-#pragma unroll
     for (int i = 0; i < NR; i++) {
         sh.q[i] = make_uint4(0, 0, 0, 0);
+        sh.sf[i] = 0;
         if (off[i] < 0) continue;
         const unsigned char *src = p + off[i] + c * (G5_KC / 2) + 16 * t4, *ss = sp + off[i] / 8 + b0;
-        const int sh16 = 16 * (i & 1);
         if (V16 && c < nfull) {
             sh.q[i] = gw_ldg16(src);
-            sh.sf[i >> 1] |= gw_ldg2(ss) << sh16;
+            sh.sf[i] = gw_ldg2(ss);
             continue;
         }
         if (c < nfull || b0 < nb) {
             const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
             sh.q[i].x = v.x;
             sh.q[i].y = v.y;
-            sh.sf[i >> 1] |= (unsigned)__ldg(ss) << sh16;
+            sh.sf[i] = __ldg(ss);
         }
         if (c < nfull || b0 + 1 < nb) {
             const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src + 8));
             sh.q[i].z = v.x;
             sh.q[i].w = v.y;
-            sh.sf[i >> 1] |= (unsigned)__ldg(ss + 1) << (sh16 + 8);
+            sh.sf[i] |= (unsigned)__ldg(ss + 1) << 8;
         }
     }
 }
@@ -2198,7 +2199,7 @@ __device__ __forceinline__ void gw_store(unsigned char *op, int rbase, const GWS
     for (int i = 0; i < NR; i++) {
         if (off[i] < 0) continue;
         unsigned char *row = op + (rbase + 8 * i + g) * 128 + 4 * t4;
-        const unsigned pair = sh.sf[i >> 1] >> (16 * (i & 1));
+        const unsigned pair = sh.sf[i];
         const unsigned sc0 = lut[pair & 0xff], sc1 = lut[(pair >> 8) & 0xff];
 #pragma unroll
         for (int s = 0; s < 8; s++) {
