@@ -348,9 +348,10 @@ const defaultTileRows = 24
 const defaultTile8Rows = 96
 
 // wsSmem is gemm_fp4_ws's dynamic shared memory (src/moe.cu GW_SMEM):
-// a ring of 3 stages of both operands' 128 x 128 BF16, and 1 KB to align
-// it to 1024 bytes for the 128-byte swizzle.
-const wsSmem = 3*2*32768 + 1024
+// 2 stages of both operands' 128 x 128 BF16, 4 chunks of the producers'
+// raw codes and scales (256 threads x 4 rows x 20 bytes), and 1 KB to
+// align the stages to 1024 bytes for the 128-byte swizzle.
+const wsSmem = 2*2*32768 + 4*256*4*20 + 1024
 
 // defaultWSRows is the average rows per expert above which the tiled
 // GEMM is the warp-specialised wgmma kernel (gemm_fp4_ws) on sm_90a.

@@ -2097,12 +2097,16 @@ GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 // the dequantization runs and the other way round (docs/MOE.md: no eligible
 // warp 68.6% of the cycles, tensor pipe 32% active). gw_gemm computes the
 // same 128 x 128 tile with the work split by role:
-//  - warps 0-7 (producers) load each 128-K chunk's raw NVFP4 codes two
-//    chunks ahead into registers and dequantize them into a ring of
-//    GW_STAGES shared-memory stages (warp w: activation rows and weight
-//    rows 16w .. 16w + 15, a quarter of K of two of each a thread, so an
-//    expert's partial tile, with few activation rows, still spreads its
-//    weights over all eight);
+//  - warps 0-7 (producers) copy each 128-K chunk's raw NVFP4 codes and
+//    block scales GW_RAW chunks ahead into their own slots of shared
+//    memory with cp.async, and dequantize them into a ring of GW_STAGES
+//    stages (warp w: activation rows and weight rows 16w .. 16w + 15, a
+//    quarter of K of two of each a thread, so an expert's partial tile,
+//    with few activation rows, still spreads its weights over all eight).
+//    Loads into registers two chunks ahead were waited for at their first
+//    use all the same (ncu: the producers' largest stall, long scoreboard
+//    on the scale bytes), so only shapes cp.async cannot copy whole (K not
+//    a multiple of 128, unaligned operands) still load into registers;
 //  - warps 8-15 (two consumer warpgroups, 64 rows each) multiply each stage
 //    with Hopper's asynchronous warpgroup MMA (wgmma m64n128k16) from shared
 //    memory, one chunk's MMAs in flight while the next stage is awaited.
@@ -2122,10 +2126,12 @@ GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 // the fifth session's wgmma kernel, 61d8543: TestGroupedGemmInvariance), so
 // with the same slices in order, the same K split (ks2_add) and the same
 // epilogue every output has gt_gemm's and g5_gemm's bits.
-#define GW_STAGES 3 // ring stages: 3 x 64 KB
+#define GW_STAGES 2 // dequantized stages: 2 x 64 KB
 #define GW_OP 32768 // bytes of one operand's stage: 128 rows x 128 K of BF16
 #define GW_HALF 16384 // bytes of one half of its K
-#define GW_SMEM (GW_STAGES * 2 * GW_OP + 1024) // dynamic shared memory, with room to align the ring to 1024 bytes
+#define GW_RAW 4 // raw chunks in flight a producer thread
+#define GW_RAWB (4 * 256 * 20) // bytes of one raw chunk: 4 rows a producer thread, 16 code and 4 scale bytes each
+#define GW_SMEM (GW_STAGES * 2 * GW_OP + GW_RAW * GW_RAWB + 1024) // dynamic shared memory, with room to align the ring to 1024 bytes
 
 // GWShare is one thread's raw share of a chunk: quarter t4 (16 code bytes,
 // block scales 2t4 and 2t4 + 1) of NR rows.
@@ -2135,27 +2141,12 @@ struct GWShare {
     unsigned sf[NR]; // row i's scale pair (block 2t4 in bits 0-7)
 };
 
-// gw_ldg16 and gw_ldg2 load 16 and 2 read-only bytes where the program
-// puts them: volatile, so that the raw codes stay loaded two chunks ahead
-// (ptxas may otherwise sink a read-only load to its use).
-__device__ __forceinline__ uint4 gw_ldg16(const void *p) {
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ unsigned gw_ldg2(const void *p) {
-    unsigned v;
-    asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=r"(v) : "l"(p));
-    return v;
-}
-
-// gw_load reads chunk c of the share's rows: codes at p + off[i], scales
-// at sp + off[i] / 8 (off < 0: no row, zeros). V16 as in gt_load: a full
-// chunk's loads land in registers nothing reads until gw_store (combining
-// the two rows' scales here made every load wait for its data: ncu, 60%
-// of the stall samples); otherwise each 8-byte half is read if its block
-// lies inside K.
-template <bool V16, int NR>
+// gw_load reads chunk c of the share's rows into registers (the path for
+// shapes cp.async cannot copy whole): codes at p + off[i], scales at sp +
+// off[i] / 8 (off < 0: no row, zeros), each 8-byte half if its block lies
+// inside K. Each row's scale pair has a register of its own, so that
+// nothing reads a load before gw_store.
+template <int NR>
 __device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p, const unsigned char *sp, const int (&off)[NR], int c,
                                         int nfull, int K, int t4) {
     const int nb = K / 16, b0 = c * (G5_KC / 16) + 2 * t4;
@@ -2165,11 +2156,6 @@ __device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p,
         sh.sf[i] = 0;
         if (off[i] < 0) continue;
         const unsigned char *src = p + off[i] + c * (G5_KC / 2) + 16 * t4, *ss = sp + off[i] / 8 + b0;
-        if (V16 && c < nfull) {
-            sh.q[i] = gw_ldg16(src);
-            sh.sf[i] = gw_ldg2(ss);
-            continue;
-        }
         if (c < nfull || b0 < nb) {
             const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
             sh.q[i].x = v.x;
@@ -2291,7 +2277,7 @@ __device__ __forceinline__ void mb_wait(unsigned a, unsigned parity) {
                  : "memory");
 }
 
-template <bool SWIGLU, bool V16, int KS>
+template <bool SWIGLU, bool CA, int KS>
 __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
                                         int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
@@ -2356,31 +2342,83 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
             const int col = min(SWIGLU ? c0 + (n & 63) : c0 + n, outN - 1);
             offb[i] = (up ? outN + col : col) * (K / 2);
         }
-        // Chunks c and c + 1 in two register sets, loaded two chunks ahead.
-        GWShare<2> ra0, rb0, ra1, rb1;
-        auto load = [&](GWShare<2> &ra, GWShare<2> &rb, int c) {
-            gw_load<V16>(ra, pa, aSF, offa, c, nfull, K, t4);
-            gw_load<V16>(rb, pb, sb, offb, c, nfull, K, t4);
-        };
-        if (cbeg < cend) load(ra0, rb0, cbeg);
-        if (cbeg + 1 < cend) load(ra1, rb1, cbeg + 1);
         int st = 0;
         unsigned ph = 0;
-        auto step = [&](int c, GWShare<2> &ra, GWShare<2> &rb) {
+        // dequant stores a chunk's shares into stage st once the consumers
+        // have freed it, and hands the stage over.
+        auto dequant = [&](const GWShare<2> &ra, const GWShare<2> &rb) {
             mb_wait(empty + 8 * st, ph ^ 1);
             gw_store(ring + st * 2 * GW_OP, rbase, ra, offa, lut, g, t4);
             gw_store(ring + st * 2 * GW_OP + GW_OP, rbase, rb, offb, lut, g, t4);
             gw_proxy();
             mb_arrive(full + 8 * st);
-            if (c + 2 < cend) load(ra, rb, c + 2);
             if (++st == GW_STAGES) {
                 st = 0;
                 ph ^= 1;
             }
         };
-        for (int c = cbeg; c < cend; c += 2) {
-            step(c, ra0, rb0);
-            if (c + 1 < cend) step(c + 1, ra1, rb1);
+        if constexpr (CA) {
+            // Raw slots after the stages: slot r holds, for row i < 4 (A
+            // rows, then B rows) and producer thread tid, 16 code bytes at
+            // rq[(4r + i) * NP + tid] and the aligned scale word holding
+            // its pair at rs[...] (so every warp's copy and read is
+            // contiguous). Each thread reads back only what it copied, so
+            // cp.async.wait_group is all the synchronisation they need.
+            uint4 *const rq = reinterpret_cast<uint4 *>(ring + GW_STAGES * 2 * GW_OP);
+            unsigned *const rs = reinterpret_cast<unsigned *>(rq + GW_RAW * 4 * NP);
+            const unsigned char *src[4], *ssrc[4];
+            bool has[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int off = i < 2 ? offa[i] : offb[i - 2];
+                has[i] = off >= 0;
+                src[i] = (i < 2 ? pa : pb) + max(off, 0) + 16 * t4;
+                ssrc[i] = (i < 2 ? aSF : sb) + max(off, 0) / 8 + 4 * (t4 >> 1);
+            }
+            auto issue = [&](int c, int r) { // chunk c into slot r; a group even past the end, so the waits count chunks
+                if (c < cend) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        if (!has[i]) continue;
+                        cp_async(&rq[(4 * r + i) * NP + tid], src[i] + c * (G5_KC / 2), 16, true);
+                        cp_async4(&rs[(4 * r + i) * NP + tid], ssrc[i] + c * (G5_KC / 16), 4);
+                    }
+                }
+                cp_async_commit();
+            };
+#pragma unroll
+            for (int r = 0; r < GW_RAW; r++) issue(cbeg + r, r);
+            int r = 0;
+            for (int c = cbeg; c < cend; c++) {
+                cp_async_wait<GW_RAW - 1>(); // this thread's copies of chunk c have landed
+                GWShare<2> ra, rb;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    GWShare<2> &sh = i < 2 ? ra : rb;
+                    sh.q[i & 1] = rq[(4 * r + i) * NP + tid];
+                    sh.sf[i & 1] = (rs[(4 * r + i) * NP + tid] >> (16 * (t4 & 1))) & 0xffffu;
+                }
+                dequant(ra, rb);
+                issue(c + GW_RAW, r); // after dequant has read slot r
+                if (++r == GW_RAW) r = 0;
+            }
+        } else {
+            // Chunks c and c + 1 in two register sets, loaded two chunks ahead.
+            GWShare<2> ra0, rb0, ra1, rb1;
+            auto load = [&](GWShare<2> &ra, GWShare<2> &rb, int c) {
+                gw_load(ra, pa, aSF, offa, c, nfull, K, t4);
+                gw_load(rb, pb, sb, offb, c, nfull, K, t4);
+            };
+            if (cbeg < cend) load(ra0, rb0, cbeg);
+            if (cbeg + 1 < cend) load(ra1, rb1, cbeg + 1);
+            for (int c = cbeg; c < cend; c += 2) {
+                dequant(ra0, rb0);
+                if (c + 2 < cend) load(ra0, rb0, c + 2);
+                if (c + 1 < cend) {
+                    dequant(ra1, rb1);
+                    if (c + 3 < cend) load(ra1, rb1, c + 3);
+                }
+            }
         }
         return; // the cluster barriers of ks2_add count only threads that have not exited
     }
@@ -2426,10 +2464,12 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
                                      sacc, stok, swt, sslots, sT, sk, g, t4);
 }
 
+// CA for gw_gemm: whole chunks (K % 128 == 0) from 16-byte aligned A and
+// W, block scales 4-byte aligned (rows of K / 16 scale bytes then are too).
 #define GW_BODY(SWIGLU, KS)                                                                                                    \
-    const bool v16 = K % 32 == 0 && ((reinterpret_cast<unsigned long long>(W) | reinterpret_cast<unsigned long long>(A)) & 15) == 0 && \
-                     ((reinterpret_cast<unsigned long long>(wSF) | reinterpret_cast<unsigned long long>(aSF)) & 1) == 0;      \
-    if (v16)                                                                                                                   \
+    const bool ca = K % 128 == 0 && ((reinterpret_cast<unsigned long long>(W) | reinterpret_cast<unsigned long long>(A)) & 15) == 0 && \
+                    ((reinterpret_cast<unsigned long long>(wSF) | reinterpret_cast<unsigned long long>(aSF)) & 3) == 0;       \
+    if (ca)                                                                                                                    \
         gw_gemm<SWIGLU, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
                                   swt, sslots, sT, sk);                                                                        \
     else                                                                                                                       \
