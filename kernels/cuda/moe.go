@@ -344,7 +344,8 @@ const defaultTileRows = 24
 // kernel runs with 8 warps of 64 x 32 instead of 16 of 32 x 32: measured on
 // the H200 (TestStreamedGemm, FC1 at the seed's shapes), 16 warps win at
 // 16-64 rows per expert (64: 356 against 380 us), 8 at 128 (539 against
-// 578 us). Both give the same bits.
+// 578 us). Both give the same bits. On sm_90a gemm_fp4_ws takes over
+// from defaultWSRows, so this applies to other targets.
 const defaultTile8Rows = 96
 
 // wsSmem is gemm_fp4_ws's dynamic shared memory (src/moe.cu GW_SMEM):
@@ -355,7 +356,12 @@ const wsSmem = 2*2*32768 + 4*256*4*20 + 1024
 
 // defaultWSRows is the average rows per expert above which the tiled
 // GEMM is the warp-specialised wgmma kernel (gemm_fp4_ws) on sm_90a.
-const defaultWSRows = 96
+// Measured on the H200 (TestStreamedGemm, FC1 / FC2 at the seed's shapes,
+// 32 experts): 64 rows, ws 313.0 / 345.9 us against 350.2 / 382.2 for the
+// 16-warp tile; 128 rows, 421.3 / 496.1 against 537.6 / 602.9 for the
+// 8-warp one. At 32 rows only an earlier version of it was measured (and
+// lost: 364 against 295 us), so the line sits between 32 and 64.
+const defaultWSRows = 48
 
 // tileLaunch launches gemm_fp4_tile_* or gemm_fp4_ws_* (K split over a
 // cluster of two like the streamed kernels, by K alone).
