@@ -11,8 +11,11 @@
 // are bit-exact ports of internal/nvfp4 (every step one IEEE binary32
 // operation, __fmul_rn and friends, no fast math); GEMMs dequantize NVFP4
 // operands to BF16 exactly and run BF16 tensor-core MMA with FP32
-// accumulation, each output's reduction order fixed by K alone, so a row
-// never depends on the batch; every other reduction is a fixed tree per row.
+// accumulation (mma.sync; on sm_90a the many-rows tile runs wgmma, which
+// adds a k16 step's products as mma.sync does), each output's reduction
+// order fixed by K alone, so a row never depends on the batch or the
+// kernel the host picks for it; every other reduction is a fixed tree per
+// row.
 //
 // Ownership and concurrency: one goroutine, locked to its OS thread
 // (internal/cuda.Device), owns the CUDA context; every method reaches it
