@@ -366,21 +366,41 @@ const defaultWSRows = 48
 // tileLaunch launches gemm_fp4_tile_* or gemm_fp4_ws_* (K split over a
 // cluster of two like the streamed kernels, by K alone).
 func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
-	name, cols, threads, smem := "gemm_fp4_tile", 128, 512, tileSmem
+	l := tilePlan(a.Act, s, be.fp4Tile8Rows, be.fp4WSRows)
+	return be.launch(l.name, l.grid, drv.Dim3{X: l.threads}, l.smem, scatterArgs(a, args)...)
+}
+
+// tileLaunchPlan is a tiled kernel's launch: kernel name, grid, threads a
+// block and dynamic shared memory.
+type tileLaunchPlan struct {
+	name    string
+	grid    drv.Dim3
+	threads int
+	smem    int
+}
+
+// tilePlan picks the tiled NVFP4 kernel for a GEMM of shape s: the
+// warp-specialised one above wsRows rows per expert on average, else the
+// 8-warp one above tile8Rows, else 16 warps.
+func tilePlan(act kernels.Activation, s kernels.GroupedGemmShape, tile8Rows, wsRows int) tileLaunchPlan {
+	l := tileLaunchPlan{name: "gemm_fp4_tile", threads: 512, smem: tileSmem}
 	switch {
-	case s.R > be.fp4WSRows*s.E:
-		name, smem = "gemm_fp4_ws", wsSmem
-	case s.R > be.fp4Tile8Rows*s.E:
-		name, threads = name+"_w8", 256
+	case s.R > wsRows*s.E:
+		l.name, l.smem = "gemm_fp4_ws", wsSmem
+	case s.R > tile8Rows*s.E:
+		l.name, l.threads = l.name+"_w8", 256
 	}
-	if a.Act == kernels.SwiGLU {
-		name, cols = name+"_swiglu", 64
+	cols := 128
+	if act == kernels.SwiGLU {
+		l.name, cols = l.name+"_swiglu", 64
 	}
-	grid := drv.Dim3{X: s.R/tileBM + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols}
+	// X: an upper bound on the row tiles (each expert adds at most one
+	// partial tile to the R/tileBM full ones); blocks past the last exit.
+	l.grid = drv.Dim3{X: s.R/tileBM + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 1}
 	if splitK(s.Kp) {
-		name, grid.Z = name+"_ks2", 2
+		l.name, l.grid.Z = l.name+"_ks2", 2
 	}
-	return be.launch(name, grid, drv.Dim3{X: threads}, smem, scatterArgs(a, args)...)
+	return l
 }
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's

@@ -420,3 +420,52 @@ func TestStreamPlan(t *testing.T) {
 		})
 	}
 }
+
+// TestTilePlan checks, without a GPU, which tiled NVFP4 kernel and grid
+// the host picks: on sm_90a (the default thresholds) the warp-specialised
+// kernel from 48 rows per expert, elsewhere (no wgmma) the 8-warp tile
+// above 96 and 16 warps below.
+func TestTilePlan(t *testing.T) {
+	src, err := Source()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const H, I, E, K = 7168, 2048, 256, 8
+	fc1 := func(T, n, outN int) kernels.GroupedGemmShape {
+		return kernels.GroupedGemmShape{R: T * K, E: E, N: n, K: H, Kp: H, OutN: outN}
+	}
+	fc2 := func(T int) kernels.GroupedGemmShape {
+		return kernels.GroupedGemmShape{R: T * K, E: E, N: H, K: I, Kp: I, OutN: H}
+	}
+	never := math.MaxInt32
+	for _, c := range []struct {
+		name    string
+		act     kernels.Activation
+		s       kernels.GroupedGemmShape
+		wsRows  int
+		kern    string
+		grid    drv.Dim3
+		threads int
+		smem    int
+	}{
+		{"4096 tokens FC1, sm_90a", kernels.ReLU2, fc1(4096, I, I), defaultWSRows, "gemm_fp4_ws_ks2", drv.Dim3{X: 512, Y: 16, Z: 2}, 512, wsSmem},
+		{"4096 tokens FC1 SwiGLU, sm_90a", kernels.SwiGLU, fc1(4096, 2*I, I), defaultWSRows, "gemm_fp4_ws_swiglu_ks2", drv.Dim3{X: 512, Y: 32, Z: 2}, 512, wsSmem},
+		{"4096 tokens FC2, sm_90a", kernels.Identity, fc2(4096), defaultWSRows, "gemm_fp4_ws", drv.Dim3{X: 512, Y: 56, Z: 1}, 512, wsSmem},
+		{"2048 tokens FC2, sm_90a (64 rows per expert)", kernels.Identity, fc2(2048), defaultWSRows, "gemm_fp4_ws", drv.Dim3{X: 384, Y: 56, Z: 1}, 512, wsSmem},
+		{"1024 tokens FC2, sm_90a (32 rows per expert)", kernels.Identity, fc2(1024), defaultWSRows, "gemm_fp4_tile", drv.Dim3{X: 320, Y: 56, Z: 1}, 512, tileSmem},
+		{"4096 tokens FC1, no wgmma", kernels.ReLU2, fc1(4096, I, I), never, "gemm_fp4_tile_w8_ks2", drv.Dim3{X: 512, Y: 16, Z: 2}, 256, tileSmem},
+		{"2048 tokens FC2, no wgmma", kernels.Identity, fc2(2048), never, "gemm_fp4_tile", drv.Dim3{X: 384, Y: 56, Z: 1}, 512, tileSmem},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := tilePlan(c.act, c.s, defaultTile8Rows, c.wsRows)
+			if p.name != c.kern || p.grid != c.grid || p.threads != c.threads || p.smem != c.smem {
+				t.Errorf("%s grid %+v, %d threads, %d bytes; want %s grid %+v, %d threads, %d bytes", p.name, p.grid, p.threads, p.smem,
+					c.kern, c.grid, c.threads, c.smem)
+			}
+			// The _ks2 variants come from the same macro as the kernel.
+			if base := strings.TrimSuffix(p.name, "_ks2"); !strings.Contains(src, "("+base+",") {
+				t.Errorf("kernel %s is not in the sources", base)
+			}
+		})
+	}
+}
