@@ -224,9 +224,10 @@ func TestStreamSmemFits(t *testing.T) {
 	if got := tileSmem + static; got > optin {
 		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
-	// gemm_fp4_ws: its static arrays are the tiled kernel's and 32 bytes of
-	// mbarriers.
-	if got := wsSmem + static + 32; got > optin {
+	// gemm_fp4_ws: ptxas reports 4096 bytes of static arrays (the 1024-byte
+	// alignment of the dynamic ring pads them).
+	const staticWS = 4096
+	if got := wsSmem + staticWS; got > optin {
 		t.Errorf("warp-specialised tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
 	// NVFP4 16-row tiles keep a shorter ring so that four blocks fit in
