@@ -348,7 +348,7 @@ const defaultTileRows = 24
 // from defaultWSRows, so this applies to other targets.
 const defaultTile8Rows = 96
 
-// wsSmem is gemm_fp4_ws's dynamic shared memory (src/moe.cu GW_SMEM):
+// wsSmem is gemm_fp4_ws's dynamic shared memory (src/moe.cu gw_gemm):
 // 2 stages of both operands' 128 x 128 BF16, 4 chunks of the producers'
 // raw codes and scales (256 threads x 4 rows x 20 bytes), and 1 KB to
 // align the stages to 1024 bytes for the 128-byte swizzle.

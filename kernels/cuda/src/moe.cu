@@ -1884,6 +1884,27 @@ struct GTShare {
     unsigned sf[2];
 };
 
+// quarter_halves reads a row's quarter of chunk c by its 8-byte halves,
+// each only if its block lies inside K (nb blocks; b0 the half's first):
+// codes from src into q (zeros left where not), the two block scales from
+// ssrc into sf (block b0 in bits 0-7). The path for a chunk that is not
+// whole, or for rows not of whole 16-byte units.
+__device__ __forceinline__ void quarter_halves(uint4 &q, unsigned &sf, const unsigned char *src, const unsigned char *ssrc, int c,
+                                               int nfull, int nb, int b0) {
+    if (c < nfull || b0 < nb) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
+        q.x = v.x;
+        q.y = v.y;
+        sf = __ldg(ssrc);
+    }
+    if (c < nfull || b0 + 1 < nb) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src + 8));
+        q.z = v.x;
+        q.w = v.y;
+        sf |= (unsigned)__ldg(ssrc + 1) << 8;
+    }
+}
+
 // gt_load reads chunk c's share of rows p[0], p[1] (nullptr: no row; row
 // starts of packed codes and block scales). Rows of whole 16-byte units
 // (V16) take one load a row for full chunks; otherwise, and in the last
@@ -1903,18 +1924,7 @@ __device__ __forceinline__ void gt_load(GTShare &sh, const unsigned char *const 
             sh.sf[r] = __ldg(reinterpret_cast<const unsigned short *>(ssrc));
             continue;
         }
-        if (c < nfull || b0 < nb) {
-            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
-            sh.q[r].x = v.x;
-            sh.q[r].y = v.y;
-            sh.sf[r] = __ldg(ssrc);
-        }
-        if (c < nfull || b0 + 1 < nb) {
-            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src + 8));
-            sh.q[r].z = v.x;
-            sh.q[r].w = v.y;
-            sh.sf[r] |= (unsigned)__ldg(ssrc + 1) << 8;
-        }
+        quarter_halves(sh.q[r], sh.sf[r], src, ssrc, c, nfull, nb, b0);
     }
 }
 
@@ -2129,9 +2139,9 @@ GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 #define GW_STAGES 2 // dequantized stages: 2 x 64 KB
 #define GW_OP 32768 // bytes of one operand's stage: 128 rows x 128 K of BF16
 #define GW_HALF 16384 // bytes of one half of its K
-#define GW_RAW 4 // raw chunks in flight a producer thread
-#define GW_RAWB (4 * 256 * 20) // bytes of one raw chunk: 4 rows a producer thread, 16 code and 4 scale bytes each
-#define GW_SMEM (GW_STAGES * 2 * GW_OP + GW_RAW * GW_RAWB + 1024) // dynamic shared memory, with room to align the ring to 1024 bytes
+#define GW_RAW 4 // raw chunks in flight a producer thread: 4 rows of 16 code and 4 scale bytes each
+// The dynamic shared memory: the stages, the raw slots and 1024 bytes to
+// align the stages (the host's wsSmem).
 
 // GWShare is one thread's raw share of a chunk: quarter t4 (16 code bytes,
 // block scales 2t4 and 2t4 + 1) of NR rows.
@@ -2155,19 +2165,7 @@ __device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p,
         sh.q[i] = make_uint4(0, 0, 0, 0);
         sh.sf[i] = 0;
         if (off[i] < 0) continue;
-        const unsigned char *src = p + off[i] + c * (G5_KC / 2) + 16 * t4, *ss = sp + off[i] / 8 + b0;
-        if (c < nfull || b0 < nb) {
-            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src));
-            sh.q[i].x = v.x;
-            sh.q[i].y = v.y;
-            sh.sf[i] = __ldg(ss);
-        }
-        if (c < nfull || b0 + 1 < nb) {
-            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(src + 8));
-            sh.q[i].z = v.x;
-            sh.q[i].w = v.y;
-            sh.sf[i] |= (unsigned)__ldg(ss + 1) << 8;
-        }
+        quarter_halves(sh.q[i], sh.sf[i], p + off[i] + c * (G5_KC / 2) + 16 * t4, sp + off[i] / 8 + b0, c, nfull, nb, b0);
     }
 }
 
