@@ -88,6 +88,9 @@ type Backend struct {
 	// kernel is the warp-specialised wgmma one (defaultWSRows; only on
 	// sm_90a, the one target with wgmma; tests force either).
 	fp4WSRows int
+	// fp4WS192Rows is the average rows per expert above which that kernel
+	// takes 192-row tiles (defaultWS192Rows on sm_90a; tests force either).
+	fp4WS192Rows int
 	// pdl: launch the kernels pdlKernel names with programmatic stream
 	// serialization (not Config.NoPDL).
 	pdl bool
@@ -148,10 +151,10 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		return nil, err
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
-		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, pdl: !cfg.NoPDL,
+		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, fp4WS192Rows: math.MaxInt32, pdl: !cfg.NoPDL,
 		narrow8: gemmNarrow8}
 	if be.hasWGMMA() {
-		be.fp4WSRows = defaultWSRows
+		be.fp4WSRows, be.fp4WS192Rows = defaultWSRows, defaultWS192Rows
 	}
 	start := time.Now()
 	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})

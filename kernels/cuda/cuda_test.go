@@ -77,24 +77,24 @@ func TestConformance(t *testing.T) {
 // TestConformanceTiled runs the suite with every NVFP4 grouped GEMM on the
 // tiled kernel (by default it takes only batches of many rows per expert),
 // in each of its variants: 16 warps, 8 warps, and warp-specialised on
-// wgmma where the device has it.
+// wgmma (128- and 192-row tiles) where the device has it.
 func TestConformanceTiled(t *testing.T) {
 	be := gpu(t)
-	defer func(tile, tile8, ws int) {
-		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows = tile, tile8, ws
-	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows)
+	defer func(tile, tile8, ws, ws192 int) {
+		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows = tile, tile8, ws, ws192
+	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows)
 	be.fp4TileRows = 0
 	never := math.MaxInt32
 	variants := []struct {
-		name      string
-		tile8, ws int
-	}{{"w16", never, never}, {"w8", 0, never}, {"ws", never, 0}}
+		name             string
+		tile8, ws, ws192 int
+	}{{"w16", never, never, never}, {"w8", 0, never, never}, {"ws", never, 0, never}, {"ws192", never, never, 0}}
 	for _, v := range variants {
 		t.Run(v.name, func(t *testing.T) {
-			if v.ws == 0 && !be.hasWGMMA() {
+			if (v.ws == 0 || v.ws192 == 0) && !be.hasWGMMA() {
 				t.Skipf("no wgmma on %s (%s): gemm_fp4_ws needs sm_90a", be.info.Name, be.info.Arch)
 			}
-			be.fp4Tile8Rows, be.fp4WSRows = v.tile8, v.ws
+			be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows = v.tile8, v.ws, v.ws192
 			kernelstest.Run(t, func(t *testing.T) kernels.Backend { return gpu(t) })
 		})
 	}

@@ -348,11 +348,16 @@ const defaultTileRows = 24
 // from defaultWSRows, so this applies to other targets.
 const defaultTile8Rows = 96
 
-// wsSmem is gemm_fp4_ws's dynamic shared memory (src/moe.cu gw_gemm):
-// 2 stages of both operands' 128 x 128 BF16, 4 chunks of the producers'
-// raw codes and scales (256 threads x 4 rows x 20 bytes), and 1 KB to
-// align the stages to 1024 bytes for the 128-byte swizzle.
-const wsSmem = 2*2*32768 + 4*256*4*20 + 1024
+// wsSmem and wsSmem192 are the dynamic shared memory of gemm_fp4_ws and
+// gemm_fp4_ws192 (src/moe.cu gw_gemm, MT = 2, 3): 2 stages of the
+// tile's activation rows and 128 weight rows, 128 K of BF16 each (256
+// bytes a row), 4 (2) chunks of the producers' raw codes and scales (256
+// threads x 4 (5) rows x 20 bytes), and 1 KB to align the stages to 1024
+// bytes for the 128-byte swizzle.
+const (
+	wsSmem    = 2*(128+128)*256 + 4*256*4*20 + 1024
+	wsSmem192 = 2*(192+128)*256 + 2*256*5*20 + 1024
+)
 
 // defaultWSRows is the average rows per expert above which the tiled
 // GEMM is the warp-specialised wgmma kernel (gemm_fp4_ws) on sm_90a.
@@ -363,10 +368,17 @@ const wsSmem = 2*2*32768 + 4*256*4*20 + 1024
 // lost: 364 against 295 us), so the line sits between 32 and 64.
 const defaultWSRows = 48
 
+// defaultWS192Rows is the average rows per expert above which gemm_fp4_ws
+// takes 192-row tiles (gemm_fp4_ws192): at 4096 tokens (128 +- 11 rows an
+// expert) each expert is then one tile instead of a full one and one of
+// about 10 rows, which dequantizes every weight row all the same. Not
+// measured yet (written without a GPU, fifteenth session).
+const defaultWS192Rows = 96
+
 // tileLaunch launches gemm_fp4_tile_* or gemm_fp4_ws_* (K split over a
 // cluster of two like the streamed kernels, by K alone).
 func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
-	l := tilePlan(a.Act, s, be.fp4Tile8Rows, be.fp4WSRows)
+	l := tilePlan(a.Act, s, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows)
 	return be.launch(l.name, l.grid, drv.Dim3{X: l.threads}, l.smem, scatterArgs(a, args)...)
 }
 
@@ -380,11 +392,15 @@ type tileLaunchPlan struct {
 }
 
 // tilePlan picks the tiled NVFP4 kernel for a GEMM of shape s: the
-// warp-specialised one above wsRows rows per expert on average, else the
-// 8-warp one above tile8Rows, else 16 warps.
-func tilePlan(act kernels.Activation, s kernels.GroupedGemmShape, tile8Rows, wsRows int) tileLaunchPlan {
+// warp-specialised one with 192-row tiles above ws192Rows rows per expert
+// on average, with 128-row tiles above wsRows, else the 8-warp one above
+// tile8Rows, else 16 warps.
+func tilePlan(act kernels.Activation, s kernels.GroupedGemmShape, tile8Rows, wsRows, ws192Rows int) tileLaunchPlan {
 	l := tileLaunchPlan{name: "gemm_fp4_tile", threads: 512, smem: tileSmem}
+	bm := tileBM
 	switch {
+	case s.R > ws192Rows*s.E:
+		l.name, l.threads, l.smem, bm = "gemm_fp4_ws192", 640, wsSmem192, 192
 	case s.R > wsRows*s.E:
 		l.name, l.smem = "gemm_fp4_ws", wsSmem
 	case s.R > tile8Rows*s.E:
@@ -395,8 +411,8 @@ func tilePlan(act kernels.Activation, s kernels.GroupedGemmShape, tile8Rows, wsR
 		l.name, cols = l.name+"_swiglu", 64
 	}
 	// X: an upper bound on the row tiles (each expert adds at most one
-	// partial tile to the R/tileBM full ones); blocks past the last exit.
-	l.grid = drv.Dim3{X: s.R/tileBM + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 1}
+	// partial tile to the R/bm full ones); blocks past the last exit.
+	l.grid = drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 1}
 	if splitK(s.Kp) {
 		l.name, l.grid.Z = l.name+"_ks2", 2
 	}

@@ -75,9 +75,10 @@ func TestStreamedGemm(t *testing.T) {
 	}
 	fp4W := map[string]kernels.NVFP4{"fc1_relu2": randFP4(E, I, H), "fc1_swiglu": randFP4(E, 2*I, H), "fc2": randFP4(E, H, I)}
 	bf16W := map[string]*kernels.Buffer{"fc1_relu2": randBF16(E, I, H), "fc2": randBF16(E, H, I)}
-	defer func(staged, generic bool, tile, tile8, ws, j int) {
-		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = staged, generic, tile, tile8, ws, j
-	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ)
+	defer func(staged, generic bool, tile, tile8, ws, ws192, j int) {
+		be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ = staged, generic, tile, tile8, ws,
+			ws192, j
+	}(be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ)
 	for _, c := range []struct {
 		w             string
 		act           kernels.Activation
@@ -141,25 +142,28 @@ func TestStreamedGemm(t *testing.T) {
 					tileRows int
 					tile8    int
 					ws       int
+					ws192    int
 					j        int
 				}
 				never := math.MaxInt32
-				variants := []variant{{"streamed", false, never, 0, never, 0}}
+				variants := []variant{{"streamed", false, never, 0, never, never, 0}}
 				if c.rows <= 8 && c.act != kernels.SwiGLU {
-					variants = append(variants, variant{"streamed_j1", false, never, 0, never, 1}, variant{"streamed_j2", false, never, 0, never, 2})
+					variants = append(variants, variant{"streamed_j1", false, never, 0, never, never, 1},
+						variant{"streamed_j2", false, never, 0, never, never, 2})
 				}
-				variants = append(variants, variant{"before", true, 0, 0, never, 0})
+				variants = append(variants, variant{"before", true, 0, 0, never, never, 0})
 				if recipe == "nvfp4" {
-					tiled := []variant{{"tiled", false, 0, never, never, 0}, {"tiled8", false, 0, 0, never, 0}}
+					tiled := []variant{{"tiled", false, 0, never, never, never, 0}, {"tiled8", false, 0, 0, never, never, 0}}
 					if be.hasWGMMA() {
-						tiled = append(tiled, variant{"tiledws", false, 0, 0, 0, 0})
+						tiled = append(tiled, variant{"tiledws", false, 0, 0, 0, never, 0}, variant{"tiledws192", false, 0, 0, 0, 0, 0})
 					}
 					variants = append(tiled, variants...)
 				}
 				outs := make([][]byte, len(variants))
 				times := make([]float64, len(variants))
 				for p, v := range variants {
-					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = v.old, v.old, v.tileRows, v.tile8, v.ws, v.j
+					be.fp4Staged, be.bf16Generic, be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ = v.old, v.old, v.tileRows,
+						v.tile8, v.ws, v.ws192, v.j
 					out := moetest.Alloc(t, be, kernels.BF16, R, outN)
 					i := 0
 					d, err := be.Time(iters, func() error { i++; return run(out, i) })
@@ -225,10 +229,14 @@ func TestStreamSmemFits(t *testing.T) {
 		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
 	// gemm_fp4_ws: ptxas reports 4096 bytes of static arrays (the 1024-byte
-	// alignment of the dynamic ring pads them).
+	// alignment of the dynamic ring pads them); gemm_fp4_ws192 has 256
+	// bytes more of row sources (not compiled yet: a 1024-byte margin).
 	const staticWS = 4096
 	if got := wsSmem + staticWS; got > optin {
 		t.Errorf("warp-specialised tiled kernel: %d bytes of shared memory, more than %d", got, optin)
+	}
+	if got := wsSmem192 + staticWS + 1024; got > optin {
+		t.Errorf("warp-specialised tiled kernel, 192 rows: %d bytes of shared memory, more than %d", got, optin)
 	}
 	// NVFP4 16-row tiles keep a shorter ring so that four blocks fit in
 	// an SM's 228 KiB (each block also takes 1 KiB the driver reserves;
@@ -260,9 +268,9 @@ func TestStreamSmemFits(t *testing.T) {
 // partly zero-filled; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
-	defer func(tile, tile8, ws, j int) {
-		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = tile, tile8, ws, j
-	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ)
+	defer func(tile, tile8, ws, ws192, j int) {
+		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ = tile, tile8, ws, ws192, j
+	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
 	// 2096: rows of half 16-byte units; 8256: a block's half of K (33
@@ -302,8 +310,8 @@ func TestGroupedGemmInvariance(t *testing.T) {
 			if act == kernels.SwiGLU {
 				outN = N / 2
 			}
-			run := func(perExpert, tileRows, tile8Rows, wsRows, j int) [][]byte {
-				be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.streamJ = tileRows, tile8Rows, wsRows, j
+			run := func(perExpert, tileRows, tile8Rows, wsRows, ws192Rows, j int) [][]byte {
+				be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ = tileRows, tile8Rows, wsRows, ws192Rows, j
 				R := E * perExpert
 				offs, gather := make([]int32, E+1), make([]int32, R)
 				for e := range E {
@@ -328,33 +336,37 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				return rows
 			}
 			never := math.MaxInt32
-			alone := run(1, never, 0, never, 0)
+			alone := run(1, never, 0, never, never, 0)
 			type kase struct {
-				name                          string
-				perExpert, tile, tile8, ws, j int
+				name                                 string
+				perExpert, tile, tile8, ws, ws192, j int
 			}
 			cases := []kase{
 				// 1 row per expert: j = 1 by the launch's size (8 or 16 blocks), or forced.
-				{"streamed with two n8 tiles a warp, 1 row per expert", 1, never, 0, never, 2},
-				{"streamed with one n8 tile a warp, 1 row per expert", 1, never, 0, never, 1},
-				{"streamed, 3 rows per expert (8-row staging)", 3, never, 0, never, 0},
-				{"streamed, 12 rows per expert (32-row tiles, four n8 tiles a warp, one m16 tile)", 12, never, 0, never, 0},
-				{"streamed, 20 rows per expert (32-row tiles, four n8 tiles a warp)", 20, never, 0, never, 0},
-				{"streamed, 80 rows per expert", 80, never, 0, never, 0},
-				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, never, never, 0},
-				{"tiled, 1 row per expert", 1, 0, never, never, 0}, // 0: every batch tiled
-				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, never, 0},
+				{"streamed with two n8 tiles a warp, 1 row per expert", 1, never, 0, never, never, 2},
+				{"streamed with one n8 tile a warp, 1 row per expert", 1, never, 0, never, never, 1},
+				{"streamed, 3 rows per expert (8-row staging)", 3, never, 0, never, never, 0},
+				{"streamed, 12 rows per expert (32-row tiles, four n8 tiles a warp, one m16 tile)", 12, never, 0, never, never, 0},
+				{"streamed, 20 rows per expert (32-row tiles, four n8 tiles a warp)", 20, never, 0, never, never, 0},
+				{"streamed, 80 rows per expert", 80, never, 0, never, never, 0},
+				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, never, never, never, 0},
+				{"tiled, 1 row per expert", 1, 0, never, never, never, 0}, // 0: every batch tiled
+				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, never, never, 0},
 			}
 			if be.hasWGMMA() {
-				cases = append(cases, kase{"warp-specialised wgmma tile, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, 0},
-					kase{"warp-specialised wgmma tile, 1 row per expert", 1, 0, 0, 0, 0})
+				cases = append(cases,
+					kase{"warp-specialised wgmma tile, 160 rows per expert (two tiles)", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, never, 0},
+					kase{"warp-specialised wgmma tile, 1 row per expert", 1, 0, 0, 0, never, 0},
+					kase{"warp-specialised wgmma 192-row tile, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, defaultWS192Rows, 0},
+					kase{"warp-specialised wgmma 192-row tile, 1 row per expert", 1, 0, 0, 0, 0, 0})
 			}
 			for _, c := range cases {
 				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows || c.tile8 == defaultTile8Rows && c.perExpert <= defaultTile8Rows ||
-					c.ws == defaultWSRows && c.perExpert <= defaultWSRows {
-					t.Fatalf("%s: at or below the default thresholds (%d, %d, %d): not the kernel named", c.name, defaultTileRows, defaultTile8Rows, defaultWSRows)
+					c.ws == defaultWSRows && c.perExpert <= defaultWSRows || c.ws192 == defaultWS192Rows && c.perExpert <= defaultWS192Rows {
+					t.Fatalf("%s: at or below the default thresholds (%d, %d, %d, %d): not the kernel named", c.name, defaultTileRows,
+						defaultTile8Rows, defaultWSRows, defaultWS192Rows)
 				}
-				got := run(c.perExpert, c.tile, c.tile8, c.ws, c.j)
+				got := run(c.perExpert, c.tile, c.tile8, c.ws, c.ws192, c.j)
 				for e := range E {
 					if string(alone[e]) != string(got[e]) {
 						t.Errorf("K %d, %v, expert %d: the row's output differs between 1 row per expert (streamed) and %s", K, act, e, c.name)
@@ -424,8 +436,8 @@ func TestStreamPlan(t *testing.T) {
 
 // TestTilePlan checks, without a GPU, which tiled NVFP4 kernel and grid
 // the host picks: on sm_90a (the default thresholds) the warp-specialised
-// kernel from 48 rows per expert, elsewhere (no wgmma) the 8-warp tile
-// above 96 and 16 warps below.
+// kernel from 48 rows per expert, with 192-row tiles from 96, elsewhere
+// (no wgmma) the 8-warp tile above 96 and 16 warps below.
 func TestTilePlan(t *testing.T) {
 	src, err := Source()
 	if err != nil {
@@ -444,21 +456,24 @@ func TestTilePlan(t *testing.T) {
 		act     kernels.Activation
 		s       kernels.GroupedGemmShape
 		wsRows  int
+		ws192   int
 		kern    string
 		grid    drv.Dim3
 		threads int
 		smem    int
 	}{
-		{"4096 tokens FC1, sm_90a", kernels.ReLU2, fc1(4096, I, I), defaultWSRows, "gemm_fp4_ws_ks2", drv.Dim3{X: 512, Y: 16, Z: 2}, 512, wsSmem},
-		{"4096 tokens FC1 SwiGLU, sm_90a", kernels.SwiGLU, fc1(4096, 2*I, I), defaultWSRows, "gemm_fp4_ws_swiglu_ks2", drv.Dim3{X: 512, Y: 32, Z: 2}, 512, wsSmem},
-		{"4096 tokens FC2, sm_90a", kernels.Identity, fc2(4096), defaultWSRows, "gemm_fp4_ws", drv.Dim3{X: 512, Y: 56, Z: 1}, 512, wsSmem},
-		{"2048 tokens FC2, sm_90a (64 rows per expert)", kernels.Identity, fc2(2048), defaultWSRows, "gemm_fp4_ws", drv.Dim3{X: 384, Y: 56, Z: 1}, 512, wsSmem},
-		{"1024 tokens FC2, sm_90a (32 rows per expert)", kernels.Identity, fc2(1024), defaultWSRows, "gemm_fp4_tile", drv.Dim3{X: 320, Y: 56, Z: 1}, 512, tileSmem},
-		{"4096 tokens FC1, no wgmma", kernels.ReLU2, fc1(4096, I, I), never, "gemm_fp4_tile_w8_ks2", drv.Dim3{X: 512, Y: 16, Z: 2}, 256, tileSmem},
-		{"2048 tokens FC2, no wgmma", kernels.Identity, fc2(2048), never, "gemm_fp4_tile", drv.Dim3{X: 384, Y: 56, Z: 1}, 512, tileSmem},
+		{"4096 tokens FC1, sm_90a", kernels.ReLU2, fc1(4096, I, I), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws192_ks2", drv.Dim3{X: 426, Y: 16, Z: 2}, 640, wsSmem192},
+		{"4096 tokens FC1 SwiGLU, sm_90a", kernels.SwiGLU, fc1(4096, 2*I, I), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws192_swiglu_ks2", drv.Dim3{X: 426, Y: 32, Z: 2}, 640, wsSmem192},
+		{"4096 tokens FC2, sm_90a", kernels.Identity, fc2(4096), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws192", drv.Dim3{X: 426, Y: 56, Z: 1}, 640, wsSmem192},
+		{"4096 tokens FC2, 128-row tiles", kernels.Identity, fc2(4096), defaultWSRows, never, "gemm_fp4_ws", drv.Dim3{X: 512, Y: 56, Z: 1}, 512, wsSmem},
+		{"4096 tokens FC1 SwiGLU, 128-row tiles", kernels.SwiGLU, fc1(4096, 2*I, I), defaultWSRows, never, "gemm_fp4_ws_swiglu_ks2", drv.Dim3{X: 512, Y: 32, Z: 2}, 512, wsSmem},
+		{"2048 tokens FC2, sm_90a (64 rows per expert)", kernels.Identity, fc2(2048), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws", drv.Dim3{X: 384, Y: 56, Z: 1}, 512, wsSmem},
+		{"1024 tokens FC2, sm_90a (32 rows per expert)", kernels.Identity, fc2(1024), defaultWSRows, defaultWS192Rows, "gemm_fp4_tile", drv.Dim3{X: 320, Y: 56, Z: 1}, 512, tileSmem},
+		{"4096 tokens FC1, no wgmma", kernels.ReLU2, fc1(4096, I, I), never, never, "gemm_fp4_tile_w8_ks2", drv.Dim3{X: 512, Y: 16, Z: 2}, 256, tileSmem},
+		{"2048 tokens FC2, no wgmma", kernels.Identity, fc2(2048), never, never, "gemm_fp4_tile", drv.Dim3{X: 384, Y: 56, Z: 1}, 512, tileSmem},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			p := tilePlan(c.act, c.s, defaultTile8Rows, c.wsRows)
+			p := tilePlan(c.act, c.s, defaultTile8Rows, c.wsRows, c.ws192)
 			if p.name != c.kern || p.grid != c.grid || p.threads != c.threads || p.smem != c.smem {
 				t.Errorf("%s grid %+v, %d threads, %d bytes; want %s grid %+v, %d threads, %d bytes", p.name, p.grid, p.threads, p.smem,
 					c.kern, c.grid, c.threads, c.smem)

@@ -2105,21 +2105,24 @@ GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 // warp dequantizes its share of a chunk, waits at the block barrier, then
 // reads its fragments and issues its MMAs, so the tensor cores idle while
 // the dequantization runs and the other way round (docs/MOE.md: no eligible
-// warp 68.6% of the cycles, tensor pipe 32% active). gw_gemm computes the
-// same 128 x 128 tile with the work split by role:
+// warp 68.6% of the cycles, tensor pipe 32% active). gw_gemm computes a
+// 64 MT x 128 tile (MT = 2: the same 128 x 128 tile) with the work split
+// by role:
 //  - warps 0-7 (producers) copy each 128-K chunk's raw NVFP4 codes and
 //    block scales GW_RAW chunks ahead into their own slots of shared
 //    memory with cp.async, and dequantize them into a ring of GW_STAGES
-//    stages (warp w: activation rows and weight rows 16w .. 16w + 15, a
-//    quarter of K of two of each a thread, so an expert's partial tile,
-//    with few activation rows, still spreads its weights over all eight).
+//    stages (warp w: rows 8w .. 8w + 7 of every 64-row band of the
+//    activations and of the weights, a quarter of K of one row of each
+//    band a thread, so a tile with few activation rows keeps the warps
+//    even).
 //    Loads into registers two chunks ahead were waited for at their first
 //    use all the same (ncu: the producers' largest stall, long scoreboard
 //    on the scale bytes), so only shapes cp.async cannot copy whole (K not
 //    a multiple of 128, unaligned operands) still load into registers;
-//  - warps 8-15 (two consumer warpgroups, 64 rows each) multiply each stage
-//    with Hopper's asynchronous warpgroup MMA (wgmma m64n128k16) from shared
-//    memory, one chunk's MMAs in flight while the next stage is awaited.
+//  - the MT consumer warpgroups after them (64 rows each) multiply each
+//    stage with Hopper's asynchronous warpgroup MMA (wgmma m64n128k16) from
+//    shared memory, one chunk's MMAs in flight while the next stage is
+//    awaited.
 // A stage passes between them through two mbarriers: full (256 producer
 // arrivals, each after its stores and a proxy fence, since wgmma reads
 // through the async proxy) and empty (one arrival a consumer warp, once
@@ -2136,12 +2139,16 @@ GT_KERNEL(gemm_fp4_tile_w8_swiglu, 8, true)
 // the fifth session's wgmma kernel, 61d8543: TestGroupedGemmInvariance), so
 // with the same slices in order, the same K split (ks2_add) and the same
 // epilogue every output has gt_gemm's and g5_gemm's bits.
-#define GW_STAGES 2 // dequantized stages: 2 x 64 KB
-#define GW_OP 32768 // bytes of one operand's stage: 128 rows x 128 K of BF16
-#define GW_HALF 16384 // bytes of one half of its K
-#define GW_RAW 4 // raw chunks in flight a producer thread: 4 rows of 16 code and 4 scale bytes each
-// The dynamic shared memory: the stages, the raw slots and 1024 bytes to
-// align the stages (the host's wsSmem).
+// MT is the tile's rows in 64-row bands, one consumer warpgroup each: 2
+// (128 rows) or 3 (192 rows: at 4096 tokens an expert's 128 +- 11 rows
+// then take one tile, not a full one and one of about 10 rows that
+// dequantizes every weight row all the same).
+#define GW_STAGES 2 // dequantized stages
+#define GW_HALFB 16384 // bytes of half a chunk's K of the 128 weight rows, BF16
+#define GW_RAW(MT) ((MT) == 2 ? 4 : 2) // raw chunks in flight a producer thread (what shared memory leaves room for)
+// The dynamic shared memory: the stages (64 MT + 128 rows of 256 bytes),
+// the raw slots (256 producer threads x MT + 2 rows x 20 bytes a chunk)
+// and 1024 bytes to align the stages (the host's wsSmem, wsSmem192).
 
 // GWShare is one thread's raw share of a chunk: quarter t4 (16 code bytes,
 // block scales 2t4 and 2t4 + 1) of NR rows.
@@ -2172,17 +2179,18 @@ __device__ __forceinline__ void gw_load(GWShare<NR> &sh, const unsigned char *p,
 __device__ __forceinline__ unsigned gw_word(const uint4 &v, int w) { return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w; }
 
 // gw_store dequantizes a share into an operand's stage op (1024-byte
-// aligned), rows rbase + 8i + g: slice s's lo pair of quarter t4 is word
-// t4 of the row's K unit 2s, its hi pair word t4 of unit 2s + 1, the units
-// swizzled (rbase is a multiple of 8, so the row's x is g). A warp's
-// 4-byte stores of one slice fill 8 rows' units, all banks once.
+// aligned; its K halves half bytes apart), rows rbase + 64i + g: slice s's
+// lo pair of quarter t4 is word t4 of the row's K unit 2s, its hi pair
+// word t4 of unit 2s + 1, the units swizzled (rbase is a multiple of 8, so
+// the row's x is g). A warp's 4-byte stores of one slice fill 8 rows'
+// units, all banks once.
 template <int NR>
-__device__ __forceinline__ void gw_store(unsigned char *op, int rbase, const GWShare<NR> &sh, const int (&off)[NR], const unsigned *lut,
-                                         int g, int t4) {
+__device__ __forceinline__ void gw_store(unsigned char *op, int half, int rbase, const GWShare<NR> &sh, const int (&off)[NR],
+                                         const unsigned *lut, int g, int t4) {
 #pragma unroll
     for (int i = 0; i < NR; i++) {
         if (off[i] < 0) continue;
-        unsigned char *row = op + (rbase + 8 * i + g) * 128 + 4 * t4;
+        unsigned char *row = op + (rbase + 64 * i + g) * 128 + 4 * t4;
         const unsigned pair = sh.sf[i];
         const unsigned sc0 = lut[pair & 0xff], sc1 = lut[(pair >> 8) & 0xff];
 #pragma unroll
@@ -2190,8 +2198,8 @@ __device__ __forceinline__ void gw_store(unsigned char *op, int rbase, const GWS
             unsigned lo, hi;
             g5_slice4(gw_word(sh.q[i], s >> 1), s < 4 ? sc0 : sc1, s, lo, hi);
             const int j = 2 * (s & 3);
-            *reinterpret_cast<unsigned *>(row + (s >> 2) * GW_HALF + ((j ^ g) << 4)) = lo;
-            *reinterpret_cast<unsigned *>(row + (s >> 2) * GW_HALF + (((j + 1) ^ g) << 4)) = hi;
+            *reinterpret_cast<unsigned *>(row + (s >> 2) * half + ((j ^ g) << 4)) = lo;
+            *reinterpret_cast<unsigned *>(row + (s >> 2) * half + (((j + 1) ^ g) << 4)) = hi;
         }
     }
 }
@@ -2275,12 +2283,16 @@ __device__ __forceinline__ void mb_wait(unsigned a, unsigned parity) {
                  : "memory");
 }
 
-template <bool SWIGLU, bool CA, int KS>
+template <bool SWIGLU, bool CA, int KS, int MT>
 __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
                                         int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
                                         const int *stok, const float *swt, const int *sslots, int sT, int sk) {
-    constexpr int BM = 128, NT = 512, NP = 256; // threads; the first NP produce
+    // Threads: the first NP produce, the NC after them consume. A stage is
+    // the tile's BM activation rows (OPA bytes, K halves HALFA apart) and
+    // then the 128 weight rows.
+    constexpr int BM = 64 * MT, NP = 256, NC = 128 * MT, NT = NP + NC, NR = MT + 2;
+    constexpr int HALFA = BM * 128, OPA = 2 * HALFA, STAGE = OPA + 2 * GW_HALFB, RAW = GW_RAW(MT);
     extern __shared__ __align__(1024) unsigned char gw_dyn[]; // the ring, from the first 1024-byte boundary
     __shared__ int s_expert, s_row0, s_row1;
     __shared__ int s_src[BM];
@@ -2302,7 +2314,7 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
 #pragma unroll
         for (int s = 0; s < GW_STAGES; s++) {
             mb_init(full + 8 * s, NP);
-            mb_init(empty + 8 * s, (NT - NP) / 32);
+            mb_init(empty + 8 * s, NC / 32);
         }
     }
     __syncthreads();
@@ -2317,7 +2329,9 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
     const int cbeg = rank * half, cend = min(nch, cbeg + half);
 
     if (warp < NP / 32) {
-        // Producer warp w takes A rows and B rows n = 16w + 8i + g, i < 2.
+        // Producer warp w takes A rows n = 64i + 8w + g, i < MT, and B rows
+        // n = 64i + 8w + g, i < 2: each 64-row band spread over all eight
+        // warps, so a tile with few activation rows still keeps them even.
         // A rows past the tile's, or without a source, are left as they
         // are: their outputs are never written. B row n is (relu2) column
         // c0 + n, or (SwiGLU) gate column c0 + n for n < 64 and the up row
@@ -2326,16 +2340,20 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
         // the last row and are never written. Offsets are 32-bit: A's
         // within Ta * K / 2, B's within an expert's N * K / 2 (the host
         // checks both).
-        const int rbase = 16 * warp;
+        const int rbase = 8 * warp;
         const unsigned char *pa = static_cast<const unsigned char *>(A);
         const unsigned char *pb = static_cast<const unsigned char *>(W) + (long long)expert * N * (K / 2);
         const unsigned char *sb = wSF + (long long)expert * N * (K / 16);
-        int offa[2], offb[2];
+        int offa[MT], offb[2];
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int n = rbase + 8 * i + g;
+        for (int i = 0; i < MT; i++) {
+            const int n = 64 * i + rbase + g;
             const int a = s_src[n];
             offa[i] = n < nrows && a >= 0 ? a * (K / 2) : -1;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int n = 64 * i + rbase + g;
             const bool up = SWIGLU && n >= 64;
             const int col = min(SWIGLU ? c0 + (n & 63) : c0 + n, outN - 1);
             offb[i] = (up ? outN + col : col) * (K / 2);
@@ -2344,10 +2362,10 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
         unsigned ph = 0;
         // dequant stores a chunk's shares into stage st once the consumers
         // have freed it, and hands the stage over.
-        auto dequant = [&](const GWShare<2> &ra, const GWShare<2> &rb) {
+        auto dequant = [&](const GWShare<MT> &ra, const GWShare<2> &rb) {
             mb_wait(empty + 8 * st, ph ^ 1);
-            gw_store(ring + st * 2 * GW_OP, rbase, ra, offa, lut, g, t4);
-            gw_store(ring + st * 2 * GW_OP + GW_OP, rbase, rb, offb, lut, g, t4);
+            gw_store(ring + st * STAGE, HALFA, rbase, ra, offa, lut, g, t4);
+            gw_store(ring + st * STAGE + OPA, GW_HALFB, rbase, rb, offb, lut, g, t4);
             gw_proxy();
             mb_arrive(full + 8 * st);
             if (++st == GW_STAGES) {
@@ -2356,54 +2374,61 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
             }
         };
         if constexpr (CA) {
-            // Raw slots after the stages: slot r holds, for row i < 4 (A
+            // Raw slots after the stages: slot r holds, for row i < NR (A
             // rows, then B rows) and producer thread tid, 16 code bytes at
-            // rq[(4r + i) * NP + tid] and the aligned scale word holding
+            // rq[(NR r + i) * NP + tid] and the aligned scale word holding
             // its pair at rs[...] (so every warp's copy and read is
             // contiguous). Each thread reads back only what it copied, so
             // cp.async.wait_group is all the synchronisation they need.
-            uint4 *const rq = reinterpret_cast<uint4 *>(ring + GW_STAGES * 2 * GW_OP);
-            unsigned *const rs = reinterpret_cast<unsigned *>(rq + GW_RAW * 4 * NP);
-            const unsigned char *src[4], *ssrc[4];
-            bool has[4];
+            uint4 *const rq = reinterpret_cast<uint4 *>(ring + GW_STAGES * STAGE);
+            unsigned *const rs = reinterpret_cast<unsigned *>(rq + RAW * NR * NP);
+            const unsigned char *src[NR], *ssrc[NR];
+            bool has[NR];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int off = i < 2 ? offa[i] : offb[i - 2];
+            for (int i = 0; i < NR; i++) {
+                const int off = i < MT ? offa[i] : offb[i - MT];
                 has[i] = off >= 0;
-                src[i] = (i < 2 ? pa : pb) + max(off, 0) + 16 * t4;
-                ssrc[i] = (i < 2 ? aSF : sb) + max(off, 0) / 8 + 4 * (t4 >> 1);
+                src[i] = (i < MT ? pa : pb) + max(off, 0) + 16 * t4;
+                ssrc[i] = (i < MT ? aSF : sb) + max(off, 0) / 8 + 4 * (t4 >> 1);
             }
             auto issue = [&](int c, int r) { // chunk c into slot r; a group even past the end, so the waits count chunks
                 if (c < cend) {
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
+                    for (int i = 0; i < NR; i++) {
                         if (!has[i]) continue;
-                        cp_async(&rq[(4 * r + i) * NP + tid], src[i] + c * (G5_KC / 2), 16, true);
-                        cp_async4(&rs[(4 * r + i) * NP + tid], ssrc[i] + c * (G5_KC / 16), 4);
+                        cp_async(&rq[(NR * r + i) * NP + tid], src[i] + c * (G5_KC / 2), 16, true);
+                        cp_async4(&rs[(NR * r + i) * NP + tid], ssrc[i] + c * (G5_KC / 16), 4);
                     }
                 }
                 cp_async_commit();
             };
 #pragma unroll
-            for (int r = 0; r < GW_RAW; r++) issue(cbeg + r, r);
+            for (int r = 0; r < RAW; r++) issue(cbeg + r, r);
             int r = 0;
             for (int c = cbeg; c < cend; c++) {
-                cp_async_wait<GW_RAW - 1>(); // this thread's copies of chunk c have landed
-                GWShare<2> ra, rb;
+                cp_async_wait<RAW - 1>(); // this thread's copies of chunk c have landed
+                GWShare<MT> ra;
+                GWShare<2> rb;
+                const int sh = 16 * (t4 & 1); // this lane's pair in the scale word
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    GWShare<2> &sh = i < 2 ? ra : rb;
-                    sh.q[i & 1] = rq[(4 * r + i) * NP + tid];
-                    sh.sf[i & 1] = (rs[(4 * r + i) * NP + tid] >> (16 * (t4 & 1))) & 0xffffu;
+                for (int i = 0; i < MT; i++) {
+                    ra.q[i] = rq[(NR * r + i) * NP + tid];
+                    ra.sf[i] = (rs[(NR * r + i) * NP + tid] >> sh) & 0xffffu;
+                }
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    rb.q[i] = rq[(NR * r + MT + i) * NP + tid];
+                    rb.sf[i] = (rs[(NR * r + MT + i) * NP + tid] >> sh) & 0xffffu;
                 }
                 dequant(ra, rb);
-                issue(c + GW_RAW, r); // after dequant has read slot r
-                if (++r == GW_RAW) r = 0;
+                issue(c + RAW, r); // after dequant has read slot r
+                if (++r == RAW) r = 0;
             }
         } else {
             // Chunks c and c + 1 in two register sets, loaded two chunks ahead.
-            GWShare<2> ra0, rb0, ra1, rb1;
-            auto load = [&](GWShare<2> &ra, GWShare<2> &rb, int c) {
+            GWShare<MT> ra0, ra1;
+            GWShare<2> rb0, rb1;
+            auto load = [&](GWShare<MT> &ra, GWShare<2> &rb, int c) {
                 gw_load(ra, pa, aSF, offa, c, nfull, K, t4);
                 gw_load(rb, pb, sb, offb, c, nfull, K, t4);
             };
@@ -2429,7 +2454,7 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
 #pragma unroll
         for (int q = 0; q < 4; q++) acc[0][j][q] = 0.f;
     const bool mine = __shfl_sync(0xffffffffu, 64 * wm < nrows, 0); // this warpgroup has rows (warp-uniform, as above)
-    const unsigned long long da0 = gw_desc(sbase + wm * 64 * 128), db0 = gw_desc(sbase + GW_OP);
+    const unsigned long long da0 = gw_desc(sbase + wm * 64 * 128), db0 = gw_desc(sbase + OPA);
     int st = 0, prev = -1;
     unsigned ph = 0;
     for (int c = cbeg; c < cend; c++) {
@@ -2438,8 +2463,9 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
         if (mine) {
 #pragma unroll
             for (int s = 0; s < 8; s++) { // step s: K half s / 4, bytes 32 (s % 4) of its rows
-                const unsigned long long o = (unsigned long long)(st * 2 * GW_OP + (s >> 2) * GW_HALF + (s & 3) * 32) >> 4;
-                gw_mma(acc[0], da0 + o, db0 + o);
+                const unsigned long long oa = (unsigned long long)(st * STAGE + (s >> 2) * HALFA + (s & 3) * 32) >> 4;
+                const unsigned long long ob = (unsigned long long)(st * STAGE + (s >> 2) * GW_HALFB + (s & 3) * 32) >> 4;
+                gw_mma(acc[0], da0 + oa, db0 + ob);
             }
         }
         gw_commit();
@@ -2454,9 +2480,9 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
     gw_wait<0>(acc[0]);
 
     if constexpr (KS == 2) {
-        // ks2_add reuses the ring: both warpgroups' MMAs must be done.
-        asm volatile("bar.sync 1, %0;\n" ::"n"(NT - NP) : "memory");
-        if (!ks2_add<16, NT - NP>(&acc[0][0], reinterpret_cast<uint4 *>(ring), rank, tid - NP)) return;
+        // ks2_add reuses the ring: every consumer warpgroup's MMAs must be done.
+        asm volatile("bar.sync 1, %0;\n" ::"n"(NC) : "memory");
+        if (!ks2_add<16, NC>(&acc[0][0], reinterpret_cast<uint4 *>(ring), rank, tid - NP)) return;
     }
     g5_epilogue<1, 16, SWIGLU, true>(err, acc, 64 * wm + 16 * (cwarp & 3), c0, s_src, row0, row1, wScale[expert], aScale, act, out, outN,
                                      sacc, stok, swt, sslots, sT, sk, g, t4);
@@ -2464,20 +2490,24 @@ __device__ __forceinline__ void gw_gemm(int *err, const void *A, const unsigned 
 
 // CA for gw_gemm: whole chunks (K % 128 == 0) from 16-byte aligned A and
 // W, block scales 4-byte aligned (rows of K / 16 scale bytes then are too).
-#define GW_BODY(SWIGLU, KS)                                                                                                    \
+#define GW_BODY(SWIGLU, KS, MT)                                                                                                \
     const bool ca = K % 128 == 0 && ((reinterpret_cast<unsigned long long>(W) | reinterpret_cast<unsigned long long>(A)) & 15) == 0 && \
                     ((reinterpret_cast<unsigned long long>(wSF) | reinterpret_cast<unsigned long long>(aSF)) & 3) == 0;       \
     if (ca)                                                                                                                    \
-        gw_gemm<SWIGLU, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, \
-                                  swt, sslots, sT, sk);                                                                        \
+        gw_gemm<SWIGLU, true, KS, MT>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, \
+                                      stok, swt, sslots, sT, sk);                                                              \
     else                                                                                                                       \
-        gw_gemm<SWIGLU, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc,   \
-                                   stok, swt, sslots, sT, sk);
-#define GW_KERNEL(NAME, SWIGLU)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME G5_PARAMS { GW_BODY(SWIGLU, 1) }                                \
-    extern "C" __global__ void __launch_bounds__(512, 1) __cluster_dims__(1, 1, 2) NAME##_ks2 G5_PARAMS { GW_BODY(SWIGLU, 2) }
-GW_KERNEL(gemm_fp4_ws, false)
-GW_KERNEL(gemm_fp4_ws_swiglu, true)
+        gw_gemm<SWIGLU, false, KS, MT>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, \
+                                       stok, swt, sslots, sT, sk);
+#define GW_KERNEL(NAME, SWIGLU, MT)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256 + 128 * (MT), 1) NAME G5_PARAMS { GW_BODY(SWIGLU, 1, MT) }               \
+    extern "C" __global__ void __launch_bounds__(256 + 128 * (MT), 1) __cluster_dims__(1, 1, 2) NAME##_ks2 G5_PARAMS {       \
+        GW_BODY(SWIGLU, 2, MT)                                                                                                 \
+    }
+GW_KERNEL(gemm_fp4_ws, false, 2)
+GW_KERNEL(gemm_fp4_ws_swiglu, true, 2)
+GW_KERNEL(gemm_fp4_ws192, false, 3)
+GW_KERNEL(gemm_fp4_ws192_swiglu, true, 3)
 
 // ---- Dense GEMM for narrow outputs (the router) ----
 //
