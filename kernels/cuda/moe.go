@@ -371,9 +371,14 @@ const defaultWSRows = 48
 // defaultWS192Rows is the average rows per expert above which gemm_fp4_ws
 // takes 192-row tiles (gemm_fp4_ws192): at 4096 tokens (128 +- 11 rows an
 // expert) each expert is then one tile instead of a full one and one of
-// about 10 rows, which dequantizes every weight row all the same. Not
-// measured yet (written without a GPU, fifteenth session).
-const defaultWS192Rows = 96
+// about 10 rows, which dequantizes every weight row all the same: the
+// layer 12-13% faster there (sixteenth session, run1). Below, the 128-row
+// tile wins: its fourth warpgroup of registers is free and few experts
+// pass 128 rows. Measured on the H200 (run2, each kernel everywhere above
+// 48 rows): at 104 rows (3328 tokens) the 128-row tile 1.2% / 0.7% faster
+// (squared ReLU / SwiGLU), at 112 (3584 tokens) the 192-row one 1.2% /
+// 1.8%, hence the line at 104.
+const defaultWS192Rows = 104
 
 // tileLaunch launches gemm_fp4_tile_* or gemm_fp4_ws_* (K split over a
 // cluster of two like the streamed kernels, by K alone).

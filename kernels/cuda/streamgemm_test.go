@@ -436,7 +436,7 @@ func TestStreamPlan(t *testing.T) {
 
 // TestTilePlan checks, without a GPU, which tiled NVFP4 kernel and grid
 // the host picks: on sm_90a (the default thresholds) the warp-specialised
-// kernel from 48 rows per expert, with 192-row tiles from 96, elsewhere
+// kernel above 48 rows per expert, with 192-row tiles above 104, elsewhere
 // (no wgmma) the 8-warp tile above 96 and 16 warps below.
 func TestTilePlan(t *testing.T) {
 	src, err := Source()
@@ -467,6 +467,8 @@ func TestTilePlan(t *testing.T) {
 		{"4096 tokens FC2, sm_90a", kernels.Identity, fc2(4096), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws192", drv.Dim3{X: 426, Y: 56, Z: 1}, 640, wsSmem192},
 		{"4096 tokens FC2, 128-row tiles", kernels.Identity, fc2(4096), defaultWSRows, never, "gemm_fp4_ws", drv.Dim3{X: 512, Y: 56, Z: 1}, 512, wsSmem},
 		{"4096 tokens FC1 SwiGLU, 128-row tiles", kernels.SwiGLU, fc1(4096, 2*I, I), defaultWSRows, never, "gemm_fp4_ws_swiglu_ks2", drv.Dim3{X: 512, Y: 32, Z: 2}, 512, wsSmem},
+		{"3584 tokens FC2, sm_90a (112 rows per expert)", kernels.Identity, fc2(3584), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws192", drv.Dim3{X: 149 + 256, Y: 56, Z: 1}, 640, wsSmem192},
+		{"3328 tokens FC2, sm_90a (104 rows per expert)", kernels.Identity, fc2(3328), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws", drv.Dim3{X: 208 + 256, Y: 56, Z: 1}, 512, wsSmem},
 		{"2048 tokens FC2, sm_90a (64 rows per expert)", kernels.Identity, fc2(2048), defaultWSRows, defaultWS192Rows, "gemm_fp4_ws", drv.Dim3{X: 384, Y: 56, Z: 1}, 512, wsSmem},
 		{"1024 tokens FC2, sm_90a (32 rows per expert)", kernels.Identity, fc2(1024), defaultWSRows, defaultWS192Rows, "gemm_fp4_tile", drv.Dim3{X: 320, Y: 56, Z: 1}, 512, tileSmem},
 		{"4096 tokens FC1, no wgmma", kernels.ReLU2, fc1(4096, I, I), never, never, "gemm_fp4_tile_w8_ks2", drv.Dim3{X: 512, Y: 16, Z: 2}, 256, tileSmem},
