@@ -228,14 +228,14 @@ func TestStreamSmemFits(t *testing.T) {
 	if got := tileSmem + static; got > optin {
 		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
-	// gemm_fp4_ws: ptxas reports 4096 bytes of static arrays (the 1024-byte
-	// alignment of the dynamic ring pads them); gemm_fp4_ws192 has 256
-	// bytes more of row sources (not compiled yet: a 1024-byte margin).
+	// gemm_fp4_ws and gemm_fp4_ws192: ptxas reports 4096 bytes of static
+	// arrays for both (the 1024-byte alignment of the dynamic ring pads
+	// them; H200, sixteenth session).
 	const staticWS = 4096
 	if got := wsSmem + staticWS; got > optin {
 		t.Errorf("warp-specialised tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
-	if got := wsSmem192 + staticWS + 1024; got > optin {
+	if got := wsSmem192 + staticWS; got > optin {
 		t.Errorf("warp-specialised tiled kernel, 192 rows: %d bytes of shared memory, more than %d", got, optin)
 	}
 	// NVFP4 16-row tiles keep a shorter ring so that four blocks fit in
