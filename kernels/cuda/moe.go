@@ -374,10 +374,10 @@ const defaultWSRows = 48
 // about 10 rows, which dequantizes every weight row all the same: the
 // layer 12-13% faster there (sixteenth session, run1). Below, the 128-row
 // tile wins: 512 threads leave it up to 128 registers a thread against
-// 96, and few experts pass 128 rows. Measured on the H200 (run2, each kernel everywhere above
-// 48 rows): at 104 rows (3328 tokens) the 128-row tile 1.2% / 0.7% faster
-// (squared ReLU / SwiGLU), at 112 (3584 tokens) the 192-row one 1.2% /
-// 1.8%, hence the line at 104.
+// 96, and few experts pass 128 rows. Measured on the H200 (run2, each
+// kernel everywhere above 48 rows): at 104 rows (3328 tokens) the
+// 128-row tile 1.2% / 0.7% faster (squared ReLU / SwiGLU), at 112 (3584
+// tokens) the 192-row one 1.2% / 1.8%, hence the line at 104.
 const defaultWS192Rows = 104
 
 // tileLaunch launches gemm_fp4_tile_* or gemm_fp4_ws_* (K split over a
