@@ -259,10 +259,11 @@ func TestStreamSmemFits(t *testing.T) {
 // or both m16 tiles), 80 (streamed, 64-row tiles) and 160 (tiled, two 128-row tiles,
 // the second partial, with 16 and with 8 warps, and on sm_90a warp-specialised
 // on wgmma), and with the tiled kernels forced at 1 row per expert; its
-// output must not change by a bit. K 4096 takes gemm_fp4_ws's cp.async path
-// (K a multiple of 128), the others its register path. K 2096
-// and 2112 run in one block, 4096, 7200 and 7232 split over a cluster
-// (splitK); all but 4096 end in a partial chunk. 2096 and 7200 (K not a
+// output must not change by a bit. K 2048 (FC2's at the seed's shapes)
+// and 4096 take the warp-specialised tiles' cp.async path (K a multiple
+// of 128), without and with the K split; the others their register path.
+// K 2048, 2096 and 2112 run in one block, 4096, 7200 and 7232 split over a cluster
+// (splitK); all but 2048 and 4096 end in a partial chunk. 2096 and 7200 (K not a
 // multiple of 64) read the weights' block scales from global memory where
 // they are used, 2112 and 7232 copy them with the codes, the last chunk's
 // partly zero-filled; squared ReLU and SwiGLU.
@@ -276,7 +277,7 @@ func TestGroupedGemmInvariance(t *testing.T) {
 	// 2096: rows of half 16-byte units; 8256: a block's half of K (33
 	// chunks) is past G5_ROWCH (32), so one row per expert takes the
 	// 8-row staging instead of the ROW path (src/moe.cu g5_gemm).
-	for _, K := range []int{2048 + 48, 2048 + 64, 4096, 7168 + 32, 7168 + 64, 8192 + 64} {
+	for _, K := range []int{2048, 2048 + 48, 2048 + 64, 4096, 7168 + 32, 7168 + 64, 8192 + 64} {
 		if splitK(K) != (K >= 4096) {
 			t.Fatalf("K %d: splitK %v, the cases assume a split from 4096", K, splitK(K))
 		}
