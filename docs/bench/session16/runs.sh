@@ -1,6 +1,7 @@
 #!/bin/bash
-# The sixteenth session's five device runs, as run (the repeated ptxas and
-# sanitizer steps folded into ptxas_of and sanitize): each was .gpu/runN.sh
+# The sixteenth session's five device runs, as run (the repeated warm-up,
+# 4096-token A/B, ptxas and sanitizer steps folded into warm, ab4096,
+# ptxas_of and sanitize): each was .gpu/runN.sh
 # (`bash .gpu/runN.sh`, carry [".gpu"]), whose first line sourced
 # tools/gpurun/prelude.sh; binaries built with
 # `sh tools/gpurun/build.sh [-t] V REV`. Key: README.md.
@@ -9,17 +10,29 @@
 # ~100 s compile (`tar xzf .gpu/cubin.tgz` restores .cubin/).
 source tools/gpurun/prelude.sh
 
+# warm V: one tiny layer, so NVRTC compiles V's kernels into the cubin cache
+# before anything is timed.
+warm() {
+	.gpu/rw_$1 bench moe --device cuda --tokens 1 --hidden 512 --intermediate 256 --experts 16 --iters 1 --warmup 0 > $D/warm_$1.txt 2>&1
+}
+
+# ab4096 PREFIX "V1 V2": the layer at 4096 tokens, SwiGLU then squared
+# ReLU, each variant in the order given, into $D/PREFIX_V_A.{csv,txt}.
+ab4096() {
+	for a in swiglu relu2; do for v in $2; do
+	  timeout 60 .gpu/rw_$v bench moe --device cuda --tokens 4096 --activation $a --csv $D/$1_${v}_$a.csv > $D/$1_${v}_$a.txt 2>&1
+	  ts "bench $1 $v $a"; pack
+	done; done
+}
+
 run1() {
 	(nvcc -arch=sm_90a -std=c++17 -cubin -Xptxas -v -o /tmp/b.cubin .gpu/moe_b.cu > $D/ptxas_b.txt 2>&1; echo "rc $?" >> $D/ptxas_b.txt) &
 	for v in m b; do
-	(.gpu/rw_$v bench moe --device cuda --tokens 1 --hidden 512 --intermediate 256 --experts 16 --iters 1 --warmup 0 > $D/warm_$v.txt 2>&1) &
+	warm $v &
 	done
 	wait
 	ts warm; pack
-	for a in swiglu relu2; do for v in m b; do
-	  timeout 60 .gpu/rw_$v bench moe --device cuda --tokens 4096 --activation $a --csv $D/b_${v}_$a.csv > $D/b_${v}_$a.txt 2>&1
-	  ts "bench $v $a"; pack
-	done; done
+	ab4096 b "m b"
 	cd kernels/cuda
 	timeout 100 ../../.gpu/kcuda_b.test -test.v -test.count=1 -test.run 'TestStreamedGemm$/nvfp4_.*_rows(64|128)_' > $D/sg_b.txt 2>&1; echo "rc $?" >> $D/sg_b.txt
 	ts sg; pack
@@ -33,7 +46,7 @@ run1() {
 
 run2() {
 	(nvcc -arch=sm_90a -std=c++17 -cubin -Xptxas -v -o /tmp/b.cubin .gpu/moe_b.cu > /dev/null 2>&1; cuobjdump --dump-sass -fun gemm_fp4_ws192_swiglu_ks2 /tmp/b.cubin > $D/sass_ws192_swiglu_ks2.txt 2>&1) &
-	.gpu/rw_b bench moe --device cuda --tokens 1 --hidden 512 --intermediate 256 --experts 16 --iters 1 --warmup 0 > $D/warm_b.txt 2>&1
+	warm b
 	ts warm; tar czf $OUT/cubin.tgz .cubin; pack
 	for a in relu2 swiglu; do for v in n b; do
 	  timeout 80 .gpu/rw_$v bench moe --device cuda --tokens 3328,3584 --activation $a --csv $D/t_${v}_$a.csv > $D/t_${v}_$a.txt 2>&1
@@ -70,17 +83,14 @@ ptxas_of() {
 run3() {
 	tar xzf .gpu/cubin.tgz
 	ptxas_of g &
-	(.gpu/rw_g bench moe --device cuda --tokens 1 --hidden 512 --intermediate 256 --experts 16 --iters 1 --warmup 0 > $D/warm_g.txt 2>&1) &
+	warm g &
 	for a in relu2 swiglu; do
 	  timeout 170 .gpu/rw_m bench moe --device cuda --activation $a --compare-finalize --csv $D/table_m_$a.csv --plot $D/moe_$a.svg > $D/table_m_$a.txt 2>&1
 	  ts "table m $a"; pack
 	done
 	wait
 	ts warm_g; pack
-	for a in swiglu relu2; do for v in g m; do
-	  timeout 60 .gpu/rw_$v bench moe --device cuda --tokens 4096 --activation $a --csv $D/b_${v}_$a.csv > $D/b_${v}_$a.txt 2>&1
-	  ts "bench $v $a"; pack
-	done; done
+	ab4096 b "g m"
 	cd kernels/cuda
 	timeout 60 ../../.gpu/kcuda_g.test -test.v -test.count=1 -test.run 'TestGroupedGemmInvariance|TestConformanceTiled/ws' > $D/inv_g.txt 2>&1; echo "rc $?" >> $D/inv_g.txt
 	ts inv_g; pack
@@ -96,7 +106,7 @@ run3() {
 run4() {
 	tar xzf .gpu/cubin.tgz
 	ptxas_of g &
-	(.gpu/rw_g bench moe --device cuda --tokens 1 --hidden 512 --intermediate 256 --experts 16 --iters 1 --warmup 0 > $D/warm_g.txt 2>&1) &
+	warm g &
 	cd kernels/cuda
 	timeout 200 ../../.gpu/kcuda_m.test -test.v -test.count=1 -test.skip 'TestStreamedGemm$' > $D/kcuda_m.txt 2>&1; echo "rc $?" >> $D/kcuda_m.txt
 	ts kcuda_m; pack
@@ -108,10 +118,7 @@ run4() {
 	ts refit; pack
 	wait
 	ts warm_g; pack
-	for a in swiglu relu2; do for v in g m; do
-	  timeout 60 .gpu/rw_$v bench moe --device cuda --tokens 4096 --activation $a --csv $D/b_${v}_$a.csv > $D/b_${v}_$a.txt 2>&1
-	  ts "bench $v $a"; pack
-	done; done
+	ab4096 b "g m"
 	cd kernels/cuda
 	timeout 40 ../../.gpu/kcuda_g.test -test.v -test.count=1 -test.run 'TestGroupedGemmInvariance|TestConformanceTiled' > $D/inv_g.txt 2>&1; echo "rc $?" >> $D/inv_g.txt
 	ts inv_g; pack
@@ -138,7 +145,7 @@ sanitize() {
 run5() {
 	tar xzf .gpu/cubin.tgz
 	ptxas_of h &
-	(.gpu/rw_h bench moe --device cuda --tokens 1 --hidden 512 --intermediate 256 --experts 16 --iters 1 --warmup 0 > $D/warm_h.txt 2>&1) &
+	warm h &
 	for a in relu2 swiglu; do
 	  timeout 60 python3 tools/torch_moe_bench.py --tokens 4096 --activation $a --csv $D/torch_$a.csv > $D/torch_$a.txt 2>&1
 	  ts "torch $a"; pack
@@ -147,10 +154,7 @@ run5() {
 	ts warm_h; pack
 	for round in 1 2; do
 	  if [ $round = 1 ]; then order="h m"; else order="m h"; fi
-	  for a in swiglu relu2; do for v in $order; do
-	    timeout 60 .gpu/rw_$v bench moe --device cuda --tokens 4096 --activation $a --csv $D/b${round}_${v}_$a.csv > $D/b${round}_${v}_$a.txt 2>&1
-	    ts "bench $round $v $a"; pack
-	  done; done
+	  ab4096 b$round "$order"
 	done
 	cd kernels/cuda
 	timeout 90 ../../.gpu/kcuda_h.test -test.v -test.count=1 -test.skip 'TestStreamedGemm$' > $D/kcuda_h.txt 2>&1; echo "rc $?" >> $D/kcuda_h.txt
