@@ -96,10 +96,16 @@ type AttentionArgs struct {
 	Scale      float32
 }
 
+// UnsampledToken is the token Sample writes for a row it cannot draw from.
+const UnsampledToken = -1
+
 // SampleArgs draws one token per row of Logits.
 //
-// Row r samples with temperature Temperature[r] from p = softmax(logits /
-// T). The kept set is the TopK[r] most likely tokens (0: all), then the
+// Row r samples with temperature Temperature[r] from p = softmax(s), where
+// s_i = (logit_i - max logit) / T, each operation rounded to FP32: every s_i
+// is at most 0 and the largest is exactly 0, so any positive finite T works
+// (a tiny T concentrates p on the largest logits instead of overflowing).
+// The kept set is the TopK[r] most likely tokens (0: all), then the
 // shortest prefix of those whose cumulative probability reaches TopP[r]
 // (1: all, whatever the rounding of the sum); "most likely" orders by
 // descending probability, ties by ascending id. The draw is
@@ -110,9 +116,15 @@ type AttentionArgs struct {
 // last kept token if rounding leaves none). Without truncation no sort is
 // needed. Temperature 0 is greedy (argmax, lowest id on ties).
 //
-// LogProbs[r] is log softmax(logits / T)[token] over the whole vocabulary
-// (T = 1 when greedy): the temperature-scaled distribution before top-k and
-// top-p truncation, which is what a trainer recomputes.
+// LogProbs[r] is log softmax(s)[token] over the whole vocabulary (greedy:
+// log softmax(logits)): the temperature-scaled distribution before top-k
+// and top-p truncation, which is what a trainer recomputes.
+//
+// A row whose logits hold a NaN or +Inf, or are all -Inf, cannot be drawn
+// from: its token is UnsampledToken and its logprob NaN, and the other rows
+// are drawn as usual (a model that blows up on one sequence fails that
+// sequence only). Invalid parameters (temperature, top k, top p) are an
+// error of the whole call.
 type SampleArgs struct {
 	Logits      *Buffer // F32 [S, V]
 	Temperature *Buffer // F32 [S]

@@ -353,7 +353,6 @@ func (be *Backend) prepSample(a kernels.SampleArgs) (func() error, error) {
 				return fmt.Errorf("cpu: sample: row %d: top k %d: want 0 (all) up to the vocabulary, %d", r, topK[r], v)
 			}
 		}
-		errs := make([]error, rows)
 		be.parallel(rows, func(r int) {
 			p := sampleParams{
 				temp: temp[r], topK: int(topK[r]), topP: topP[r],
@@ -361,17 +360,11 @@ func (be *Backend) prepSample(a kernels.SampleArgs) (func() error, error) {
 				sampleID: uint32(ids[r]), position: uint32(pos[r]),
 			}
 			tok, lp, err := sampleRow(logits[r*v:(r+1)*v], p)
-			if err != nil {
-				errs[r] = fmt.Errorf("cpu: sample: row %d: %w", r, err)
-				return
+			if err != nil { // this row only: the others are drawn as usual
+				tok, lp = kernels.UnsampledToken, float32(math.NaN())
 			}
 			tokens[r], lps[r] = int32(tok), lp
 		})
-		for _, err := range errs {
-			if err != nil {
-				return err
-			}
-		}
 		return nil
 	}, nil
 }
@@ -466,23 +459,17 @@ func sampleRow(logits []float32, p sampleParams) (int, float32, error) {
 		return best, float32(float64(logits[best]) - logSumExp(logits, m)), nil
 	}
 
+	// Scaled logits s = (logit - max) / T in FP32: at most 0, so no
+	// temperature overflows them; the maximum is exactly 0 and z >= 1.
 	v := len(logits)
+	lmax := float32(m)
 	prob := make([]float64, v)
-	m = math.Inf(-1)
 	for i, l := range logits {
-		s := l / p.temp
-		if math.IsInf(float64(s), 1) {
-			return 0, 0, fmt.Errorf("logit %d / temperature %v overflows FP32", i, p.temp)
-		}
-		prob[i] = float64(s)
-		m = max(m, prob[i])
-	}
-	if math.IsInf(m, -1) {
-		return 0, 0, fmt.Errorf("every logit / temperature %v is -Inf", p.temp)
+		prob[i] = float64(scaled(l, lmax, p.temp))
 	}
 	var z float64
 	for i, s := range prob {
-		prob[i] = math.Exp(s - m)
+		prob[i] = math.Exp(s)
 		z += prob[i]
 	}
 	logZ := math.Log(z)
@@ -524,8 +511,12 @@ func sampleRow(logits []float32, p sampleParams) (int, float32, error) {
 			break
 		}
 	}
-	return tok, float32(float64(logits[tok]/p.temp) - m - logZ), nil
+	return tok, float32(float64(scaled(logits[tok], lmax, p.temp)) - logZ), nil
 }
+
+// scaled is a logit of a row whose largest logit is lmax, at temperature t,
+// as Sample defines it: (l - lmax) / t, each operation rounded to FP32.
+func scaled(l, lmax, t float32) float32 { return float32(l-lmax) / t }
 
 // before reports whether token a comes before token b in sampling order:
 // higher probability first, ties by lower id.

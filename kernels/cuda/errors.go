@@ -59,11 +59,6 @@ var devErrors = map[int32]func(a, b, c int32) string{
 	15: func(a, b, c int32) string {
 		return fmt.Sprintf("sample: row %d: top k %d: want 0 (all) up to the vocabulary, %d", a, b, c)
 	},
-	16: func(a, b, c int32) string { return fmt.Sprintf("sample: row %d: logit %d is %v", a, b, f32(c)) },
-	17: func(a, b, c int32) string { return fmt.Sprintf("sample: row %d: every logit is -Inf", a) },
-	18: func(a, b, c int32) string {
-		return fmt.Sprintf("sample: row %d: logit %d / temperature %v overflows FP32", a, b, f32(c))
-	},
 	19: func(a, b, c int32) string {
 		return fmt.Sprintf("logprobs: row %d: token %d, vocabulary is %d", a, b, c)
 	},

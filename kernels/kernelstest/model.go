@@ -547,6 +547,70 @@ func testSample(t *testing.T, be kernels.Backend) {
 		}
 	})
 
+	t.Run("extreme temperatures", func(t *testing.T) {
+		// Every temperature a request may carry, down to the smallest
+		// subnormal: tiny ones put all the probability on the largest
+		// logit (logprob 0), the largest spreads it nearly evenly.
+		logits := []float32{-3e38, -1, 0, 2.5, 2.5 - 1.0/(1<<21), 1e-7, 3e38, -float32(math.Inf(1))}
+		var rows []sampleRow
+		for i, temp := range []float32{math.SmallestNonzeroFloat32, 1e-38, 1e-30, 1e-6, 0.01} {
+			rows = append(rows, sampleRow{logits: logits, temp: temp, topP: 1, seed: 9, id: int32(i), pos: 5})
+		}
+		mild := []float32{1, 2, 3, 4, 2.5 + 1.0/(1<<21), 2.5, 0, -1}
+		for i, temp := range []float32{math.SmallestNonzeroFloat32, 1e-30, 1e-6} {
+			rows = append(rows, sampleRow{logits: mild, temp: temp, topK: int32(i), topP: 1, seed: 10, id: int32(i), pos: 6})
+		}
+		rows = append(rows, sampleRow{logits: mild, temp: 1e6, topP: 1, seed: 11, pos: 7})
+		tokens, lps := runSample(t, be, rows)
+		for i, row := range rows[:len(rows)-1] {
+			want := argmax(row.logits)
+			if int(tokens[i]) != want || lps[i] != 0 {
+				t.Fatalf("row %d (T %v): token %d logprob %v, want the argmax %d with logprob 0", i, row.temp, tokens[i], lps[i], want)
+			}
+		}
+		last := len(rows) - 1
+		if tokens[last] < 0 || int(tokens[last]) >= len(mild) {
+			t.Fatalf("T 1e6: token %d, want one of the vocabulary", tokens[last])
+		}
+		checkLogProb(t, "T 1e6", lps[last], refLogSoftmax(mild, 1e6)[tokens[last]])
+	})
+
+	t.Run("unsampleable rows fail alone", func(t *testing.T) {
+		const V = 40
+		inf := float32(math.Inf(1))
+		good := sampleRow{logits: randLogits(V), temp: 0.8, topK: 7, topP: 0.9, seed: 12, id: 1, pos: 3}
+		greedy := sampleRow{logits: randLogits(V), topP: 1}
+		poison := func(set func(l []float32)) []float32 {
+			l := randLogits(V)
+			set(l)
+			return l
+		}
+		bad := []sampleRow{
+			{logits: poison(func(l []float32) { l[17] = float32(math.NaN()) }), temp: 1, topP: 1},
+			{logits: poison(func(l []float32) { l[0] = inf }), temp: 0.5, topP: 1},
+			{logits: poison(func(l []float32) { l[V-1] = float32(math.NaN()) }), topP: 1}, // greedy
+			{logits: poison(func(l []float32) {
+				for i := range l {
+					l[i] = -inf
+				}
+			}), temp: 1, topP: 1},
+		}
+		rows := append([]sampleRow{good}, bad...)
+		rows = append(rows, greedy)
+		tokens, lps := runSample(t, be, rows)
+		for i := 1; i <= len(bad); i++ {
+			if tokens[i] != kernels.UnsampledToken || !math.IsNaN(float64(lps[i])) {
+				t.Fatalf("bad row %d: token %d logprob %v, want %d and NaN", i, tokens[i], lps[i], kernels.UnsampledToken)
+			}
+		}
+		for _, i := range []int{0, len(rows) - 1} {
+			tok, lp := runSample(t, be, rows[i:i+1])
+			if tok[0] != tokens[i] || math.Float32bits(lp[0]) != math.Float32bits(lps[i]) {
+				t.Fatalf("row %d: alone %d (%v), next to unsampleable rows %d (%v)", i, tok[0], lp[0], tokens[i], lps[i])
+			}
+		}
+	})
+
 	t.Run("statistics", func(t *testing.T) {
 		// V = 4 with probabilities 0.1 .. 0.4; each case draws n tokens at
 		// n positions and checks the frequencies within 5 sigma.

@@ -29,9 +29,6 @@ typedef unsigned short bf16_t; // BF16 bit pattern, as stored in buffers
 #define E_SAMPLE_TEMP 13
 #define E_SAMPLE_TOPP 14
 #define E_SAMPLE_TOPK 15
-#define E_SAMPLE_LOGIT 16
-#define E_SAMPLE_ALLNEG 17
-#define E_SAMPLE_OVERFLOW 18
 #define E_LOGPROBS_TOKEN 19
 #define E_LOGPROBS_LOGIT 20
 #define E_LOGPROBS_ALLNEG 21

@@ -460,13 +460,20 @@ __device__ __forceinline__ void model_select_bin(const unsigned long long *hist,
 
 #define MODEL_SAMPLE_THREADS 1024
 
+// model_scaled is a sampled row's scaled logit, as kernels.SampleArgs
+// defines it: (l - lmax) / T, each operation rounded to FP32 (the CPU
+// backend's scaled). With lmax 0 and T 1 it is l itself.
+__device__ __forceinline__ float model_scaled(float l, float lmax, float T) { return __fdiv_rn(__fsub_rn(l, lmax), T); }
+
 // model_sample draws one token per row, as kernels.SampleArgs and the CPU
-// backend's Sample document. Validation: temperature, top p, top k, then
-// the logits (NaN/+Inf, overflow of logit/T, all -Inf); a failing row is
-// reported and skipped. Greedy rows take the argmax (lowest id on ties).
+// backend's Sample document. Validation: temperature, top p, top k (a bad
+// parameter is reported in the error word and the row skipped), then the
+// logits: a row with a NaN or +Inf logit, or only -Inf ones, gets token -1
+// and logprob NaN, and nothing is reported (it fails that row only).
+// Greedy rows take the argmax (lowest id on ties).
 //
-// Otherwise scaled s = logit / T (FP32), probabilities exp(s - max) / z in
-// float64. The kept set is described by a key threshold kF and a tie count
+// Otherwise scaled s = (logit - max logit) / T (model_scaled, FP32: at most
+// 0, so no temperature overflows it), probabilities exp(s) / z in float64. The kept set is described by a key threshold kF and a tie count
 // nF: token i is kept when key(s_i) > kF, or key(s_i) == kF and it is one of
 // the first nF tokens (in id order) with that key. Without truncation kF =
 // 0 keeps every token, with no sort and no selection pass.
@@ -488,6 +495,7 @@ extern "C" __global__ void __launch_bounds__(MODEL_SAMPLE_THREADS)
 model_sample(int *err, const float *logits, const float *temperature, const int *topK, const float *topP,
              const int *seeds, const int *sampleIDs, const int *positions, int *tokens, float *logprobs, int V) {
     __shared__ double scrD[33];
+    __shared__ float scrF[33];
     __shared__ unsigned long long scrU[33];
     __shared__ int scrI[33];
     __shared__ unsigned long long hist[256];
@@ -515,48 +523,41 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
         return;
     }
     const bool greedy = temp == 0.0f;
-    const float T = greedy ? 1.0f : temp; // logit / 1 is exact: greedy works on the raw logits
 
-    // Pass 1: validity, the maximum of s, and the greedy argmax (largest
+    // Pass 1: validity, the largest logit, and the greedy argmax (largest
     // key, then lowest id: the low word holds ~id).
-    int badIdx = V, ovIdx = V;
-    float smax = -MODEL_INF;
+    int bad = 0;
+    float lmax = -MODEL_INF;
     unsigned long long best = 0;
     for (int i = tid; i < V; i += blockDim.x) {
         const float l = row[i];
         if (l != l || l == MODEL_INF) {
-            badIdx = min(badIdx, i);
+            bad = 1;
             continue;
         }
-        const float s = __fdiv_rn(l, T);
-        if (s == MODEL_INF) {
-            ovIdx = min(ovIdx, i);
-            continue;
-        }
-        smax = fmaxf(smax, s);
-        const unsigned long long kk = ((unsigned long long)model_key(s) << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
+        lmax = fmaxf(lmax, l);
+        const unsigned long long kk = ((unsigned long long)model_key(l) << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
         best = kk > best ? kk : best;
     }
-    badIdx = block_reduce(badIdx, scrI, model_OpMin());
-    ovIdx = block_reduce(ovIdx, scrI, model_OpMin());
+    bad = block_reduce(bad, scrI, OpMax());
     best = block_reduce(best, scrU, OpMax());
-    const double m = block_reduce((double)smax, scrD, OpMax());
-    if (badIdx < V) {
-        if (tid == 0) report(err, E_SAMPLE_LOGIT, r, badIdx, __float_as_int(row[badIdx]));
+    lmax = block_reduce(lmax, scrF, OpMax());
+    if (bad || lmax == -MODEL_INF) {
+        if (tid == 0) {
+            tokens[r] = -1;
+            logprobs[r] = __int_as_float(0x7fc00000); // NaN
+        }
         return;
     }
-    if (ovIdx < V) {
-        if (tid == 0) report(err, E_SAMPLE_OVERFLOW, r, ovIdx, __float_as_int(temp));
-        return;
-    }
-    if (m == -(double)MODEL_INF) {
-        if (tid == 0) report(err, E_SAMPLE_ALLNEG, r, 0, 0);
-        return;
-    }
+    // Greedy works on the raw logits (s = logit, max lmax); sampling on
+    // model_scaled, whose maximum is exactly 0.
+    const float T = greedy ? 1.0f : temp;
+    const float shift = greedy ? 0.0f : lmax;
+    const double m = greedy ? (double)lmax : 0.0;
 
     // Pass 2: z = sum exp(s - max), float64, fixed order.
     double z = 0.0;
-    for (int i = tid; i < V; i += blockDim.x) z += exp((double)__fdiv_rn(row[i], T) - m);
+    for (int i = tid; i < V; i += blockDim.x) z += exp((double)model_scaled(row[i], shift, T) - m);
     z = block_reduce(z, scrD, OpAdd());
     const double logZ = log(z);
 
@@ -587,7 +588,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
             for (int base = 0; base < V; base += blockDim.x) { // uniform trip count: whole warps reach the match
                 const int i = base + tid;
                 const bool valid = i < V;
-                const unsigned key = valid ? model_key(__fdiv_rn(row[i], T)) : 0u;
+                const unsigned key = valid ? model_key(model_scaled(row[i], shift, T)) : 0u;
                 const bool match = valid && model_prefix_match(key, prefix, shift);
                 const unsigned bin = match ? ((key >> shift) & 255u) : 256u;
                 const unsigned mask = __match_any_sync(MODEL_FULL, bin);
@@ -611,7 +612,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     int tieBase = 0, tieTotal = 0;
     auto countTies = [&]() {
         int mine = 0;
-        for (int i = b0; i < b1; i++) mine += model_key(__fdiv_rn(row[i], T)) == kF;
+        for (int i = b0; i < b1; i++) mine += model_key(model_scaled(row[i], shift, T)) == kF;
         tieBase = model_block_exscan(mine, scrI, &tieTotal);
     };
 
@@ -630,7 +631,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
             for (int j = 0; j < seg; j++) { // uniform trip count: whole warps reach the match
                 const int i = b0 + j;
                 const bool valid = i < b1;
-                const float s = valid ? __fdiv_rn(row[i], T) : 0.0f;
+                const float s = valid ? model_scaled(row[i], shift, T) : 0.0f;
                 const unsigned key = model_key(s);
                 const bool kept = valid && (key > kF || (key == kF && tieBase + seen < nF));
                 if (valid && key == kF) seen++;
@@ -675,7 +676,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     {
         int seen = 0;
         for (int i = b0; i < b1; i++) {
-            const float s = __fdiv_rn(row[i], T);
+            const float s = model_scaled(row[i], shift, T);
             const unsigned key = model_key(s);
             const bool kept = key > kF || (key == kF && tieBase + seen < nF);
             if (key == kF) seen++;
@@ -698,7 +699,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
         int seen = 0;
         double cum = start;
         for (int i = b0; i < b1; i++) {
-            const float s = __fdiv_rn(row[i], T);
+            const float s = model_scaled(row[i], shift, T);
             const unsigned key = model_key(s);
             const bool kept = key > kF || (key == kF && tieBase + seen < nF);
             if (key == kF) seen++;
@@ -716,7 +717,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     if (tid == 0) {
         const int tok = pick < V ? pick : lastKept; // rounding left no crossing: the last kept token
         tokens[r] = tok;
-        logprobs[r] = (float)(((double)__fdiv_rn(row[tok], T) - m) - logZ); // the CPU's form
+        logprobs[r] = (float)((double)model_scaled(row[tok], shift, T) - logZ); // the CPU's form (m is 0)
     }
 }
 
