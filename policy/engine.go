@@ -8,6 +8,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/rollout-worker/rollout-worker/kernels"
 )
 
 // FinishReason says why a sample ended.
@@ -18,6 +20,10 @@ const (
 	FinishStop   FinishReason = "stop"   // a stop token was produced (it is included)
 	FinishLength FinishReason = "length" // max_tokens was reached
 	FinishAbort  FinishReason = "abort"  // the request was aborted or the engine stopped
+	// FinishError: the model's logits for this sample could not be sampled
+	// (NaN or +Inf, or all -Inf); Sample.Err says where. The request's other
+	// samples are aborted; the engine and other requests go on.
+	FinishError FinishReason = "error"
 )
 
 // Sentinel errors.
@@ -57,6 +63,8 @@ type Sample struct {
 	// Routed[i][layer*k + j]: the experts of the forward pass that produced
 	// token i (RoutedExperts only).
 	Routed [][]int32
+	// Err says why a sample ended with FinishError.
+	Err string
 }
 
 // Handle is a submitted request's result stream.
@@ -128,20 +136,21 @@ type EngineStats struct {
 	GraphSteps  uint64 // of which replayed from a captured graph
 	Tokens      uint64 // tokens forwarded (prompt and decode)
 	Generated   uint64 // tokens sampled
+	Failed      uint64 // samples ended with FinishError
 	KVPagesUsed int64  // pages held by sequences after the last step
 	Waiting     int64  // requests waiting for admission after the last step
 	Running     int64  // samples decoding after the last step
 }
 
 type engineStats struct {
-	steps, graphSteps, tokens, generated atomic.Uint64
-	pages, waiting, running              atomic.Int64
+	steps, graphSteps, tokens, generated, failed atomic.Uint64
+	pages, waiting, running                      atomic.Int64
 }
 
 // Stats returns the loop's counters; safe from any goroutine.
 func (e *Engine) Stats() EngineStats {
 	return EngineStats{Steps: e.stats.steps.Load(), GraphSteps: e.stats.graphSteps.Load(), Tokens: e.stats.tokens.Load(),
-		Generated: e.stats.generated.Load(), KVPagesUsed: e.stats.pages.Load(), Waiting: e.stats.waiting.Load(), Running: e.stats.running.Load()}
+		Generated: e.stats.generated.Load(), Failed: e.stats.failed.Load(), KVPagesUsed: e.stats.pages.Load(), Waiting: e.stats.waiting.Load(), Running: e.stats.running.Load()}
 }
 
 type request struct {
@@ -671,9 +680,18 @@ func (e *Engine) fork(r *request) ([]*seq, error) {
 	return seqs, nil
 }
 
-// emit appends a drawn token to s and reports whether s goes on.
+// emit appends a drawn token to s and reports whether s goes on. A row the
+// sampler could not draw from ends s with FinishError and aborts the rest
+// of its request: a numeric failure fails that request only.
 func (e *Engine) emit(s *seq, tok int32, lp float32, routing [][]int32, row int) bool {
 	p := s.r.Params
+	if tok == kernels.UnsampledToken {
+		s.out.Err = fmt.Sprintf("sample %d, token %d: the model's logits are not finite (NaN or +Inf, or all -Inf): nothing to sample from", s.index, len(s.out.Tokens))
+		s.r.h.Abort()
+		e.stats.failed.Add(1)
+		e.finish(s, FinishError)
+		return false
+	}
 	s.out.Tokens = append(s.out.Tokens, tok)
 	s.out.LogProbs = append(s.out.LogProbs, lp)
 	s.out.Versions = append(s.out.Versions, e.version.Load())

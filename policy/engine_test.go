@@ -598,3 +598,79 @@ func TestGraphsAcrossWeightCommit(t *testing.T) {
 		t.Fatalf("graph stats %+v after the commit, %+v before", st, before)
 	}
 }
+
+// TestNumericFailureFailsOnlyItsRequest: a request whose logits turn
+// non-finite (here a NaN embedding row for one of its prompt tokens) ends
+// with one FinishError sample and the rest aborted, while the requests
+// beside it in the same steps, including one at the smallest positive
+// temperature, run as they would alone, and the engine goes on.
+func TestNumericFailureFailsOnlyItsRequest(t *testing.T) {
+	cfg := testConfig()
+	m := newRandomModel(t, cfg, testOptions(), 1)
+	const poisoned = 5
+	emb, err := m.Resolve("model.embed_tokens.weight")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nan := make([]byte, 2*cfg.Hidden)
+	for i := 0; i < len(nan); i += 2 {
+		binary.LittleEndian.PutUint16(nan[i:], 0x7fc0)
+	}
+	if err := m.Backend().Upload(emb.Buffer, emb.Offset+poisoned*len(nan), nan); err != nil {
+		t.Fatal(err)
+	}
+	clean := func(seed uint64) []int32 {
+		p := prompt(seed, 9, cfg.VocabSize)
+		for i := range p {
+			if p[i] == poisoned {
+				p[i]++
+			}
+		}
+		return p
+	}
+	good := Request{ID: "good", Prompt: clean(1), N: 3, Params: SamplingParams{Temperature: 0.9, TopP: 0.95, MaxTokens: 12, Seed: 7}}
+	cold := Request{ID: "cold", Prompt: clean(2), N: 2, Params: SamplingParams{Temperature: math.SmallestNonzeroFloat32, TopP: 1, MaxTokens: 12, Seed: 8}}
+	greedy := cold
+	greedy.ID, greedy.Params.Temperature = "greedy", 0
+	bad := Request{ID: "bad", Prompt: append(clean(3), poisoned, 1, 2), N: 4, Params: SamplingParams{Temperature: 1, TopP: 1, MaxTokens: 12, Seed: 9}}
+
+	e := startEngine(t, m, EngineConfig{})
+	alone := generate(t, e, good)
+	greedyOut := generate(t, e, greedy)
+	together := generateAll(t, e, []Request{good, bad, cold})
+	if err := sameSamples(alone, together[0]); err != nil {
+		t.Fatalf("a request beside a failing one: %v", err)
+	}
+	failed := 0
+	for _, s := range together[1] {
+		switch s.Finish {
+		case FinishError:
+			failed++
+			if !strings.Contains(s.Err, "not finite") || len(s.Tokens) != 0 {
+				t.Errorf("failed sample %d: %d tokens, error %q", s.Index, len(s.Tokens), s.Err)
+			}
+		case FinishAbort:
+		default:
+			t.Errorf("poisoned request's sample %d finished %s, want error or abort", s.Index, s.Finish)
+		}
+	}
+	if failed == 0 || len(together[1]) != bad.N {
+		t.Fatalf("poisoned request: %d samples, %d failed; want %d samples and at least one failure", len(together[1]), failed, bad.N)
+	}
+	for i, s := range together[2] {
+		if s.Finish != FinishLength || !slices.Equal(s.Tokens, greedyOut[i].Tokens) {
+			t.Fatalf("temperature %v sample %d: %v (%s), want the greedy tokens %v", cold.Params.Temperature, i, s.Tokens, s.Finish, greedyOut[i].Tokens)
+		}
+		for j, lp := range s.LogProbs {
+			if lp != 0 {
+				t.Fatalf("temperature %v sample %d token %d: logprob %v, want 0 (all the probability on the argmax)", cold.Params.Temperature, i, j, lp)
+			}
+		}
+	}
+	if err := sameSamples(alone, generate(t, e, good)); err != nil {
+		t.Fatalf("after the failure: %v", err)
+	}
+	if st := e.Stats(); st.Failed != uint64(failed) {
+		t.Fatalf("Stats().Failed = %d, want %d", st.Failed, failed)
+	}
+}

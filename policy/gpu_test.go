@@ -32,6 +32,7 @@ func TestGPUEngine(t *testing.T) {
 		{"VersionsAcrossCommit", TestVersionsAcrossCommit},
 		{"RoutedExperts", TestRoutedExperts},
 		{"SamplingDistribution", TestSamplingDistribution},
+		{"NumericFailureFailsOnlyItsRequest", TestNumericFailureFailsOnlyItsRequest},
 		{"KVPagesFromFreeMemory", func(t *testing.T) { testKVPagesFromDevice(t, be) }},
 	} {
 		t.Run(tc.name, tc.test)

@@ -10,6 +10,7 @@ import (
 const (
 	resultOK       = "ok"      // every sample finished by stop or length
 	resultAborted  = "aborted" // some samples were aborted (drain, stop)
+	resultFailed   = "failed"  // a sample failed (non-finite logits): the rest were aborted
 	resultNoReply  = "no_reply"
 	resultInternal = ReasonInternal
 )

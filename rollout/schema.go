@@ -43,6 +43,9 @@ const (
 	FinishStop   = "stop"
 	FinishLength = "length"
 	FinishAbort  = "abort"
+	// FinishError: the model produced non-finite logits for the sample; its
+	// Error says where, and the request's other samples are aborted.
+	FinishError = "error"
 )
 
 // Subject returns the subject of an endpoint ("generate", "score",
@@ -132,6 +135,8 @@ type SampleReply struct {
 	// Warning says what was left out of this message, if anything (routed
 	// experts too large for the server's max payload).
 	Warning string `json:"warning,omitempty"`
+	// Error says why the sample failed (finish_reason "error" only).
+	Error string `json:"error,omitempty"`
 }
 
 // Summary is the last message of a generate request's stream.

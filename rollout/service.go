@@ -263,6 +263,7 @@ type job struct {
 	sent      int       // sample messages
 	sentIdx   []bool
 	aborted   int
+	failure   string // the first failed sample's error
 	tokens    int
 	last      time.Time // last message sent
 }
@@ -503,7 +504,9 @@ func (j *job) stream(h *policy.Handle) {
 		case smp, ok := <-h.Samples():
 			if !ok {
 				msg := ""
-				if j.abortedCount() > 0 {
+				if f := j.failureMsg(); f != "" {
+					msg = f + "; the request's other samples were aborted"
+				} else if j.abortedCount() > 0 {
 					if s.abortCtx.Err() != nil {
 						msg = "worker draining: unfinished samples aborted"
 					} else {
@@ -521,6 +524,12 @@ func (j *job) stream(h *policy.Handle) {
 			j.heartbeat()
 		}
 	}
+}
+
+func (j *job) failureMsg() string {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.failure
 }
 
 func (j *job) abortedCount() int {
@@ -551,7 +560,7 @@ func ms(d time.Duration) float64 { return math.Round(float64(d.Microseconds())) 
 func (j *job) sendSample(smp policy.Sample) {
 	s := j.s
 	r := SampleReply{Type: TypeSample, ID: j.id, Index: smp.Index, Tokens: smp.Tokens, Versions: smp.Versions,
-		FinishReason: string(smp.Finish), Seed: j.p.req.Params.Seed, TimeMS: ms(time.Since(j.received))}
+		FinishReason: string(smp.Finish), Seed: j.p.req.Params.Seed, TimeMS: ms(time.Since(j.received)), Error: smp.Err}
 	if r.Tokens == nil {
 		r.Tokens = []int32{}
 	}
@@ -601,8 +610,14 @@ func (j *job) sendSample(smp policy.Sample) {
 		j.sentIdx[smp.Index] = true
 	}
 	j.tokens += len(smp.Tokens)
-	if smp.Finish == policy.FinishAbort {
+	switch smp.Finish {
+	case policy.FinishAbort:
 		j.aborted++
+	case policy.FinishError:
+		if j.failure == "" {
+			j.failure = smp.Err
+		}
+		s.log.Warn("sample failed", zap.String("id", j.id), zap.String("error", smp.Err))
 	}
 	s.met.samples.WithLabelValues(string(smp.Finish)).Inc()
 	s.met.tokens.Add(float64(len(smp.Tokens)))
@@ -635,7 +650,10 @@ func (j *job) finish(errMsg string) {
 		Worker: s.cfg.Worker, QueueMS: ms(queued.Sub(j.received)), TotalMS: ms(now.Sub(j.received)), Error: errMsg}
 	data, _ := json.Marshal(sum)
 	result := resultOK
-	if j.aborted > 0 || j.sent < j.p.req.N {
+	switch {
+	case j.failure != "":
+		result = resultFailed
+	case j.aborted > 0 || j.sent < j.p.req.N:
 		result = resultAborted
 	}
 	s.met.requests.WithLabelValues(j.op, result).Inc()

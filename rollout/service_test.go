@@ -696,3 +696,68 @@ func TestEngineRefusal(t *testing.T) {
 		t.Errorf("got %v: want a 400 from the engine", err)
 	}
 }
+
+// TestNumericFailureFailsOnlyItsRequest: every temperature the schema
+// accepts generates (down to the smallest positive FP32), and a request
+// whose logits turn non-finite gets a sample with finish_reason "error"
+// and a summary saying why, while the worker keeps serving.
+func TestNumericFailureFailsOnlyItsRequest(t *testing.T) {
+	w, c := setup(t, Config{})
+	ctx := testCtx(t)
+	cfg := w.m.Config()
+	const poisoned = 3
+	emb, err := w.m.Resolve("model.embed_tokens.weight")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nan := make([]byte, 2*cfg.Hidden)
+	for i := 1; i < len(nan); i += 2 {
+		nan[i-1], nan[i] = 0xc0, 0x7f // BF16 NaN, little endian
+	}
+	if err := w.m.Backend().Upload(emb.Buffer, emb.Offset+poisoned*len(nan), nan); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, temp := range []float32{math.SmallestNonzeroFloat32, 1e-38, 1e-6, 1e6} {
+		got, sum, err := c.GenerateAll(ctx, GenerateRequest{Prompt: prompt(6), N: 2, Temperature: temp, MaxTokens: 5, Seed: seed(1)})
+		if err != nil {
+			t.Fatalf("temperature %v: %v", temp, err)
+		}
+		if len(got) != 2 || sum.Error != "" {
+			t.Fatalf("temperature %v: %d samples, summary %+v", temp, len(got), sum)
+		}
+		for _, r := range got {
+			if r.FinishReason != FinishLength || len(r.Tokens) != 5 {
+				t.Fatalf("temperature %v sample %d: %d tokens, finish %s", temp, r.Index, len(r.Tokens), r.FinishReason)
+			}
+		}
+	}
+
+	st, err := c.Generate(ctx, GenerateRequest{Prompt: append(prompt(4), poisoned), N: 3, Temperature: 1, MaxTokens: 5, Seed: seed(2)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, sum := checkStream(t, ctx, st, 3)
+	failed := 0
+	for _, r := range got {
+		if r.FinishReason == FinishError {
+			failed++
+			if !strings.Contains(r.Error, "not finite") {
+				t.Errorf("failed sample %d: error %q, want it to say the logits are not finite", r.Index, r.Error)
+			}
+		} else if r.FinishReason != FinishAbort {
+			t.Errorf("sample %d of the failing request finished %s", r.Index, r.FinishReason)
+		}
+	}
+	if failed == 0 || !strings.Contains(sum.Error, "not finite") {
+		t.Fatalf("%d failed samples, summary error %q: want a failure that says why", failed, sum.Error)
+	}
+	if n := w.counter(t, w.svc.met.requests.WithLabelValues("generate", resultFailed)); n != 1 {
+		t.Fatalf("requests{result=failed} = %v, want 1", n)
+	}
+
+	got, sum, err = c.GenerateAll(ctx, GenerateRequest{Prompt: prompt(6), N: 2, Temperature: 1, MaxTokens: 5, Seed: seed(3)})
+	if err != nil || len(got) != 2 || sum.Error != "" {
+		t.Fatalf("after the failure: %d samples, summary %+v, error %v", len(got), sum, err)
+	}
+}

@@ -27,6 +27,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
 	"github.com/rollout-worker/rollout-worker/rollout"
+	"github.com/rollout-worker/rollout-worker/worker"
 )
 
 const demoUsage = `Usage: rollout-worker demo [flags]
@@ -85,13 +86,16 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) (err 
 		return err
 	}
 	defer wnc.Close()
-	w, err := startWorker(wnc, workerConfig{Preset: *preset, Seed: seed, Recipe: recipe, Device: *device, ModelID: modelID,
+	w, err := worker.New(wnc, worker.Config{Preset: *preset, Seed: seed, Recipe: recipe, Device: *device, ModelID: modelID,
 		WorkerID: "demo-worker", KVPages: 1024, PageSize: 16, MaxBatchTokens: 256, MaxSeqs: 64, Graphs: true,
 		Limits: rollout.Limits{MaxQueue: 64}}, zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, w.close()) }()
+	defer func() { err = errors.Join(err, w.Close()) }()
+	if err := w.Start(); err != nil {
+		return err
+	}
 	fmt.Fprintf(stdout, "worker ready: %s preset (%s, %d layers, %d experts top-%d), recipe %s\n",
 		*preset, pc.Architecture, pc.Layers, pc.Experts, pc.TopK, recipe)
 
@@ -215,7 +219,7 @@ progress:
 			break progress
 		case <-tick.C:
 			el := time.Since(runStart).Seconds()
-			fmt.Fprintf(stdout, "[%4.1fs] policy version %d | rollouts %d (%.1f/s) | tokens %d (%.0f/s)\n", el, w.eng.Version(),
+			fmt.Fprintf(stdout, "[%4.1fs] policy version %d | rollouts %d (%.1f/s) | tokens %d (%.0f/s)\n", el, w.Version(),
 				rollouts.Load(), float64(rollouts.Load())/el, tokens.Load(), float64(tokens.Load())/el)
 		}
 	}
@@ -261,15 +265,14 @@ progress:
 		parts = append(parts, fmt.Sprintf("v%d: %d", v, seen[v]))
 	}
 	fmt.Fprintf(stdout, "rollouts by the version they ended under: %s\n", strings.Join(parts, ", "))
-	if w.graphs != nil {
-		st := w.graphs.Stats()
+	if st, ok := w.GraphStats(); ok {
 		fmt.Fprintf(stdout, "decode graphs on %s: %d captured, %d replays, %d recaptures across the refits\n",
-			w.m.Backend().Name(), st.Captures, st.Replays, st.Recaptures)
+			w.Backend(), st.Captures, st.Replays, st.Recaptures)
 	}
 
 	dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := w.drain(dctx); err != nil {
+	if err := w.Drain(dctx); err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "demo done in %.1fs\n", time.Since(start).Seconds())

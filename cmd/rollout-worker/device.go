@@ -6,42 +6,19 @@ import (
 
 	"go.uber.org/zap"
 
-	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 	"github.com/rollout-worker/rollout-worker/kernels"
-	"github.com/rollout-worker/rollout-worker/kernels/cpu"
-	kcuda "github.com/rollout-worker/rollout-worker/kernels/cuda"
+	"github.com/rollout-worker/rollout-worker/worker"
 )
 
-// newBackend opens the compute backend --device names: cpu, cuda, or auto
-// (cuda where a GPU and the CUDA toolchain are usable, else cpu, with a
-// warning when a GPU is there but the backend could not start). closeBackend releases it, after
-// everything allocated on it. A nil logger discards logs.
-func newBackend(device string, log *zap.Logger) (be kernels.Backend, closeBackend func() error, err error) {
-	if log == nil {
-		log = zap.NewNop()
-	}
-	noop := func() error { return nil }
-	switch device {
-	case "cpu":
-		be, err := cpu.New(cpu.Config{}, log)
-		return be, noop, err
-	case "cuda", "auto":
-		g, err := kcuda.New(kcuda.Config{}, log)
-		switch {
-		case err == nil:
-			return g, g.Close, nil
-		case device == "auto" && errors.Is(err, drv.ErrNoDevice):
-			log.Info("no CUDA device, using the CPU backend", zap.Error(err))
-			be, err := cpu.New(cpu.Config{}, log)
-			return be, noop, err
-		case device == "auto":
-			// A GPU, but no usable toolchain (NVRTC or the CUDA headers
-			// missing, say): run, on the CPU, and say why loudly.
-			log.Warn("CUDA device present but the CUDA backend failed; using the CPU backend (--device cuda makes this an error)", zap.Error(err))
-			be, err := cpu.New(cpu.Config{}, log)
-			return be, noop, err
-		}
+// newBackend opens the compute backend --device names (worker.OpenBackend),
+// with an unknown name reported as a usage error.
+func newBackend(device string, log *zap.Logger) (kernels.Backend, func() error, error) {
+	be, closeBackend, err := worker.OpenBackend(device, log)
+	switch {
+	case errors.Is(err, worker.ErrUnknownDevice):
+		return nil, nil, usageErrorf("--device %q: %v", device, err)
+	case err != nil:
 		return nil, nil, fmt.Errorf("--device %s: %w", device, err)
 	}
-	return nil, nil, usageErrorf("--device %q: want auto, cpu or cuda", device)
+	return be, closeBackend, nil
 }

@@ -13,18 +13,19 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/rollout"
+	"github.com/rollout-worker/rollout-worker/worker"
 )
 
 // TestGenerateCommand drives a worker through `rollout-worker generate`.
 func TestGenerateCommand(t *testing.T) {
 	url, connect := testNATS(t)
-	w, err := startWorker(connect("gen-w"), workerConfig{Preset: "tiny", Seed: 1, Recipe: moe.RecipePerToken, Device: "cpu", ModelID: "gen",
+	w, err := startTestWorker(t, connect("gen-w"), worker.Config{Preset: "tiny", Seed: 1, Recipe: moe.RecipePerToken, Device: "cpu", ModelID: "gen",
 		WorkerID: "gen-w", KVPages: 256, PageSize: 16, MaxBatchTokens: 128, MaxSeqs: 16, Limits: rollout.Limits{MaxQueue: 8}},
 		zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { w.close() })
+	t.Cleanup(func() { w.Close() })
 	gen := func(args ...string) (string, string, int) {
 		var stdout, stderr bytes.Buffer
 		code := run(context.Background(), append([]string{"generate", "--nats-url", url, "--model-id", "gen"}, args...), &stdout, &stderr)

@@ -17,6 +17,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
 	"github.com/rollout-worker/rollout-worker/rollout"
+	"github.com/rollout-worker/rollout-worker/worker"
 )
 
 // loadDuration is how long TestLoad's clients send requests (5 s under
@@ -51,14 +52,14 @@ func TestLoad(t *testing.T) {
 	// Limits for 32 clients of up to n = 4: 64 requests may be admitted,
 	// 2048 pages of 16 tokens hold 32 x 4 samples of up to 128 tokens 2.5
 	// times over; the serve defaults otherwise.
-	w, err := startWorker(wnc, workerConfig{Preset: preset, Seed: seed, Recipe: moe.RecipePerToken, Device: "cpu",
+	w, err := startTestWorker(t, wnc, worker.Config{Preset: preset, Seed: seed, Recipe: moe.RecipePerToken, Device: "cpu",
 		ModelID: model, WorkerID: workerID, KVPages: 2048, PageSize: 16, MaxBatchTokens: 512, MaxSeqs: 64, Graphs: true,
 		Limits: rollout.Limits{MaxQueue: 64, MaxN: 4, MaxTokens: 64, MaxPromptTokens: 64}}, zap.NewNop(), reg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if err := w.close(); err != nil {
+		if err := w.Close(); err != nil {
 			t.Errorf("close worker: %v", err)
 		}
 	})
@@ -137,14 +138,14 @@ func TestLoad(t *testing.T) {
 	wg.Wait()
 	elapsed := time.Since(runStart)
 	select {
-	case err := <-w.Failed():
-		t.Fatalf("worker failed: %v", err)
+	case <-w.Failed():
+		t.Fatalf("worker failed: %v", w.Err())
 	default:
 	}
-	st := w.svc.Status()
+	st := w.Status()
 	dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := w.drain(dctx); err != nil {
+	if err := w.Drain(dctx); err != nil {
 		t.Errorf("drain: %v", err)
 	}
 

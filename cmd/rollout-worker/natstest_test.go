@@ -1,11 +1,15 @@
 package main
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
 
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+	"github.com/rollout-worker/rollout-worker/worker"
 )
 
 // testNATS starts an embedded NATS server for the test and returns its URL
@@ -27,4 +31,17 @@ func testNATS(t *testing.T) (url string, connect func(name string) *nats.Conn) {
 		t.Cleanup(nc.Close)
 		return nc
 	}
+}
+
+// startTestWorker builds and starts a worker on nc; the caller closes it.
+func startTestWorker(t *testing.T, nc *nats.Conn, cfg worker.Config, log *zap.Logger, reg prometheus.Registerer) (*worker.Worker, error) {
+	t.Helper()
+	w, err := worker.New(nc, cfg, log, reg)
+	if err != nil {
+		return nil, err
+	}
+	if err := w.Start(); err != nil {
+		return nil, errors.Join(err, w.Close())
+	}
+	return w, nil
 }

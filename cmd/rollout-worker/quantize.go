@@ -298,7 +298,7 @@ func quantizeAll(ctx context.Context, qs []*qtensor, cfg quantizeConfig) error {
 	var wg sync.WaitGroup
 	for range min(cfg.workers, len(jobs)) {
 		wg.Go(func() {
-			var w worker
+			var w quantScratch
 			for {
 				i := int(next.Add(1) - 1)
 				if i >= len(order) || ctx.Err() != nil {
@@ -322,15 +322,15 @@ func quantizeAll(ctx context.Context, qs []*qtensor, cfg quantizeConfig) error {
 	return context.Cause(ctx) // nil unless the caller cancelled
 }
 
-// worker holds one goroutine's scratch buffers.
-type worker struct {
+// quantScratch holds one goroutine's scratch buffers.
+type quantScratch struct {
 	src       []uint16
 	linear    []byte
 	rowScales []float32
 }
 
 // quantize quantizes matrix j.e of tensor j.q into its outputs.
-func (w *worker) quantize(j job, cfg quantizeConfig) error {
+func (w *quantScratch) quantize(j job, cfg quantizeConfig) error {
 	q := j.q
 	n, k := q.n, q.k
 	elems := n * k

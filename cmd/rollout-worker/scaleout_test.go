@@ -21,6 +21,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
 	"github.com/rollout-worker/rollout-worker/rollout"
+	"github.com/rollout-worker/rollout-worker/worker"
 )
 
 // rolloutAttempt is one attempt of one generate request, as a client saw it.
@@ -201,16 +202,16 @@ func TestScaleOut(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, connect := testNATS(t)
-	start := func(id string) (*workerProc, *nats.Conn) {
+	start := func(id string) (*worker.Worker, *nats.Conn) {
 		nc := connect(id)
-		w, err := startWorker(nc, workerConfig{Preset: preset, Seed: seed, Recipe: moe.RecipePerToken, Device: "cpu",
+		w, err := startTestWorker(t, nc, worker.Config{Preset: preset, Seed: seed, Recipe: moe.RecipePerToken, Device: "cpu",
 			ModelID: model, WorkerID: id, KVPages: 256, PageSize: 16, MaxBatchTokens: 256, MaxSeqs: 16, Graphs: true,
 			Limits: rollout.Limits{MaxQueue: 64, MaxN: 4, MaxTokens: 64}}, zap.NewNop(), prometheus.NewRegistry())
 		if err != nil {
 			t.Fatalf("start worker %s: %v", id, err)
 		}
 		t.Cleanup(func() {
-			if err := w.close(); err != nil {
+			if err := w.Close(); err != nil {
 				t.Errorf("close worker %s: %v", id, err)
 			}
 		})
@@ -326,10 +327,10 @@ func TestScaleOut(t *testing.T) {
 		t.Errorf("requests not spread: %s answered %d, %s %d", w1, before1, w2, before2)
 	}
 	select {
-	case err := <-wp1.Failed():
-		t.Fatalf("%s failed: %v", w1, err)
-	case err := <-wp2.Failed():
-		t.Fatalf("%s failed: %v", w2, err)
+	case <-wp1.Failed():
+		t.Fatalf("%s failed: %v", w1, wp1.Err())
+	case <-wp2.Failed():
+		t.Fatalf("%s failed: %v", w2, wp2.Err())
 	default:
 	}
 
@@ -337,18 +338,18 @@ func TestScaleOut(t *testing.T) {
 	// SIGTERM: drain the service with a short deadline, stop the engine
 	// (close), then drain the connection. The clients go on.
 	// Mid-load: wait (briefly) until w1 holds admitted requests.
-	for end := time.Now().Add(time.Second); wp1.svc.Status().QueueDepth < 2 && time.Now().Before(end); {
+	for end := time.Now().Add(time.Second); wp1.Status().QueueDepth < 2 && time.Now().Before(end); {
 		time.Sleep(time.Millisecond)
 	}
-	inFlight, atW1 := pending.Load(), wp1.svc.Status().QueueDepth
+	inFlight, atW1 := pending.Load(), wp1.Status().QueueDepth
 	stopBegin := time.Now()
 	dctx, dcancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-	derr := wp1.drain(dctx)
+	derr := wp1.Drain(dctx)
 	dcancel()
 	if derr != nil {
 		t.Errorf("drain %s: %v", w1, derr)
 	}
-	if err := wp1.close(); err != nil {
+	if err := wp1.Close(); err != nil {
 		t.Errorf("close %s: %v", w1, err)
 	}
 	if err := stopConn(nc1, 5*time.Second); err != nil {
@@ -360,8 +361,8 @@ func TestScaleOut(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond)
 	stopClients()
 	select {
-	case err := <-wp2.Failed():
-		t.Fatalf("%s failed: %v", w2, err)
+	case <-wp2.Failed():
+		t.Fatalf("%s failed: %v", w2, wp2.Err())
 	default:
 	}
 

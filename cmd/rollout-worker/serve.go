@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+	"github.com/rollout-worker/rollout-worker/worker"
 )
 
 const serveUsage = `Usage: rollout-worker serve [--model DIR | --preset NAME] [flags]
@@ -133,7 +134,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	}
 	var nf natsFlags
 	nf.register(fs)
-	var cfg workerConfig
+	var cfg worker.Config
 	fs.StringVar(&cfg.ModelDir, "model", "", "model `directory` (config.json and safetensors)")
 	fs.StringVar(&cfg.Preset, "preset", "tiny", "random model preset when --model is not given")
 	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the random preset model")
@@ -195,13 +196,14 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	defer nc.Close()
 
 	var draining atomic.Bool
-	var w *workerProc
+	var w *worker.Worker
+	var ready atomic.Bool // w is started
 	if *httpAddr != "" {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mux.HandleFunc("/healthz", func(rw http.ResponseWriter, _ *http.Request) { fmt.Fprintln(rw, "ok") })
 		mux.HandleFunc("/readyz", func(rw http.ResponseWriter, _ *http.Request) {
-			if w == nil || !w.Ready() || draining.Load() || !nc.IsConnected() {
+			if !ready.Load() || !w.Ready() || draining.Load() || !nc.IsConnected() {
 				http.Error(rw, "not ready", http.StatusServiceUnavailable)
 				return
 			}
@@ -217,27 +219,52 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 		log.Info("http listening", zap.String("addr", ln.Addr().String()))
 	}
 
-	w, err = startWorker(nc, cfg, log, reg)
-	if err != nil {
+	if w, err = worker.New(nc, cfg, log, reg); err != nil {
 		return err
 	}
+	if err := w.Start(); err != nil {
+		return errors.Join(err, w.Close())
+	}
+	ready.Store(true)
 	log.Info("worker ready", zap.String("worker", cfg.WorkerID), zap.String("model_id", cfg.ModelID),
 		zap.String("subjects", "rollout."+cfg.ModelID+".>"))
 	fmt.Fprintf(stdout, "worker %s ready: model %s, subjects rollout.%s.*\n", cfg.WorkerID, cfg.ModelID, cfg.ModelID)
 
+	// A failed worker (its engine loop or refit receiver stopped on its own)
+	// drains what it can and exits non-zero, so a supervisor restarts it.
+	var failure error
 	select {
 	case <-ctx.Done():
 		log.Info("draining", zap.Duration("timeout", *drainTimeout))
-	case err := <-w.Failed():
-		log.Error("worker failed; draining", zap.Error(err))
+	case <-w.Failed():
+		failure = w.Err()
+		log.Error("worker failed; draining", zap.Error(failure))
 	}
 	draining.Store(true)
 	dctx, cancel := context.WithTimeout(context.Background(), *drainTimeout)
 	defer cancel()
-	err = errors.Join(w.drain(dctx), w.close())
+	err = errors.Join(failure, w.Drain(dctx), w.Close())
 	// Drain, not close: requests delivered just before the service
 	// unsubscribed still get their "draining" reply.
 	err = errors.Join(err, stopConn(nc, 5*time.Second))
 	log.Info("stopped", zap.Error(err))
 	return err
+}
+
+// stopConn drains nc and waits until it is closed. Draining, not closing:
+// the micro service's Stop drains its subscriptions without waiting, so
+// requests the server delivered just before are still queued in the client;
+// nc.Drain lets the handlers answer them ("draining") before it closes.
+// Flush then Close drops them: their clients hear nothing.
+func stopConn(nc *nats.Conn, timeout time.Duration) error {
+	if err := nc.Drain(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+		return fmt.Errorf("drain connection: %w", err)
+	}
+	for end := time.Now().Add(timeout); !nc.IsClosed(); time.Sleep(time.Millisecond) {
+		if time.Now().After(end) {
+			nc.Close()
+			return fmt.Errorf("connection not drained in %v", timeout)
+		}
+	}
+	return nil
 }

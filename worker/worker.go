@@ -1,0 +1,300 @@
+// Package worker is the composition root of a rollout worker: it opens the
+// compute backend, loads the model, and wires the generation engine, the
+// refit receiver and the rollout service onto one NATS connection.
+//
+// Lifecycle: New builds everything (nothing runs yet), Start starts the
+// engine loop, the receiver and the service, Drain stops admitting requests
+// and lets in-flight ones finish, Close stops everything and frees the
+// device. If the engine loop or the receiver stops on its own, the worker
+// is failed: Failed's channel closes, Err says why and Ready turns false,
+// so the process can exit non-zero and a readiness probe can take it out
+// of rotation.
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/rollout-worker/rollout-worker/cudagraph"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy"
+	"github.com/rollout-worker/rollout-worker/refit"
+	"github.com/rollout-worker/rollout-worker/rollout"
+)
+
+// ErrNotStarted is returned by Drain before Start.
+var ErrNotStarted = errors.New("worker: not started")
+
+// Config is everything a worker is made of.
+type Config struct {
+	ModelDir string // a Hugging Face model directory, or
+	Preset   string // a random model of this preset
+	Seed     uint64 // of the random model
+	Recipe   moe.Recipe
+	Device   string // auto, cpu or cuda (see OpenBackend)
+
+	ModelID, WorkerID string
+	Limits            rollout.Limits
+
+	KVPages, PageSize, MaxBatchTokens, MaxSeqs int
+	KVMemoryFraction                           float64 // with KVPages 0
+	Graphs                                     bool
+}
+
+// Worker is one worker: model, engine, refit receiver and rollout service.
+type Worker struct {
+	cfg    Config
+	nc     *nats.Conn
+	log    *zap.Logger
+	reg    prometheus.Registerer
+	m      *policy.Model
+	graphs *policy.Graphs
+	eng    *policy.Engine
+	recv   *refit.Receiver
+	svc    *rollout.Service
+	vocab  int
+	ctxLen int
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	tmpDir string
+	// closeBackend releases the compute device after the model.
+	closeBackend func() error
+
+	started   bool
+	closeOnce sync.Once
+	failOnce  sync.Once
+	failed    chan struct{}
+	mu        sync.Mutex
+	err       error
+}
+
+// New opens the backend, loads the model and builds the engine and the refit
+// receiver on nc. Nothing runs until Start.
+func New(nc *nats.Conn, cfg Config, log *zap.Logger, reg prometheus.Registerer) (_ *Worker, err error) {
+	if log == nil {
+		log = zap.NewNop()
+	}
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	w := &Worker{cfg: cfg, nc: nc, log: log, reg: reg, failed: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, w.Close())
+		}
+	}()
+	be, closeBackend, err := OpenBackend(cfg.Device, log.Named("backend"))
+	if err != nil {
+		return nil, err
+	}
+	w.closeBackend = closeBackend
+	dir := cfg.ModelDir
+	if dir == "" {
+		pc, err := policy.Preset(cfg.Preset)
+		if err != nil {
+			return nil, fmt.Errorf("worker: %w", err)
+		}
+		if w.tmpDir, err = os.MkdirTemp("", "rollout-worker-model-"); err != nil {
+			return nil, fmt.Errorf("worker: model directory: %w", err)
+		}
+		if err := policy.WriteRandomModel(w.tmpDir, pc, cfg.Seed); err != nil {
+			return nil, err
+		}
+		dir = w.tmpDir
+	}
+	mc, err := policy.LoadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	w.vocab, w.ctxLen = mc.VocabSize, mc.MaxPositions
+	opts := policy.ModelOptions{Recipe: cfg.Recipe, MaxTokens: cfg.MaxBatchTokens, MaxSeqs: cfg.MaxSeqs,
+		MaxLogitRows: max(cfg.MaxBatchTokens, cfg.MaxSeqs), KVPages: cfg.KVPages, PageSize: cfg.PageSize}
+	if cfg.KVPages == 0 {
+		// The cache takes a fraction of what the device has left, or a
+		// fixed default where the backend cannot say (the CPU).
+		opts.KVMemoryFraction = cfg.KVMemoryFraction
+		if be.Name() == "cpu" {
+			opts.KVPages = 2048
+		}
+		// Kept out of the cache: the refit receiver's staging copies (every
+		// tensor but the expert stacks, which NVFP4 recipes write in place;
+		// all of them for bf16) and headroom for the decode graphs.
+		experts, other := mc.WeightBytes()
+		opts.KVReserveBytes = other + 512<<20
+		if cfg.Recipe == moe.RecipeBF16 {
+			opts.KVReserveBytes += experts
+		}
+	}
+	if w.m, err = policy.LoadModel(be, dir, opts); err != nil {
+		return nil, err
+	}
+	log.Info("model loaded", zap.String("dir", dir), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
+		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),
+		zap.Int("kv_pages", w.m.Options().KVPages), zap.Int("page_size", cfg.PageSize), zap.Int("context", w.ctxLen))
+	em, err := policy.NewEngineMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	ecfg := policy.EngineConfig{Metrics: em}
+	if cfg.Graphs {
+		gm, err := cudagraph.NewMetrics(reg)
+		if err != nil {
+			return nil, err
+		}
+		if w.graphs, err = policy.NewGraphs(w.m, policy.DefaultBuckets(cfg.MaxSeqs), gm); err != nil {
+			return nil, err
+		}
+		ecfg.Graphs = w.graphs
+	}
+	w.eng = policy.NewEngine(w.m, ecfg)
+	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID}, log.Named("refit"), reg); err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+// Start runs the engine loop and the refit receiver and starts the rollout
+// service. Call it once.
+func (w *Worker) Start() error {
+	if w.started {
+		return errors.New("worker: started twice")
+	}
+	w.started = true
+	ctx, cancel := context.WithCancel(context.Background())
+	w.cancel = cancel
+	w.wg.Add(2)
+	go func() {
+		defer w.wg.Done()
+		if err := w.eng.Run(ctx); err != nil {
+			w.fail(fmt.Errorf("engine: %w", err))
+		}
+	}()
+	go func() {
+		defer w.wg.Done()
+		if err := w.recv.Run(ctx); err != nil && ctx.Err() == nil {
+			w.fail(fmt.Errorf("refit receiver: %w", err))
+		}
+	}()
+	svc, err := rollout.NewService(w.nc, w.eng, rollout.Config{Model: w.cfg.ModelID, Worker: w.cfg.WorkerID, Limits: w.cfg.Limits,
+		Vocab: w.vocab, Context: w.ctxLen, KVPages: w.m.Options().KVPages, Recipe: string(w.cfg.Recipe),
+		CurrentVersion: w.eng.Version}, w.log.Named("rollout"), w.reg)
+	if err != nil {
+		return err
+	}
+	w.mu.Lock()
+	w.svc = svc
+	w.mu.Unlock()
+	return nil
+}
+
+// fail records the first failure and closes Failed's channel.
+func (w *Worker) fail(err error) {
+	w.failOnce.Do(func() {
+		w.log.Error("worker failed", zap.Error(err))
+		w.mu.Lock()
+		w.err = err
+		w.mu.Unlock()
+		close(w.failed)
+	})
+}
+
+// Failed is closed when the engine loop or the refit receiver stops on its
+// own; Err then says why.
+func (w *Worker) Failed() <-chan struct{} { return w.failed }
+
+// Err is the failure that closed Failed's channel, or nil.
+func (w *Worker) Err() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.err
+}
+
+// Ready reports whether the worker serves requests: started, not failed.
+func (w *Worker) Ready() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.svc != nil && w.err == nil
+}
+
+// Version is the policy version being served.
+func (w *Worker) Version() uint64 { return w.eng.Version() }
+
+// Status is the rollout service's status reply (zero before Start).
+func (w *Worker) Status() rollout.StatusReply {
+	w.mu.Lock()
+	svc := w.svc
+	w.mu.Unlock()
+	if svc == nil {
+		return rollout.StatusReply{}
+	}
+	return svc.Status()
+}
+
+// Backend names the compute backend the model runs on.
+func (w *Worker) Backend() string { return w.m.Backend().Name() }
+
+// GraphStats reports the decode graphs' captures and replays; ok is false
+// when graphs are off.
+func (w *Worker) GraphStats() (st cudagraph.Stats, ok bool) {
+	if w.graphs == nil {
+		return st, false
+	}
+	return w.graphs.Stats(), true
+}
+
+// Drain stops admitting requests, lets in-flight ones finish until ctx ends,
+// then aborts the rest; every admitted request gets its final reply.
+func (w *Worker) Drain(ctx context.Context) error {
+	w.mu.Lock()
+	svc := w.svc
+	w.mu.Unlock()
+	if svc == nil {
+		return ErrNotStarted
+	}
+	return svc.Drain(ctx)
+}
+
+// Close stops everything and frees the model and the device. It is
+// idempotent.
+func (w *Worker) Close() error {
+	var errs []error
+	w.closeOnce.Do(func() {
+		w.mu.Lock()
+		svc := w.svc
+		w.mu.Unlock()
+		if svc != nil {
+			svc.Stop()
+		}
+		if w.cancel != nil {
+			w.cancel()
+		}
+		w.wg.Wait()
+		if w.recv != nil {
+			errs = append(errs, w.recv.Close())
+		}
+		if w.graphs != nil {
+			errs = append(errs, w.graphs.Close())
+		}
+		if w.m != nil {
+			errs = append(errs, w.m.Close())
+		}
+		if w.closeBackend != nil {
+			errs = append(errs, w.closeBackend())
+		}
+		if w.tmpDir != "" {
+			errs = append(errs, os.RemoveAll(w.tmpDir))
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("worker: close: %w", err)
+	}
+	return nil
+}

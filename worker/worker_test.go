@@ -1,0 +1,119 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/rollout"
+)
+
+func startNATS(t *testing.T) *nats.Conn {
+	t.Helper()
+	srv, err := natsembed.Start(natsembed.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+func testConfig() Config {
+	return Config{Preset: "tiny", Seed: 1, Recipe: moe.RecipePerToken, Device: "cpu", ModelID: "wt", WorkerID: "wt-1",
+		KVPages: 128, PageSize: 16, MaxBatchTokens: 64, MaxSeqs: 8, Graphs: true, Limits: rollout.Limits{MaxQueue: 8}}
+}
+
+// TestLifecycle: New builds, Start serves, Drain and Close end it.
+func TestLifecycle(t *testing.T) {
+	nc := startNATS(t)
+	w, err := New(nc, testConfig(), zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	if w.Ready() {
+		t.Fatal("ready before Start")
+	}
+	if err := w.Drain(context.Background()); !errors.Is(err, ErrNotStarted) {
+		t.Fatalf("Drain before Start: %v, want ErrNotStarted", err)
+	}
+	if err := w.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Start(); err == nil {
+		t.Fatal("a second Start succeeded")
+	}
+	if !w.Ready() {
+		t.Fatal("not ready after Start")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	seed := uint64(4)
+	got, sum, err := rollout.NewClient(nc, "wt").GenerateAll(ctx, rollout.GenerateRequest{Prompt: []int32{1, 2, 3}, N: 2, Temperature: 1, MaxTokens: 4, Seed: &seed})
+	if err != nil || len(got) != 2 || sum.Error != "" {
+		t.Fatalf("generate: %d samples, summary %+v, error %v", len(got), sum, err)
+	}
+	if err := w.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+}
+
+// TestEngineFailureFailsTheWorker: when the engine loop stops on its own
+// (here: a weight buffer freed under it), Failed closes, Err says why and
+// Ready turns false, so serve exits non-zero and /readyz fails.
+func TestEngineFailureFailsTheWorker(t *testing.T) {
+	nc := startNATS(t)
+	w, err := New(nc, testConfig(), zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	if err := w.Start(); err != nil {
+		t.Fatal(err)
+	}
+	emb, err := w.m.Resolve("model.embed_tokens.weight")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.m.Backend().Free(emb.Buffer); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	seed := uint64(5)
+	st, err := rollout.NewClient(nc, "wt").Generate(ctx, rollout.GenerateRequest{Prompt: []int32{1, 2}, N: 1, Temperature: 1, MaxTokens: 4, Seed: &seed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	select {
+	case <-w.Failed():
+	case <-ctx.Done():
+		t.Fatal("the worker did not fail")
+	}
+	if err := w.Err(); err == nil || !strings.Contains(err.Error(), "engine") {
+		t.Fatalf("Err() = %v, want the engine's failure", err)
+	}
+	if w.Ready() {
+		t.Fatal("a failed worker reports ready")
+	}
+}
