@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sync"
 
 	"github.com/nats-io/nats.go"
@@ -46,6 +47,29 @@ type Config struct {
 	KVPages, PageSize, MaxBatchTokens, MaxSeqs int
 	KVMemoryFraction                           float64 // with KVPages 0
 	Graphs                                     bool
+}
+
+// DefaultModelID is the model id a worker serves when none is given: the
+// preset's name, or the model directory's base name with every character
+// outside [A-Za-z0-9_-] replaced by '_' (at most 64 characters).
+func DefaultModelID(cfg Config) string {
+	name := cfg.Preset
+	if cfg.ModelDir != "" {
+		name = filepath.Base(filepath.Clean(cfg.ModelDir))
+	}
+	id := []byte(name)
+	for i, c := range id {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+			id[i] = '_'
+		}
+	}
+	if len(id) > 64 {
+		id = id[:64]
+	}
+	if len(id) == 0 || string(id) == "_" {
+		return "model"
+	}
+	return string(id)
 }
 
 // Worker is one worker: model, engine, refit receiver and rollout service.
@@ -84,6 +108,9 @@ func New(nc *nats.Conn, cfg Config, log *zap.Logger, reg prometheus.Registerer) 
 	}
 	if reg == nil {
 		reg = prometheus.NewRegistry()
+	}
+	if cfg.ModelID == "" {
+		cfg.ModelID = DefaultModelID(cfg)
 	}
 	w := &Worker{cfg: cfg, nc: nc, log: log, reg: reg, failed: make(chan struct{})}
 	defer func() {
@@ -223,6 +250,10 @@ func (w *Worker) Ready() bool {
 	defer w.mu.Unlock()
 	return w.svc != nil && w.err == nil
 }
+
+// ModelID is the model id the worker serves (rollout.<id>.*, the refit
+// stream of that id).
+func (w *Worker) ModelID() string { return w.cfg.ModelID }
 
 // Version is the policy version being served.
 func (w *Worker) Version() uint64 { return w.eng.Version() }

@@ -117,3 +117,21 @@ func TestEngineFailureFailsTheWorker(t *testing.T) {
 		t.Fatal("a failed worker reports ready")
 	}
 }
+
+func TestDefaultModelID(t *testing.T) {
+	for _, tc := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{Preset: "small"}, "small"},
+		{Config{Preset: "tiny"}, "tiny"},
+		{Config{ModelDir: "/models/Qwen3-30B-A3B/"}, "Qwen3-30B-A3B"},
+		{Config{ModelDir: "/models/qwen3.moe v2", Preset: "tiny"}, "qwen3_moe_v2"},
+		{Config{ModelDir: "/" + strings.Repeat("x", 80)}, strings.Repeat("x", 64)},
+		{Config{ModelDir: "/"}, "model"},
+	} {
+		if got := DefaultModelID(tc.cfg); got != tc.want {
+			t.Errorf("DefaultModelID(%+v) = %q, want %q", tc.cfg, got, tc.want)
+		}
+	}
+}

@@ -140,7 +140,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the random preset model")
 	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16 or nvfp4")
 	fs.StringVar(&cfg.Device, "device", "auto", "compute device: auto, cpu or cuda")
-	fs.StringVar(&cfg.ModelID, "model-id", "tiny", "model id: the refit stream and the rollout subjects (rollout.<id>.*)")
+	fs.StringVar(&cfg.ModelID, "model-id", "", "model id: the refit stream and the rollout subjects (rollout.<id>.*); empty: the preset's name or the model directory's base name")
 	host, _ := os.Hostname()
 	fs.StringVar(&cfg.WorkerID, "worker-id", fmt.Sprintf("%s-%d", host, os.Getpid()), "worker id in refit statuses and replies")
 	fs.IntVar(&cfg.KVPages, "kv-pages", 0, "KV-cache pages; 0: --kv-memory-fraction of the GPU memory left after the weights (2048 on the CPU)")
@@ -226,9 +226,10 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 		return errors.Join(err, w.Close())
 	}
 	ready.Store(true)
-	log.Info("worker ready", zap.String("worker", cfg.WorkerID), zap.String("model_id", cfg.ModelID),
-		zap.String("subjects", "rollout."+cfg.ModelID+".>"))
-	fmt.Fprintf(stdout, "worker %s ready: model %s, subjects rollout.%s.*\n", cfg.WorkerID, cfg.ModelID, cfg.ModelID)
+	id := w.ModelID()
+	log.Info("worker ready", zap.String("worker", cfg.WorkerID), zap.String("model_id", id),
+		zap.String("subjects", "rollout."+id+".>"))
+	fmt.Fprintf(stdout, "worker %s ready: model %s, subjects rollout.%s.*\n", cfg.WorkerID, id, id)
 
 	// A failed worker (its engine loop or refit receiver stopped on its own)
 	// drains what it can and exits non-zero, so a supervisor restarts it.
