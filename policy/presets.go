@@ -36,6 +36,36 @@ var presets = map[string]Config{
 	"small": {Architecture: ArchQwen3MoE, VocabSize: 4096, Hidden: 256, Layers: 4, Heads: 8, KVHeads: 2, HeadDim: 32,
 		MaxPositions: 2048, Experts: 16, TopK: 4, MoEIntermediate: 128, NormTopK: true, Activation: moe.SwiGLU,
 		RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, EOSTokenIDs: []int32{1}},
+	// qwen3-30b-a3b: the shapes of Qwen3-30B-A3B (48 layers, hidden 2048,
+	// 128 experts top-8 of intermediate 768, 32 query / 4 KV heads of 128,
+	// vocabulary 151936); 30.5 B parameters, 61 GB in BF16. Cut its depth
+	// with PresetLayers; qwen3-30b-a3b-relu2 has squared-ReLU experts
+	// (non-gated) at the same shapes.
+	"qwen3-30b-a3b":       qwen3_30bA3B(moe.SwiGLU),
+	"qwen3-30b-a3b-relu2": qwen3_30bA3B(moe.ReLU2),
+}
+
+func qwen3_30bA3B(act moe.Activation) Config {
+	return Config{Architecture: ArchQwen3MoE, VocabSize: 151936, Hidden: 2048, Layers: 48, Heads: 32, KVHeads: 4, HeadDim: 128,
+		MaxPositions: 40960, Experts: 128, TopK: 8, MoEIntermediate: 768, NormTopK: true, Activation: act,
+		RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, EOSTokenIDs: []int32{151645}}
+}
+
+// PresetLayers returns the named preset cut to its first layers decoder
+// layers (0: all of them), for benchmarks of a real model's shapes at a
+// depth that fits a time or memory budget.
+func PresetLayers(name string, layers int) (Config, error) {
+	c, err := Preset(name)
+	if err != nil {
+		return Config{}, err
+	}
+	switch {
+	case layers < 0 || layers > c.Layers:
+		return Config{}, fmt.Errorf("policy: preset %s: %d layers, want 1 to %d (0: all)", name, layers, c.Layers)
+	case layers > 0:
+		c.Layers = layers
+	}
+	return c, nil
 }
 
 // PresetNames lists the preset names, sorted.

@@ -15,7 +15,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"sync"
 
@@ -36,7 +35,8 @@ var ErrNotStarted = errors.New("worker: not started")
 // Config is everything a worker is made of.
 type Config struct {
 	ModelDir string // a Hugging Face model directory, or
-	Preset   string // a random model of this preset
+	Preset   string // a random model of this preset, initialised in memory
+	Layers   int    // the preset's depth cut to this many layers (0: all)
 	Seed     uint64 // of the random model
 	Recipe   moe.Recipe
 	Device   string // auto, cpu or cuda (see OpenBackend)
@@ -88,7 +88,6 @@ type Worker struct {
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
-	tmpDir string
 	// closeBackend releases the compute device after the model.
 	closeBackend func() error
 
@@ -100,9 +99,10 @@ type Worker struct {
 	err       error
 }
 
-// New opens the backend, loads the model and builds the engine and the refit
-// receiver on nc. Nothing runs until Start.
-func New(nc *nats.Conn, cfg Config, log *zap.Logger, reg prometheus.Registerer) (_ *Worker, err error) {
+// New opens the backend, loads the model (or initialises the preset's in
+// memory) and builds the engine and the refit receiver on nc. Nothing runs
+// until Start; ctx bounds the loading.
+func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg prometheus.Registerer) (_ *Worker, err error) {
 	if log == nil {
 		log = zap.NewNop()
 	}
@@ -123,21 +123,15 @@ func New(nc *nats.Conn, cfg Config, log *zap.Logger, reg prometheus.Registerer) 
 		return nil, err
 	}
 	w.closeBackend = closeBackend
-	dir := cfg.ModelDir
-	if dir == "" {
-		pc, err := policy.Preset(cfg.Preset)
-		if err != nil {
-			return nil, fmt.Errorf("worker: %w", err)
-		}
-		if w.tmpDir, err = os.MkdirTemp("", "rollout-worker-model-"); err != nil {
-			return nil, fmt.Errorf("worker: model directory: %w", err)
-		}
-		if err := policy.WriteRandomModel(w.tmpDir, pc, cfg.Seed); err != nil {
-			return nil, err
-		}
-		dir = w.tmpDir
+	var mc policy.Config
+	switch {
+	case cfg.ModelDir != "" && cfg.Layers != 0:
+		return nil, fmt.Errorf("worker: layers %d: a depth cut applies to presets, not to model directories", cfg.Layers)
+	case cfg.ModelDir != "":
+		mc, err = policy.LoadConfig(cfg.ModelDir)
+	default:
+		mc, err = policy.PresetLayers(cfg.Preset, cfg.Layers)
 	}
-	mc, err := policy.LoadConfig(dir)
 	if err != nil {
 		return nil, err
 	}
@@ -160,10 +154,17 @@ func New(nc *nats.Conn, cfg Config, log *zap.Logger, reg prometheus.Registerer) 
 			opts.KVReserveBytes += experts
 		}
 	}
-	if w.m, err = policy.LoadModel(be, dir, opts); err != nil {
+	source := cfg.ModelDir
+	if source == "" {
+		source = fmt.Sprintf("preset %s, seed %d", cfg.Preset, cfg.Seed)
+		w.m, err = policy.NewRandomModel(ctx, be, mc, opts, cfg.Seed)
+	} else {
+		w.m, err = policy.LoadModel(be, cfg.ModelDir, opts)
+	}
+	if err != nil {
 		return nil, err
 	}
-	log.Info("model loaded", zap.String("dir", dir), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
+	log.Info("model loaded", zap.String("source", source), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
 		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),
 		zap.Int("kv_pages", w.m.Options().KVPages), zap.Int("page_size", cfg.PageSize), zap.Int("context", w.ctxLen))
 	em, err := policy.NewEngineMetrics(reg)
@@ -319,9 +320,6 @@ func (w *Worker) Close() error {
 		}
 		if w.closeBackend != nil {
 			errs = append(errs, w.closeBackend())
-		}
-		if w.tmpDir != "" {
-			errs = append(errs, os.RemoveAll(w.tmpDir))
 		}
 	})
 	if err := errors.Join(errs...); err != nil {

@@ -39,7 +39,7 @@ func testConfig() Config {
 // TestLifecycle: New builds, Start serves, Drain and Close end it.
 func TestLifecycle(t *testing.T) {
 	nc := startNATS(t)
-	w, err := New(nc, testConfig(), zap.NewNop(), prometheus.NewRegistry())
+	w, err := New(context.Background(), nc, testConfig(), zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +82,7 @@ func TestLifecycle(t *testing.T) {
 // Ready turns false, so serve exits non-zero and /readyz fails.
 func TestEngineFailureFailsTheWorker(t *testing.T) {
 	nc := startNATS(t)
-	w, err := New(nc, testConfig(), zap.NewNop(), prometheus.NewRegistry())
+	w, err := New(context.Background(), nc, testConfig(), zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,7 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
+	"strings"
 
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/policy/genbench"
@@ -16,8 +16,8 @@ const benchGenerateUsage = `Usage: rollout-worker bench generate [--preset NAME 
 
 Generate rollouts with the engine (continuous batching, decode steps
 replayed from captured graphs) and report generated tokens/s and
-rollouts/s. Without --model, a seeded random model of the preset is
-written to a temporary directory and loaded through the real loader.
+rollouts/s. Without --model, the preset's seeded random weights (the ones
+init-model writes) are initialised in memory, with no checkpoint on disk.
 
 Flags:
 `
@@ -29,7 +29,8 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		fmt.Fprint(fs.Output(), benchGenerateUsage)
 		fs.PrintDefaults()
 	}
-	preset := fs.String("preset", "tiny", "random model preset (ignored with --model)")
+	preset := fs.String("preset", "tiny", "random model preset, initialised in memory (ignored with --model): "+strings.Join(policy.PresetNames(), ", "))
+	layers := fs.Int("layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
 	dir := fs.String("model", "", "model `directory` to load instead of a preset")
 	recipeName := fs.String("recipe", "bf16", "MoE recipe: bf16 or nvfp4")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
@@ -52,28 +53,25 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		return err
 	}
 	defer closeBackend()
-	if *dir == "" {
-		cfg, err := policy.Preset(*preset)
-		if err != nil {
-			return usageErrorf("--preset: %v", err)
-		}
-		tmp, err := os.MkdirTemp("", "rollout-worker-bench-")
-		if err != nil {
-			return err
-		}
-		defer os.RemoveAll(tmp)
-		if err := policy.WriteRandomModel(tmp, cfg, *seed); err != nil {
-			return err
-		}
-		*dir = tmp
-	}
 	const pageSize = 16
 	seqs := *requests * *n
 	perRequest := (*promptLen)/pageSize + *n*((*promptLen%pageSize+*maxTokens+pageSize-1)/pageSize)
 	opts := policy.ModelOptions{Recipe: recipe, MaxSeqs: min(seqs, 256), MaxTokens: max(256, min(seqs, 256)),
 		PageSize: pageSize, KVPages: *requests * perRequest}
 	opts.MaxLogitRows = opts.MaxTokens
-	m, err := policy.LoadModel(be, *dir, opts)
+	var m *policy.Model
+	if *dir == "" {
+		cfg, err := policy.PresetLayers(*preset, *layers)
+		if err != nil {
+			return usageErrorf("--preset: %v", err)
+		}
+		m, err = policy.NewRandomModel(ctx, be, cfg, opts, *seed)
+	} else {
+		if *layers != 0 {
+			return usageErrorf("--layers cuts a preset; it does not apply to --model")
+		}
+		m, err = policy.LoadModel(be, *dir, opts)
+	}
 	if err != nil {
 		return err
 	}

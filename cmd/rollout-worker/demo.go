@@ -53,7 +53,8 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) (err 
 	duration := fs.Duration("duration", 20*time.Second, "how long the driver requests rollouts")
 	refitEvery := fs.Duration("refit-every", 3*time.Second, "how often the trainer publishes a version")
 	clients := fs.Int("clients", 4, "concurrent driver clients")
-	preset := fs.String("preset", "tiny", "random model preset")
+	preset := fs.String("preset", "tiny", "random model preset: "+strings.Join(policy.PresetNames(), ", "))
+	layers := fs.Int("layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
 	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16 or nvfp4")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
 	if err := parseFlags(fs, args); err != nil {
@@ -67,7 +68,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) (err 
 		return usageErrorf("--clients, --duration and --refit-every must be positive")
 	}
 	const modelID, seed = "demo", 1
-	pc, err := policy.Preset(*preset)
+	pc, err := policy.PresetLayers(*preset, *layers)
 	if err != nil {
 		return usageErrorf("--preset: %v", err)
 	}
@@ -86,7 +87,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) (err 
 		return err
 	}
 	defer wnc.Close()
-	w, err := worker.New(wnc, worker.Config{Preset: *preset, Seed: seed, Recipe: recipe, Device: *device, ModelID: modelID,
+	w, err := worker.New(ctx, wnc, worker.Config{Preset: *preset, Layers: *layers, Seed: seed, Recipe: recipe, Device: *device, ModelID: modelID,
 		WorkerID: "demo-worker", KVPages: 1024, PageSize: 16, MaxBatchTokens: 256, MaxSeqs: 64, Graphs: true,
 		Limits: rollout.Limits{MaxQueue: 64}}, zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {

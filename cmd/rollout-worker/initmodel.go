@@ -15,7 +15,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/policy"
 )
 
-const initModelUsage = `Usage: rollout-worker init-model --out DIR [--preset NAME] [--seed N]
+const initModelUsage = `Usage: rollout-worker init-model --out DIR [--preset NAME] [--layers N] [--seed N]
        [--activation swiglu|relu2] [--force]
 
 Write a model directory with seeded random BF16 weights, in the format the
@@ -49,6 +49,7 @@ func runInitModel(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	}
 	out := flags.String("out", "", "model `directory` to write (required)")
 	preset := flags.String("preset", "tiny", "architecture preset: "+strings.Join(policy.PresetNames(), ", "))
+	layers := flags.Int("layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
 	seed := flags.Uint64("seed", 1, "seed of the random weights")
 	act := flags.String("activation", string(moe.SwiGLU), "expert activation: swiglu (gated) or relu2 (non-gated squared ReLU)")
 	force := flags.Bool("force", false, "write into a non-empty existing directory")
@@ -63,7 +64,7 @@ func runInitModel(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	case cfg.act != moe.SwiGLU && cfg.act != moe.ReLU2:
 		return usageErrorf("--activation must be %s or %s, not %q", moe.SwiGLU, moe.ReLU2, *act)
 	}
-	model, err := policy.Preset(cfg.preset)
+	model, err := policy.PresetLayers(cfg.preset, *layers)
 	if err != nil {
 		return usageErrorf("--preset: %v", err)
 	}

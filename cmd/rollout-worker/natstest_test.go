@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"testing"
 
@@ -36,7 +37,7 @@ func testNATS(t *testing.T) (url string, connect func(name string) *nats.Conn) {
 // startTestWorker builds and starts a worker on nc; the caller closes it.
 func startTestWorker(t *testing.T, nc *nats.Conn, cfg worker.Config, log *zap.Logger, reg prometheus.Registerer) (*worker.Worker, error) {
 	t.Helper()
-	w, err := worker.New(nc, cfg, log, reg)
+	w, err := worker.New(context.Background(), nc, cfg, log, reg)
 	if err != nil {
 		return nil, err
 	}

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/worker"
 )
 
@@ -136,7 +137,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	nf.register(fs)
 	var cfg worker.Config
 	fs.StringVar(&cfg.ModelDir, "model", "", "model `directory` (config.json and safetensors)")
-	fs.StringVar(&cfg.Preset, "preset", "tiny", "random model preset when --model is not given")
+	fs.StringVar(&cfg.Preset, "preset", "tiny", "random model preset when --model is not given: "+strings.Join(policy.PresetNames(), ", "))
+	fs.IntVar(&cfg.Layers, "layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
 	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the random preset model")
 	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16 or nvfp4")
 	fs.StringVar(&cfg.Device, "device", "auto", "compute device: auto, cpu or cuda")
@@ -219,7 +221,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 		log.Info("http listening", zap.String("addr", ln.Addr().String()))
 	}
 
-	if w, err = worker.New(nc, cfg, log, reg); err != nil {
+	if w, err = worker.New(ctx, nc, cfg, log, reg); err != nil {
 		return err
 	}
 	if err := w.Start(); err != nil {
