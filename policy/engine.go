@@ -599,18 +599,7 @@ func (e *Engine) forward(in *StepInput, decodeOnly bool) error {
 		if err != nil { // larger than the largest bucket: run it eagerly
 			return e.eager(in)
 		}
-		for range padded - n {
-			// Padding rows: a token at position 0 stored nowhere, in a
-			// sequence with no queries, sampled greedily and ignored.
-			in.Tokens = append(in.Tokens, 0)
-			in.Positions = append(in.Positions, 0)
-			in.Slots = append(in.Slots, -1)
-			in.SeqLens = append(in.SeqLens, 0)
-			in.PageTable = append(in.PageTable, nil)
-			in.QueryStart = append(in.QueryStart, in.QueryStart[len(in.QueryStart)-1])
-			in.LogitRows = append(in.LogitRows, 0)
-			in.Sampling = append(in.Sampling, SampleRow{TopP: 1})
-		}
+		in.Pad(padded)
 		if _, err := e.m.Stage(*in); err != nil {
 			return err
 		}

@@ -149,6 +149,22 @@ type StepInput struct {
 	Sampling                 []SampleRow
 }
 
+// Pad appends padding rows to a decode-only step until it has n tokens (a
+// graph bucket's size): each a token at position 0 stored nowhere, in a
+// sequence with no queries, sampled greedily and ignored.
+func (in *StepInput) Pad(n int) {
+	for range n - len(in.Tokens) {
+		in.Tokens = append(in.Tokens, 0)
+		in.Positions = append(in.Positions, 0)
+		in.Slots = append(in.Slots, -1)
+		in.SeqLens = append(in.SeqLens, 0)
+		in.PageTable = append(in.PageTable, nil)
+		in.QueryStart = append(in.QueryStart, in.QueryStart[len(in.QueryStart)-1])
+		in.LogitRows = append(in.LogitRows, 0)
+		in.Sampling = append(in.Sampling, SampleRow{TopP: 1})
+	}
+}
+
 // Stage writes in into the model's input buffers and returns its Shape.
 // Sampling may be empty (scoring); otherwise it has one row per logit row.
 // There may be no logit rows: a prefill chunk that ends no prompt only
