@@ -194,12 +194,50 @@ func TestBenchErrors(t *testing.T) {
 
 func TestBenchGenerate(t *testing.T) {
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"bench", "generate", "--preset", "tiny", "--requests", "3", "--n", "2",
+	code := run(context.Background(), []string{"bench", "generate", "--mode", "rollouts", "--preset", "tiny", "--requests", "3", "--n", "2",
 		"--prompt-len", "5", "--max-tokens", "7"}, &stdout, &stderr)
 	if code != 0 {
 		t.Fatalf("exit %d, stderr:\n%s", code, stderr.String())
 	}
 	if out := stdout.String(); !strings.Contains(out, "rollouts 6, generated tokens 42") || !strings.Contains(out, "tokens/s") {
 		t.Fatalf("output %q", out)
+	}
+}
+
+// TestBenchGenerateSteps: the decode-step sweep measures every point for
+// both recipes in one run and writes its table, CSV and chart.
+func TestBenchGenerateSteps(t *testing.T) {
+	dir := t.TempDir()
+	csvPath, plotPath := filepath.Join(dir, "d.csv"), filepath.Join(dir, "d.svg")
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"bench", "generate", "--preset", "tiny", "--device", "cpu", "--batches", "1,4",
+		"--contexts", "8", "--steps", "2", "--warmup", "1", "--csv", csvPath, "--plot", plotPath}, &stdout, &stderr)
+	if code != 0 {
+		t.Fatalf("exit %d, stderr:\n%s", code, stderr.String())
+	}
+	out := stdout.String()
+	for _, want := range []string{"x floor", "NVFP4", "BF16", "vs BF16"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("table lacks %q:\n%s", want, out)
+		}
+	}
+	data, err := os.ReadFile(csvPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lines := strings.Count(string(data), "\n"); lines != 5 {
+		t.Fatalf("csv has %d lines, want a header and 4 points:\n%s", lines, data)
+	}
+	if svg, err := os.ReadFile(plotPath); err != nil || !strings.Contains(string(svg), "<svg") {
+		t.Fatalf("chart: %v", err)
+	}
+	code = run(context.Background(), []string{"bench", "generate", "--preset", "tiny", "--device", "cpu", "--batches", "1,x"}, &stdout, &stderr)
+	if code != 2 || !strings.Contains(stderr.String(), `--batches: "x"`) {
+		t.Fatalf("bad --batches: exit %d, stderr %q", code, stderr.String())
+	}
+	stderr.Reset()
+	code = run(context.Background(), []string{"bench", "generate", "--preset", "tiny", "--recipe", "nvfp4"}, &stdout, &stderr)
+	if code != 2 || !strings.Contains(stderr.String(), "--recipe applies to --mode rollouts, not steps") {
+		t.Fatalf("a rollouts flag in steps mode: exit %d, stderr %q", code, stderr.String())
 	}
 }

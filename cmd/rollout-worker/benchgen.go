@@ -6,18 +6,34 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 
+	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/policy/genbench"
 )
 
-const benchGenerateUsage = `Usage: rollout-worker bench generate [--preset NAME | --model DIR] [flags]
+const benchGenerateUsage = `Usage: rollout-worker bench generate [--preset NAME [--layers N] | --model DIR] [flags]
 
-Generate rollouts with the engine (continuous batching, decode steps
-replayed from captured graphs) and report generated tokens/s and
-rollouts/s. Without --model, the preset's seeded random weights (the ones
-init-model writes) are initialised in memory, with no checkpoint on disk.
+--mode steps (the default): decode steps at every batch size of --batches
+and context of --contexts, for each recipe of --recipes in the same run,
+each step as the engine runs it (stage the inputs, replay the step's
+captured graph with sampling, download the tokens). For each point: the
+step time, its floor (the weight and KV-cache bytes the step must read at
+the H200's 4.3 TB/s) and the ratio, tokens/s, the device time of the
+graph alone and the fraction of the step the device sits idle, and the
+NVFP4 speedup over BF16. The KV cache holds the context already (its
+contents do not change the work, so no prefill runs). --csv and --plot
+write the points.
+
+--mode rollouts: whole rollouts through the engine (continuous batching,
+prefill, decode through graphs): --requests requests of --n samples
+submitted at once; generated tokens/s and rollouts/s.
+
+Without --model, the preset's seeded random weights (the ones init-model
+writes) are initialised in memory, with no checkpoint on disk.
 
 Flags:
 `
@@ -29,55 +45,164 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		fmt.Fprint(fs.Output(), benchGenerateUsage)
 		fs.PrintDefaults()
 	}
+	mode := fs.String("mode", "steps", "steps (decode-step sweep) or rollouts (whole rollouts through the engine)")
 	preset := fs.String("preset", "tiny", "random model preset, initialised in memory (ignored with --model): "+strings.Join(policy.PresetNames(), ", "))
 	layers := fs.Int("layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
 	dir := fs.String("model", "", "model `directory` to load instead of a preset")
-	recipeName := fs.String("recipe", "bf16", "MoE recipe: bf16 or nvfp4")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
-	requests := fs.Int("requests", 16, "requests submitted at once")
-	n := fs.Int("n", 4, "samples per request")
-	promptLen := fs.Int("prompt-len", 32, "prompt tokens per request")
-	maxTokens := fs.Int("max-tokens", 64, "tokens generated per sample")
-	temperature := fs.Float64("temperature", 1, "sampling temperature")
-	graphs := fs.Bool("graphs", true, "replay decode steps from captured graphs")
-	seed := fs.Uint64("seed", 1, "seed of the random model and prompts")
+	seed := fs.Uint64("seed", 1, "seed of the random model and the tokens")
+	// steps
+	recipes := fs.String("recipes", "nvfp4,bf16", "steps: MoE recipes, measured one after the other in the same run")
+	batches := fs.String("batches", "1,8,64,256", "steps: comma-separated sequences per step")
+	contexts := fs.String("contexts", "128,1024", "steps: comma-separated tokens already in each sequence's KV cache")
+	steps := fs.Int("steps", 32, "steps: timed steps per point")
+	warmup := fs.Int("warmup", 4, "steps: untimed steps before each point")
+	csvPath := fs.String("csv", "", "steps: also write the points as CSV to this `file`")
+	plotPath := fs.String("plot", "", "steps: also write an SVG chart of step time against batch size to this `file`")
+	// rollouts
+	recipeName := fs.String("recipe", "bf16", "rollouts: MoE recipe: bf16 or nvfp4")
+	requests := fs.Int("requests", 16, "rollouts: requests submitted at once")
+	n := fs.Int("n", 4, "rollouts: samples per request")
+	promptLen := fs.Int("prompt-len", 32, "rollouts: prompt tokens per request")
+	maxTokens := fs.Int("max-tokens", 64, "rollouts: tokens generated per sample")
+	temperature := fs.Float64("temperature", 1, "rollouts: sampling temperature")
+	graphs := fs.Bool("graphs", true, "rollouts: replay decode steps from captured graphs (steps always do)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	recipe, err := recipeFlag(*recipeName)
+	only := map[string][]string{
+		"steps":    {"recipes", "batches", "contexts", "steps", "warmup", "csv", "plot"},
+		"rollouts": {"recipe", "requests", "n", "prompt-len", "max-tokens", "temperature", "graphs"},
+	}
+	set := setFlags(fs)
+	for m, names := range only {
+		for _, name := range names {
+			if set[name] && m != *mode {
+				return usageErrorf("--%s applies to --mode %s, not %s", name, m, *mode)
+			}
+		}
+	}
+	if *dir != "" && *layers != 0 {
+		return usageErrorf("--layers cuts a preset; it does not apply to --model")
+	}
+	var cfg policy.Config
+	if *dir == "" {
+		if cfg, err = policy.PresetLayers(*preset, *layers); err != nil {
+			return usageErrorf("--preset: %v", err)
+		}
+	} else if cfg, err = policy.LoadConfig(*dir); err != nil {
+		return err
+	}
+	load := func(be kernels.Backend, opts policy.ModelOptions) (*policy.Model, error) {
+		if *dir == "" {
+			return policy.NewRandomModel(ctx, be, cfg, opts, *seed)
+		}
+		return policy.LoadModel(be, *dir, opts)
+	}
+
+	switch *mode {
+	case "rollouts":
+		recipe, err := recipeFlag(*recipeName)
+		if err != nil {
+			return err
+		}
+		return benchRollouts(ctx, stdout, stderr, *device, load, cfg, recipe, genbench.Config{Requests: *requests, N: *n,
+			PromptLen: *promptLen, MaxTokens: *maxTokens, Params: policy.SamplingParams{Temperature: float32(*temperature)}, Seed: *seed}, *graphs)
+	case "steps":
+	default:
+		return usageErrorf("--mode %q: want steps or rollouts", *mode)
+	}
+	rcs, err := recipeList(*recipes)
 	if err != nil {
 		return err
+	}
+	dc := genbench.DecodeConfig{Steps: *steps, Warmup: *warmup, Seed: *seed}
+	if dc.Batches, err = intList("batches", *batches); err != nil {
+		return err
+	}
+	if dc.Contexts, err = intList("contexts", *contexts); err != nil {
+		return err
+	}
+	if *steps < 1 || *warmup < 0 {
+		return usageErrorf("--steps must be positive and --warmup not negative")
 	}
 	be, closeBackend, err := newBackend(*device, nil)
 	if err != nil {
 		return err
 	}
 	defer closeBackend()
-	const pageSize = 16
-	seqs := *requests * *n
-	perRequest := (*promptLen)/pageSize + *n*((*promptLen%pageSize+*maxTokens+pageSize-1)/pageSize)
-	opts := policy.ModelOptions{Recipe: recipe, MaxSeqs: min(seqs, 256), MaxTokens: max(256, min(seqs, 256)),
-		PageSize: pageSize, KVPages: *requests * perRequest}
-	opts.MaxLogitRows = opts.MaxTokens
-	var m *policy.Model
-	if *dir == "" {
-		cfg, err := policy.PresetLayers(*preset, *layers)
+	fmt.Fprintf(stderr, "bench generate: %s, %d layers, hidden %d, %d experts top-%d (%s), vocab %d, %s backend\n",
+		cfg.Architecture, cfg.Layers, cfg.Hidden, cfg.Experts, cfg.TopK, cfg.Activation, cfg.VocabSize, be.Name())
+	var points []genbench.DecodePoint
+	for _, rc := range rcs {
+		pts, err := benchDecode(ctx, be, load, rc, dc)
 		if err != nil {
-			return usageErrorf("--preset: %v", err)
+			return err
 		}
-		m, err = policy.NewRandomModel(ctx, be, cfg, opts, *seed)
-	} else {
-		if *layers != 0 {
-			return usageErrorf("--layers cuts a preset; it does not apply to --model")
-		}
-		m, err = policy.LoadModel(be, *dir, opts)
+		points = append(points, pts...)
 	}
+	if err := genbench.DecodeTable(stdout, points); err != nil {
+		return err
+	}
+	if *csvPath != "" {
+		if err := writeFile(*csvPath, func(w io.Writer) error { return genbench.DecodeCSV(w, points) }); err != nil {
+			return err
+		}
+	}
+	if *plotPath != "" {
+		title := fmt.Sprintf("Decode step, %d layers, %s backend", cfg.Layers, be.Name())
+		if err := writeFile(*plotPath, genbench.DecodeChart(title, points).SVG); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// benchDecode loads the model under one recipe, sized for the sweep, and
+// measures it; the model is freed before the next recipe loads.
+func benchDecode(ctx context.Context, be kernels.Backend, load func(kernels.Backend, policy.ModelOptions) (*policy.Model, error),
+	rc moe.Recipe, dc genbench.DecodeConfig) (_ []genbench.DecodePoint, err error) {
+	const pageSize = 16
+	maxB := 0
+	for _, b := range dc.Batches {
+		maxB = max(maxB, b)
+	}
+	opts := policy.ModelOptions{Recipe: rc, MaxSeqs: maxB, MaxTokens: maxB, MaxLogitRows: maxB,
+		PageSize: pageSize, KVPages: genbench.DecodeKVPages(dc, pageSize)}
+	m, err := load(be, opts)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, m.Close()) }()
+	g, err := policy.NewGraphs(m, policy.DefaultBuckets(maxB), nil)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, g.Close()) }()
+	return genbench.Decode(ctx, m, g, dc)
+}
+
+// benchRollouts runs whole rollouts through the engine.
+func benchRollouts(ctx context.Context, stdout, stderr io.Writer, device string, load func(kernels.Backend, policy.ModelOptions) (*policy.Model, error),
+	cfg policy.Config, recipe moe.Recipe, gc genbench.Config, graphs bool) (err error) {
+	be, closeBackend, err := newBackend(device, nil)
+	if err != nil {
+		return err
+	}
+	defer closeBackend()
+	const pageSize = 16
+	seqs := gc.Requests * gc.N
+	perRequest := gc.PromptLen/pageSize + gc.N*((gc.PromptLen%pageSize+gc.MaxTokens+pageSize-1)/pageSize)
+	opts := policy.ModelOptions{Recipe: recipe, MaxSeqs: min(seqs, 256), MaxTokens: max(256, min(seqs, 256)),
+		PageSize: pageSize, KVPages: gc.Requests * perRequest}
+	opts.MaxLogitRows = opts.MaxTokens
+	m, err := load(be, opts)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, m.Close()) }()
 	var ecfg policy.EngineConfig
-	if *graphs {
+	if graphs {
 		g, err := policy.NewGraphs(m, policy.DefaultBuckets(opts.MaxSeqs), nil)
 		if err != nil {
 			return err
@@ -85,15 +210,26 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		defer func() { err = errors.Join(err, g.Close()) }()
 		ecfg.Graphs = g
 	}
-	c := m.Config()
 	fmt.Fprintf(stderr, "bench generate: %s, %d layers, hidden %d, %d experts top-%d, vocab %d, recipe %s, %s backend\n",
-		c.Architecture, c.Layers, c.Hidden, c.Experts, c.TopK, c.VocabSize, recipe, be.Name())
-	res, err := genbench.Run(ctx, m, ecfg, genbench.Config{Requests: *requests, N: *n, PromptLen: *promptLen, MaxTokens: *maxTokens,
-		Params: policy.SamplingParams{Temperature: float32(*temperature)}, Seed: *seed})
+		cfg.Architecture, cfg.Layers, cfg.Hidden, cfg.Experts, cfg.TopK, cfg.VocabSize, recipe, be.Name())
+	res, err := genbench.Run(ctx, m, ecfg, gc)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "rollouts %d, generated tokens %d, wall %.2fs: %.1f tokens/s, %.2f rollouts/s (%d steps, %d from graphs)\n",
 		res.Samples, res.Tokens, res.Wall.Seconds(), res.TokensPerSecond(), res.SamplesPerSecond(), res.Engine.Steps, res.Engine.GraphSteps)
 	return nil
+}
+
+// intList parses a comma-separated list of positive integers for --name.
+func intList(name, s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return nil, usageErrorf("--%s: %q is not a positive integer", name, f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }
