@@ -47,6 +47,19 @@ type Layer struct {
 	owned     []*kernels.Buffer // everything New allocated, for Close
 	closed    bool
 	quantized bool // the NVFP4 copies match the BF16 stacks as last requantized
+	marker    kernels.Marker
+}
+
+// SetMarker makes Forward mark its groups of ops on mk ("router": the
+// router GEMM; "experts": routing, dispatch, both expert GEMMs and the
+// finalize); nil stops it.
+func (l *Layer) SetMarker(mk kernels.Marker) { l.marker = mk }
+
+func (l *Layer) mark(group string) error {
+	if l.marker == nil {
+		return nil
+	}
+	return l.marker.Mark(group)
 }
 
 // New allocates a layer with zero weights: the router [E, H], the BF16
@@ -260,7 +273,13 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 		return v.Err
 	}
 
+	if err := l.mark("router"); err != nil {
+		return err
+	}
 	if err := l.be.Gemm(logits, x, l.router); err != nil {
+		return err
+	}
+	if err := l.mark("experts"); err != nil {
 		return err
 	}
 	ra := kernels.RouteArgs{Logits: logits, IDs: ids, Weights: weights, Scoring: l.score, Renormalize: c.Renormalize, Scale: c.RoutedScaling}

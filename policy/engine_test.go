@@ -674,3 +674,46 @@ func TestNumericFailureFailsOnlyItsRequest(t *testing.T) {
 		t.Fatalf("Stats().Failed = %d, want %d", st.Failed, failed)
 	}
 }
+
+// markRecorder is a kernels.Marker that records the groups it is given.
+type markRecorder struct{ groups []string }
+
+func (r *markRecorder) Mark(group string) error { r.groups = append(r.groups, group); return nil }
+
+// TestForwardMarksGroups: with a marker set, a forward pass marks its
+// groups of ops in order, every layer's MoE marks its router and experts,
+// and the last mark ends the last group; without one, nothing is marked.
+func TestForwardMarksGroups(t *testing.T) {
+	cfg := testConfig()
+	m := newRandomModel(t, cfg, testOptions(), 1)
+	in := StepInput{Tokens: []int32{3, 4}, Positions: []int32{0, 1}, Slots: []int32{0, 1}, SeqLens: []int32{2},
+		QueryStart: []int32{0, 2}, PageTable: [][]int32{{0}}, LogitRows: []int32{1}, Sampling: []SampleRow{{Temperature: 1, TopP: 1}}}
+	sh, err := m.Stage(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &markRecorder{}
+	m.SetMarker(rec)
+	if err := m.Forward(sh, true); err != nil {
+		t.Fatal(err)
+	}
+	m.SetMarker(nil)
+	g := rec.groups
+	if len(g) == 0 || g[0] != "embed" || g[len(g)-1] != "" || g[len(g)-2] != "sampling" || g[len(g)-3] != "lm_head" {
+		t.Fatalf("marks %q: want embed first, then lm_head, sampling and the end mark", g)
+	}
+	count := map[string]int{}
+	for _, x := range g {
+		count[x]++
+	}
+	if count["router"] != cfg.Layers || count["experts"] != cfg.Layers || count["attention"] != cfg.Layers || count["projections"] != 2*cfg.Layers {
+		t.Fatalf("marks per group %v: want router, experts and attention once and projections twice per layer (%d layers)", count, cfg.Layers)
+	}
+	before := len(rec.groups)
+	if err := m.Forward(sh, true); err != nil {
+		t.Fatal(err)
+	}
+	if len(rec.groups) != before {
+		t.Fatal("marks recorded after SetMarker(nil)")
+	}
+}

@@ -72,16 +72,20 @@ func (m *Model) step(sh Shape) error {
 	}
 	eps := c.RMSNormEps
 	scale := float32(1 / math.Sqrt(float64(c.HeadDim)))
-	if err := be.Embed(kernels.EmbedArgs{Out: h, Table: m.embed, IDs: ids}); err != nil {
+	mark := func(group string) func() error { return func() error { return m.mark(group) } }
+	if err := run(mark("embed"), func() error { return be.Embed(kernels.EmbedArgs{Out: h, Table: m.embed, IDs: ids}) }); err != nil {
 		return err
 	}
 	for i := range m.layers {
 		l := &m.layers[i]
 		err := run(
+			mark("norms"),
 			func() error { return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.inNorm, Eps: eps}) },
+			mark("projections"),
 			func() error { return be.Gemm(q2, x, l.q) },
 			func() error { return be.Gemm(k2, x, l.k) },
 			func() error { return be.Gemm(v2, x, l.v) },
+			mark("norms"),
 			func() error {
 				if !c.QKNorm {
 					return nil
@@ -91,6 +95,7 @@ func (m *Model) step(sh Shape) error {
 				}
 				return be.RMSNorm(kernels.RMSNormArgs{Out: kh, Src: kh, Weight: l.kNorm, Eps: eps})
 			},
+			mark("attention"),
 			func() error { return be.RoPE(kernels.RoPEArgs{X: q, Positions: pos, Cos: m.cos, Sin: m.sin}) },
 			func() error { return be.RoPE(kernels.RoPEArgs{X: k, Positions: pos, Cos: m.cos, Sin: m.sin}) },
 			func() error { return be.KVWrite(kernels.KVWriteArgs{Cache: l.kv, K: k, V: vv, Slots: slots}) },
@@ -98,10 +103,13 @@ func (m *Model) step(sh Shape) error {
 				return be.Attention(kernels.AttentionArgs{Out: attn, Q: q, Cache: l.kv, PageTable: pageTable,
 					SeqLens: seqLens, QueryStart: queryStart, Scale: scale})
 			},
+			mark("projections"),
 			func() error { return be.Gemm(tmp, attn2, l.o) },
+			mark("norms"),
 			func() error { return be.Add(kernels.AddArgs{Out: h, A: h, B: tmp}) },
 			func() error { return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.postNorm, Eps: eps}) },
-			func() error { return l.moe.Forward(tmp, x) },
+			func() error { return l.moe.Forward(tmp, x) }, // marks "router" and "experts"
+			mark("norms"),
 			func() error { return be.Add(kernels.AddArgs{Out: h, A: h, B: tmp}) },
 		)
 		if err != nil {
@@ -112,6 +120,7 @@ func (m *Model) step(sh Shape) error {
 		return nil // a prefill chunk that ends no prompt: only the KV cache matters
 	}
 	return run(
+		mark("lm_head"),
 		func() error { return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: m.norm, Eps: eps}) },
 		func() error { return be.Embed(kernels.EmbedArgs{Out: sel, Table: x, IDs: logitRows}) }, // gather rows
 		func() error { return be.Gemm(logits, sel, m.lmHead) },
@@ -233,7 +242,7 @@ func (m *Model) Forward(sh Shape, sample bool) error {
 		return fmt.Errorf("policy: forward: %w", err)
 	}
 	if !sample || sh.L == 0 {
-		return nil
+		return m.mark("") // the end of the last group
 	}
 	v := kernels.Views{}
 	args := kernels.SampleArgs{
@@ -244,10 +253,13 @@ func (m *Model) Forward(sh Shape, sample bool) error {
 	if v.Err != nil {
 		return v.Err
 	}
+	if err := m.mark("sampling"); err != nil {
+		return err
+	}
 	if err := m.be.Sample(args); err != nil {
 		return fmt.Errorf("policy: sample: %w", err)
 	}
-	return nil
+	return m.mark("") // the end of the last group
 }
 
 // Samples downloads the tokens and logprobs the last sampling Forward drew

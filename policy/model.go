@@ -96,6 +96,27 @@ type Model struct {
 	ws     workspace
 	owned  []*kernels.Buffer
 	closed bool
+	marker kernels.Marker
+}
+
+// SetMarker makes Forward mark its groups of ops on mk, for a per-group
+// device-time breakdown: "embed", "norms" (RMSNorm, residual adds),
+// "projections" (the q/k/v/o GEMMs), "attention" (RoPE, KV write,
+// attention), the MoE layer's "router" and "experts", "lm_head" (final
+// norm, row gather, LM head GEMM) and "sampling". nil stops it.
+func (m *Model) SetMarker(mk kernels.Marker) {
+	m.marker = mk
+	for _, l := range m.layers {
+		l.moe.SetMarker(mk)
+	}
+}
+
+// mark starts a group of ops when a marker is set.
+func (m *Model) mark(group string) error {
+	if m.marker == nil {
+		return nil
+	}
+	return m.marker.Mark(group)
 }
 
 // NewModel allocates a model with zero weights on be. Load weights through

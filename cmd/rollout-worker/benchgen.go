@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -143,6 +144,12 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 	}
 	if err := genbench.DecodeTable(stdout, points); err != nil {
 		return err
+	}
+	if slices.ContainsFunc(points, func(p genbench.DecodePoint) bool { return p.Groups != nil }) {
+		fmt.Fprintln(stdout, "\nWhere a step's device time goes (a copy of its graph with an event at each group):")
+		if err := genbench.BreakdownTable(stdout, points); err != nil {
+			return err
+		}
 	}
 	if *csvPath != "" {
 		if err := writeFile(*csvPath, func(w io.Writer) error { return genbench.DecodeCSV(w, points) }); err != nil {

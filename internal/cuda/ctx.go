@@ -501,6 +501,29 @@ func (e *Event) Record(s *Stream) error {
 	return nil
 }
 
+// eventRecordExternal is CU_EVENT_RECORD_EXTERNAL: inside a stream capture
+// the record becomes an event record node of the graph, so every launch
+// records the event (a plain record inside a capture only orders streams).
+const eventRecordExternal = 0x1
+
+// RecordExternal marks the point in s reached so far
+// (cuEventRecordWithFlags, CU_EVENT_RECORD_EXTERNAL): outside a capture it
+// is Record; inside one it records the event at that point of every launch
+// of the graph, which is how a graph's parts are timed.
+func (e *Event) RecordExternal(s *Stream) error {
+	if err := e.c.check(); err != nil {
+		return err
+	}
+	h, err := e.c.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if r := ccall(e.c.drv.cuEventRecordWithFlags, e.h, h, eventRecordExternal); r != Success {
+		return e.c.drv.err("cuEventRecordWithFlags", r, "CU_EVENT_RECORD_EXTERNAL")
+	}
+	return nil
+}
+
 // Sync waits until the recorded work is done (cuEventSynchronize).
 func (e *Event) Sync() error {
 	if err := e.c.check(); err != nil {

@@ -83,6 +83,7 @@ type driver struct {
 	cuStreamCreate, cuStreamDestroy, cuStreamSynchronize                                   uintptr
 	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime                   uintptr
 	cuEventDestroy                                                                         uintptr
+	cuEventRecordWithFlags                                                                 uintptr
 	cuModuleLoadData, cuModuleGetFunction, cuModuleUnload, cuFuncSetAttribute              uintptr
 	cuLaunchKernel, cuLaunchCooperativeKernel, cuOccupancyMaxActiveBlocksPerMultiprocessor uintptr
 	cuLaunchKernelEx                                                                       uintptr // 0 where the driver lacks it
@@ -140,6 +141,7 @@ func loadDriver(path string) (*driver, error) {
 		{p: &d.cuStreamSynchronize, name: "cuStreamSynchronize"},
 		{p: &d.cuEventCreate, name: "cuEventCreate"},
 		{p: &d.cuEventRecord, name: "cuEventRecord"},
+		{p: &d.cuEventRecordWithFlags, name: "cuEventRecordWithFlags"},
 		{p: &d.cuEventSynchronize, name: "cuEventSynchronize"},
 		// CUDA 13 headers expose only _v2 (same signature); older drivers
 		// export only the plain name.

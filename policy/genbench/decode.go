@@ -9,6 +9,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 )
@@ -42,6 +43,16 @@ type DecodePoint struct {
 	// touches and the KV cache) at the device's copy bandwidth.
 	Floor      time.Duration
 	FloorBytes float64
+	// Groups is the device time of each group of ops of the step (see
+	// policy.Model.SetMarker), from a copy of the step's graph with a mark
+	// at every group (nil where the backend cannot profile).
+	Groups map[string]time.Duration
+}
+
+// GroupOrder lists the groups of a step's breakdown in the order a forward
+// pass runs them.
+func GroupOrder() []string {
+	return []string{"embed", "norms", "projections", "attention", "router", "experts", "lm_head", "sampling"}
 }
 
 // TokensPerSecond is the batch's generated tokens per second of steps.
@@ -196,8 +207,65 @@ func decodePoint(m *policy.Model, graphs *policy.Graphs, cfg DecodeConfig, batch
 			return DecodePoint{}, err
 		}
 	}
+	if _, ok := m.Backend().(kernels.Profiler); ok {
+		if p.Groups, err = profileStep(m, build(cfg.Warmup+cfg.Steps-1), cfg.Steps); err != nil {
+			return DecodePoint{}, err
+		}
+	}
 	p.FloorBytes, p.Floor = DecodeFloor(m.Config(), p.Recipe, batch, ctxLen)
 	return p, nil
+}
+
+// profileStep captures in's step (forward and sampling) once more with a
+// mark at every group of ops, launches that graph runs times and returns
+// the mean device time of each group.
+func profileStep(m *policy.Model, in policy.StepInput, runs int) (_ map[string]time.Duration, err error) {
+	be := m.Backend()
+	pr, ok1 := be.(kernels.Profiler)
+	cp, ok2 := be.(kernels.Capturer)
+	if !ok1 || !ok2 {
+		return nil, fmt.Errorf("profile: the %s backend cannot capture and time marked work", be.Name())
+	}
+	prof, err := pr.NewProfile()
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, prof.Close()) }()
+	sh, err := m.Stage(in)
+	if err != nil {
+		return nil, err
+	}
+	if err := cp.BeginCapture(); err != nil {
+		return nil, err
+	}
+	m.SetMarker(prof)
+	ferr := m.Forward(sh, true)
+	m.SetMarker(nil)
+	g, err := cp.EndCapture()
+	if err := errors.Join(ferr, err); err != nil {
+		return nil, fmt.Errorf("profile: capture: %w", err)
+	}
+	defer func() { err = errors.Join(err, g.Destroy()) }()
+	sum := map[string]time.Duration{}
+	for range runs {
+		if err := g.Launch(); err != nil {
+			return nil, err
+		}
+		if err := be.Sync(); err != nil {
+			return nil, err
+		}
+		groups, err := prof.Groups()
+		if err != nil {
+			return nil, err
+		}
+		for k, d := range groups {
+			sum[k] += d
+		}
+	}
+	for k := range sum {
+		sum[k] /= time.Duration(runs)
+	}
+	return sum, nil
 }
 
 // DecodeKVPages is the KV pages a sweep needs at its largest point.

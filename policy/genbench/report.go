@@ -50,15 +50,54 @@ func DecodeTable(w io.Writer, points []DecodePoint) error {
 	return tw.Flush()
 }
 
+// BreakdownTable writes, for every point that has one, the device time of
+// each group of ops of a step, in ms and as a share of their sum.
+func BreakdownTable(w io.Writer, points []DecodePoint) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprint(tw, "context\tbatch\trecipe\t")
+	for _, g := range GroupOrder() {
+		fmt.Fprintf(tw, "%s\t", g)
+	}
+	fmt.Fprintln(tw, "sum ms\t")
+	for _, p := range sortedPoints(points) {
+		if p.Groups == nil {
+			continue
+		}
+		var total time.Duration
+		for _, d := range p.Groups {
+			total += d
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%s\t", p.Context, p.Batch, recipeName(p.Recipe))
+		for _, g := range GroupOrder() {
+			d := p.Groups[g]
+			fmt.Fprintf(tw, "%.3f (%.0f%%)\t", ms(d), 100*d.Seconds()/max(total.Seconds(), 1e-12))
+		}
+		fmt.Fprintf(tw, "%.3f\t\n", ms(total))
+	}
+	return tw.Flush()
+}
+
 // DecodeCSV writes the points with a header row.
 func DecodeCSV(w io.Writer, points []DecodePoint) error {
 	cw := csv.NewWriter(w)
-	rows := [][]string{{"recipe", "batch", "context", "step_us", "device_us", "floor_us", "floor_bytes", "x_floor", "tokens_per_s", "idle"}}
+	header := []string{"recipe", "batch", "context", "step_us", "device_us", "floor_us", "floor_bytes", "x_floor", "tokens_per_s", "idle"}
+	for _, g := range GroupOrder() {
+		header = append(header, g+"_us")
+	}
+	rows := [][]string{header}
 	f := func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
+	us := func(d time.Duration) string { return f(float64(d.Nanoseconds()) / 1e3) }
 	for _, p := range sortedPoints(points) {
-		rows = append(rows, []string{string(p.Recipe), strconv.Itoa(p.Batch), strconv.Itoa(p.Context),
-			f(float64(p.Step.Nanoseconds()) / 1e3), f(float64(p.Device.Nanoseconds()) / 1e3), f(float64(p.Floor.Nanoseconds()) / 1e3),
-			f(p.FloorBytes), f(p.VsFloor()), f(p.TokensPerSecond()), f(p.Idle())})
+		row := []string{string(p.Recipe), strconv.Itoa(p.Batch), strconv.Itoa(p.Context),
+			us(p.Step), us(p.Device), us(p.Floor), f(p.FloorBytes), f(p.VsFloor()), f(p.TokensPerSecond()), f(p.Idle())}
+		for _, g := range GroupOrder() {
+			if p.Groups == nil {
+				row = append(row, "")
+			} else {
+				row = append(row, us(p.Groups[g]))
+			}
+		}
+		rows = append(rows, row)
 	}
 	if err := cw.WriteAll(rows); err != nil {
 		return fmt.Errorf("genbench: csv: %w", err)

@@ -1,0 +1,33 @@
+package kernels
+
+import "time"
+
+// Marker marks where groups of ops begin on a backend's op stream. A model
+// given one calls Mark before each group of its forward pass (the
+// embedding, the dense projections, attention, the router, the experts,
+// sampling, ...).
+type Marker interface {
+	// Mark records a point after every op issued so far; the ops issued
+	// from it to the next point belong to group. Inside a capture the point
+	// becomes part of the graph and is recorded at every launch.
+	Mark(group string) error
+}
+
+// Profile is a Marker whose points the device records, so the device time
+// of each group can be read back once the marked work has run.
+type Profile interface {
+	Marker
+	// Groups returns the device time between each point and the next,
+	// summed by group, for the last run of the marked work (after a Sync,
+	// or after the launch of a graph captured with the marks, and a Sync).
+	Groups() (map[string]time.Duration, error)
+	// Close releases the profile's device resources; graphs captured with
+	// its marks must not be launched after it.
+	Close() error
+}
+
+// Profiler is implemented by backends that time marked work on the device
+// (the CUDA backend, with events).
+type Profiler interface {
+	NewProfile() (Profile, error)
+}
