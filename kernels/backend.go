@@ -45,7 +45,7 @@ type Backend interface {
 	// Permute sorts the (token, k) assignments by expert.
 	Permute(args PermuteArgs) error
 	// Quantize converts BF16 rows to NVFP4 with the exact recipe of
-	// shared/NVFP4.md, bit-exact on every backend.
+	// docs/NVFP4.md, bit-exact on every backend.
 	Quantize(args QuantizeArgs) error
 	// GroupedGemm runs one GEMM per expert over expert-sorted rows, with the
 	// activation fused into the epilogue.

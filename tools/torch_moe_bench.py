@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The torch BF16 baseline of the MoE layer forward (shared/TARGETS.md section 1).
+"""The torch BF16 baseline of the MoE layer forward (docs/PERF.md).
 
 What a user would write with stock PyTorch, eager (not graphed):
 
@@ -9,8 +9,8 @@ What a user would write with stock PyTorch, eager (not graphed):
 
 timed with triton.testing.do_bench (median), rotating through 4 input batches
 so that consecutive forwards route to different experts. The weights are
-random BF16 at the seed's shapes by default (hidden 7168, intermediate 2048,
-256 experts, top-8, relu2). Needs torch (2.8 or later, for torch._grouped_mm)
+random BF16 at the DeepSeek-V3 MoE layer's shapes by default (hidden 7168,
+intermediate 2048, 256 experts, top-8, relu2). Needs torch (2.8 or later, for torch._grouped_mm)
 and triton on a CUDA GPU; no network.
 
     python3 tools/torch_moe_bench.py
@@ -31,7 +31,7 @@ try:
 except ImportError as e:  # pragma: no cover - environment check
     sys.exit(f"torch_moe_bench: needs torch and triton: {e}")
 
-# The H200 ceilings TARGETS.md states its floors with.
+# The H200 ceilings docs/PERF.md states its floors with.
 BANDWIDTH = 4.3e12  # bytes/s, copy (read + written)
 BF16_FLOPS = 790e12  # FLOP/s, dense BF16 GEMM
 
@@ -155,7 +155,7 @@ def expected_touched(E, k, T):
 
 
 def floors_us(a, T):
-    """The NVFP4 floor of TARGETS.md (0.5625 B per weight of the touched
+    """The NVFP4 floor of docs/PERF.md (0.5625 B per weight of the touched
     experts + activations) and the same with BF16 weights (2 B per weight)."""
     i1 = 2 * a.intermediate if a.activation == "swiglu" else a.intermediate
     pad = lambda k: (k + 15) // 16 * 16

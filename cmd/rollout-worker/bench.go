@@ -33,7 +33,7 @@ with CUDA events on cuda, by the wall clock between syncs elsewhere.
 
 The table has one row per batch size: experts touched (expected, uniform
 routing: E*(1-(1-k/E)^T)), the NVFP4 floor (max of bytes / 4.3 TB/s and
-FLOPs / 790 TFLOP/s, shared/TARGETS.md section 1) and what bounds it, each
+FLOPs / 790 TFLOP/s, docs/PERF.md) and what bounds it, each
 recipe's mean time, and for NVFP4: "vs floor" = time / floor (target
 <= 1.25x), "vs bf16" = BF16 time / NVFP4 time (the speed-up, target >= 3x),
 and the per-token cosine similarity to BF16 (mean and min over the inputs).
@@ -46,10 +46,10 @@ fused into FC2's epilogue, no rows written; not batch invariant).
 atomic time and "det/atomic" = deterministic time / atomic time (the cost
 of batch invariance, target <= 1.10x).
 
-Defaults depend on the backend: on cuda the seed's shapes (tokens
+Defaults depend on the backend: on cuda the DeepSeek-V3 MoE layer (tokens
 1,8,32,128,512,4096, hidden 7168, intermediate 2048, 256 experts, top-8,
 50 iterations); on cpu small ones (tokens 1,8,32,128, hidden 1024,
-intermediate 512, 16 experts, top-4, 10 iterations), where the seed's
+intermediate 512, 16 experts, top-4, 10 iterations), where the DeepSeek-V3
 shapes would take hours.
 
 Flags:
@@ -59,8 +59,7 @@ const benchRefitUsage = `Usage: rollout-worker bench refit [flags]
 
 Build one NVFP4 layer with random weights and time Layer.Requantize (the
 whole layer's FC1 and FC2 copies rebuilt in place) against its floor: BF16
-bytes read + NVFP4 bytes written at 4.3 TB/s (shared/TARGETS.md section
-2). Timed with CUDA events on cuda, by the wall clock between syncs
+bytes read + NVFP4 bytes written at 4.3 TB/s (docs/PERF.md). Timed with CUDA events on cuda, by the wall clock between syncs
 elsewhere. Then checks that the copies stayed at their addresses and equal
 internal/nvfp4.QuantizeStack of the weights on the host, bit for bit; a
 failed check fails the command. --iters defaults to 20 on cuda, 3 on cpu.
@@ -93,8 +92,8 @@ type moeDefaults struct {
 	iters                        int
 }
 
-// benchMoEDefaults picks the defaults by backend: the seed's shapes on the
-// GPU, and shapes that finish in seconds on the CPU.
+// benchMoEDefaults picks the defaults by backend: the DeepSeek-V3 MoE layer
+// (hidden 7168, intermediate 2048, 256 experts, top-8) on the GPU, and shapes that finish in seconds on the CPU.
 func benchMoEDefaults(backend string) moeDefaults {
 	if backend == "cuda" {
 		return moeDefaults{tokens: []int{1, 8, 32, 128, 512, 4096}, hidden: 7168, inter: 2048, experts: 256, topK: 8, iters: 50}

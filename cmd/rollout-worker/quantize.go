@@ -20,7 +20,8 @@ import (
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
 )
 
-// Quantization recipes (shared/NVFP4.md §3 and §4) and block-scale layouts (§6).
+// Quantization recipes (docs/NVFP4.md sections 3 and 4) and block-scale
+// layouts (section 6).
 const (
 	modePerTensor  = "per-tensor"
 	modePerToken   = "per-token"
@@ -38,7 +39,7 @@ const (
 const quantizeUsage = `Usage: rollout-worker quantize --in IN.safetensors --out OUT.safetensors
        [--mode per-tensor|per-token] [--layout linear|swizzled] [--match REGEX]
 
-Quantize every selected BF16 tensor T of IN to NVFP4 (shared/NVFP4.md) and
+Quantize every selected BF16 tensor T of IN to NVFP4 (docs/NVFP4.md) and
 write OUT, atomically, with three tensors per input tensor of shape [N, K]
 or [E, N, K] (K a multiple of 16):
 

@@ -242,11 +242,11 @@ func TestQuantizeMatchesCodec(t *testing.T) {
 	}
 }
 
-// exampleBlock is the block of shared/NVFP4.md §8.
+// exampleBlock is the block of docs/NVFP4.md section 8.
 var exampleBlock = []float32{0, .125, -.3125, .5, .875, -1, 1.375, 1.875, -2.5, 3, 3.5, -4.25, 5, 5.5, -6.5, 7}
 
 // TestQuantizeWorkedExample runs examples A (per-tensor, amax 10) and B
-// (per-token, row amax 7) of shared/NVFP4.md end to end through a file.
+// (per-token, row amax 7) of docs/NVFP4.md end to end through a file.
 func TestQuantizeWorkedExample(t *testing.T) {
 	// Row 0 is the example block; row 1 holds 10 and zeros, so the matrix
 	// amax is 10 (example A's global scale).

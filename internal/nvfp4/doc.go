@@ -1,4 +1,4 @@
-// Package nvfp4 is the bit-exact NVFP4 codec of shared/NVFP4.md, in pure Go.
+// Package nvfp4 is the bit-exact NVFP4 codec of docs/NVFP4.md, in pure Go.
 //
 // NVFP4 stores a matrix as 4-bit E2M1 codes in blocks of 16 consecutive
 // elements along a row, one E4M3 block-scale byte per block, and one FP32

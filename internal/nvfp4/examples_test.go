@@ -7,7 +7,7 @@ import (
 	"testing"
 )
 
-// Worked examples of NVFP4.md section 8.
+// Worked examples of docs/NVFP4.md section 8.
 
 var (
 	// exampleBlock is the block of examples A and B.

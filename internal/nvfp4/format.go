@@ -4,7 +4,7 @@ import (
 	"math"
 )
 
-// Recipe constants (shared/NVFP4.md section 2).
+// Recipe constants (docs/NVFP4.md section 2).
 const (
 	BlockSize = 16   // elements per block scale
 	FP4Max    = 6    // largest E2M1 magnitude

@@ -1,6 +1,6 @@
 package nvfp4
 
-// Independent slow reference for the NVFP4 recipe of shared/NVFP4.md, written
+// Independent slow reference for the NVFP4 recipe of docs/NVFP4.md, written
 // from the document only. Nothing here calls the codec under test: E4M3 and
 // E2M1 values are enumerated from their bit definitions, encoding is "nearest
 // value by exact float64 distance, ties to the even code", and the quantizer
@@ -174,7 +174,7 @@ type refBlock struct {
 }
 
 // refQuantizeRow quantizes row (len(row) <= kp, zero padded to kp) with the
-// recipe of NVFP4.md section 3, one float32 step at a time.
+// recipe of docs/NVFP4.md section 3, one float32 step at a time.
 func refQuantizeRow(row []uint16, kp int, sEnc, sDec float32) (packed, scales []byte, blocks []refBlock) {
 	x := make([]float32, kp)
 	for i, h := range row {
@@ -302,7 +302,7 @@ func parallelBits(t *testing.T, what string, lo, hi, stride uint32, work func(fi
 func fbits(f float32) string { return fmt.Sprintf("%g (0x%08X)", f, math.Float32bits(f)) }
 
 // TestRefConstants pins the reference's own building blocks to the numbers
-// NVFP4.md states, so that the reference cannot drift with the codec.
+// docs/NVFP4.md states, so that the reference cannot drift with the codec.
 func TestRefConstants(t *testing.T) {
 	if got := math.Float32bits(refInv6); got != 0x3E2AAAAB {
 		t.Errorf("RN32(1/6) = 0x%08X, want 0x3E2AAAAB", got)

@@ -10,7 +10,7 @@ func SwizzledDims(rows, blocks int) (rowsP, colsP int) {
 }
 
 // SwizzleOffset is the byte offset of block scale (m, k) in the 128x4
-// swizzled layout whose padded column count is colsP (shared/NVFP4.md §6).
+// swizzled layout whose padded column count is colsP (docs/NVFP4.md section 6).
 func SwizzleOffset(m, k, colsP int) int {
 	return (m/128)*(colsP/4)*512 + (k/4)*512 + (m%32)*16 + ((m%128)/32)*4 + k%4
 }

@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-// TestSwizzleOffsetDoc checks the offsets listed in NVFP4.md section 6 (K/16 = 8).
+// TestSwizzleOffsetDoc checks the offsets listed in docs/NVFP4.md section 6 (K/16 = 8).
 func TestSwizzleOffsetDoc(t *testing.T) {
 	_, colsP := SwizzledDims(256, 8)
 	cases := []struct{ m, k, want int }{

@@ -37,8 +37,8 @@ func RandomWeights(cfg moe.Config, seed uint64) Weights {
 // RandomWeightsFast draws weights from the same distributions as
 // RandomWeights but from a different stream: each 1 Mi-value chunk has its
 // own generator, so the chunks are drawn on all cores and the result does
-// not depend on how many there are. The benchmark needs it at the seed's
-// shapes (7.5 billion weights, a minute on one core); the layer's tests keep
+// not depend on how many there are. The benchmark needs it at the DeepSeek-V3
+// layer's shapes (7.5 billion weights, a minute on one core); the layer's tests keep
 // RandomWeights, whose values their accuracy figures were taken with.
 func RandomWeightsFast(cfg moe.Config, seed uint64) Weights {
 	i1 := cfg.Intermediate

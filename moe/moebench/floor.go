@@ -1,7 +1,7 @@
 package moebench
 
-// The floors the benchmarks report their times against (shared/TARGETS.md
-// sections 1 and 2): what the H200 could not beat even with perfect kernels,
+// The floors the benchmarks report their times against (docs/PERF.md,
+// "Floors"): what the H200 could not beat even with perfect kernels,
 // from its measured copy bandwidth and dense BF16 throughput.
 
 import (
@@ -12,7 +12,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/moe"
 )
 
-// The H200 ceilings measured on the GPU machines (TARGETS.md): device copy
+// The measured H200 ceilings (docs/PERF.md): device copy
 // bandwidth counting bytes read plus written, and dense BF16 GEMM throughput.
 const (
 	H200Bandwidth = 4.3e12 // bytes/s
@@ -40,7 +40,7 @@ type Floor struct {
 	Compute bool          // the FLOP term is the larger one
 }
 
-// ForwardFloor is the NVFP4 floor of TARGETS.md section 1 for T tokens
+// ForwardFloor is the NVFP4 MoE layer floor of docs/PERF.md for T tokens
 // through a layer of shape cfg: the router and the small ops are left out
 // (they are a rounding error at these shapes), the weights are counted at
 // their padded K because that is what the kernels read.
@@ -60,7 +60,7 @@ func ForwardFloor(cfg moe.Config, T int) Floor {
 	return f
 }
 
-// RequantizeFloor is the floor of TARGETS.md section 2 for requantizing a
+// RequantizeFloor is the requantization floor of docs/PERF.md for a
 // whole layer of shape cfg: every BF16 weight of FC1 and FC2 read once, and
 // every NVFP4 copy written once (codes, block scales and the per-expert
 // FP32 alphas).

@@ -8,11 +8,12 @@ import (
 	"github.com/rollout-worker/rollout-worker/moe"
 )
 
-// seedShape is the MoE layer of TARGETS.md section 1.
+// seedShape is the DeepSeek-V3 MoE layer of docs/PERF.md (hidden 7168,
+// intermediate 2048, 256 experts, top-8, squared ReLU).
 var seedShape = moe.Config{Hidden: 7168, Intermediate: 2048, Experts: 256, TopK: 8, Activation: moe.ReLU2, Scoring: moe.Softmax}
 
 // TestForwardFloorMatchesTargets checks the floor arithmetic against the
-// table of shared/TARGETS.md, which quotes whole microseconds (and whole
+// floor table of docs/PERF.md, which quotes whole microseconds (and whole
 // experts): the figures must agree to within their rounding plus 0.1%.
 func TestForwardFloorMatchesTargets(t *testing.T) {
 	for _, tc := range []struct {
@@ -74,7 +75,7 @@ func TestForwardFloorTerms(t *testing.T) {
 	})
 }
 
-// TestRequantizeFloorMatchesTargets: TARGETS.md section 2 quotes BF16 read
+// TestRequantizeFloorMatchesTargets: docs/PERF.md quotes BF16 read
 // 639 MB + NVFP4 written 180 MB, floor about 0.19 ms.
 func TestRequantizeFloorMatchesTargets(t *testing.T) {
 	read, written, floor := RequantizeFloor(moe.Config{Hidden: 2688, Intermediate: 1856, Experts: 32, Activation: moe.ReLU2})

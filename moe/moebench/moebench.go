@@ -1,7 +1,7 @@
 // Package moebench measures the MoE layer: every recipe on the same random
 // weights and the same rotating inputs, side by side in one run, with each
 // NVFP4 recipe's accuracy against the BF16 recipe and its time against the
-// floor of shared/TARGETS.md; and the refit requantization of one layer
+// floor of docs/PERF.md; and the refit requantization of one layer
 // against its floor, checked bit for bit. It also holds the seeded weights,
 // inputs and cosine similarity that the layer's tests use.
 //
@@ -144,7 +144,7 @@ func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer
 			}
 		}
 	}
-	w = Weights{}                                // 15 GB of host memory at the seed's shapes
+	w = Weights{}                                // 15 GB of host memory at DeepSeek-V3's shapes
 	inputs := rand.New(rand.NewPCG(cfg.Seed, 2)) // weights use cfg.Seed alone
 	for _, T := range cfg.Tokens {
 		res, err := runTokens(ctx, be, cfg, layers, inputs, T, progress)
@@ -292,7 +292,7 @@ func forwards(be kernels.Backend, l *moe.Layer, ins, outs []*kernels.Buffer, eag
 
 // RecipeName is the name a recipe goes by in the benchmark's output and on
 // its command line: the per-token NVFP4 recipe is "nvfp4", the one that
-// TARGETS.md means by NVFP4.
+// the performance targets (docs/PERF.md) mean by NVFP4.
 func RecipeName(r moe.Recipe) string {
 	if r == moe.RecipePerToken {
 		return "nvfp4"

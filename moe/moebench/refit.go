@@ -14,7 +14,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/moe"
 )
 
-// RefitConfig is one requantization benchmark (TARGETS.md section 2).
+// RefitConfig is one requantization benchmark (docs/PERF.md).
 type RefitConfig struct {
 	// Layer is the shape and activation. The recipe is always the NVFP4
 	// one (per_token), MaxTokens 1 (no forward runs); TopK 0 means

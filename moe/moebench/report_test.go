@@ -16,7 +16,7 @@ import (
 
 var update = flag.Bool("update", false, "rewrite the golden files under testdata/")
 
-// sampleResults are made-up times at the seed's shapes (the floors are the
+// sampleResults are made-up times at the DeepSeek-V3 layer's shapes (the floors are the
 // real ones), so the reports are checked on the figures they will show.
 func sampleResults() []Result {
 	var out []Result
