@@ -160,6 +160,8 @@ type request struct {
 	prompt   []int // pages holding the prompt
 	done     int   // prompt tokens prefilled
 	left     int   // samples not yet delivered
+	// stop is Params.Stop as a set: emit checks every token against it.
+	stop map[int32]struct{}
 }
 
 type seq struct {
@@ -214,7 +216,7 @@ func (e *Engine) Submit(req Request) (*Handle, error) {
 	if err := e.validate(&req); err != nil {
 		return nil, err
 	}
-	r := &request{Request: req, left: req.N,
+	r := &request{Request: req, left: req.N, stop: stopSet(req.Params.Stop),
 		h: &Handle{id: req.ID, samples: make(chan Sample, req.N), abort: make(chan struct{})}}
 	r.reserved = e.reservation(r)
 	if r.reserved > e.m.opts.KVPages {
@@ -694,7 +696,7 @@ func (e *Engine) emit(s *seq, tok int32, lp float32, routing [][]int32, row int)
 	}
 	s.last = tok
 	switch {
-	case slices.Contains(p.Stop, tok):
+	case s.r.isStop(tok):
 		e.finish(s, FinishStop)
 	case len(s.out.Tokens) >= p.MaxTokens:
 		e.finish(s, FinishLength)
@@ -702,6 +704,25 @@ func (e *Engine) emit(s *seq, tok int32, lp float32, routing [][]int32, row int)
 		return true
 	}
 	return false
+}
+
+// stopSet returns ids as a set (nil when empty).
+func stopSet(ids []int32) map[int32]struct{} {
+	if len(ids) == 0 {
+		return nil
+	}
+	set := make(map[int32]struct{}, len(ids))
+	for _, t := range ids {
+		set[t] = struct{}{}
+	}
+	return set
+}
+
+// isStop reports whether tok is one of the request's stop ids, in O(1)
+// whatever the length of the list.
+func (r *request) isStop(tok int32) bool {
+	_, ok := r.stop[tok]
+	return ok
 }
 
 // finish delivers s and releases its pages, once.
