@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -39,19 +40,25 @@ func NewClient(nc *nats.Conn, model string) *Client {
 // Stream is one generate request's replies. Next and Summary are for one
 // goroutine; Close may be called from any.
 type Stream struct {
-	c       *Client
-	id      string
-	sub     *nats.Subscription
-	summary *Summary
-	err     error // terminal: io.EOF after the summary
-	once    sync.Once
+	c        *Client
+	ctx      context.Context // Generate's: the request's lifetime
+	id       string
+	inbox    string // the request's reply subject
+	sub      *nats.Subscription
+	summary  *Summary
+	err      error       // terminal: io.EOF after the summary
+	ended    atomic.Bool // the summary or an error reply came: no worker holds the request
+	once     sync.Once
+	closeErr error
+	unwatch  func() bool // stops the watch of Generate's ctx
 }
 
 // Generate sends req and returns the stream of its replies. An empty
 // Schema is set to "rollout.v1", an empty ID to a random one; when req
 // waits for a policy version without its own bound, ctx's deadline bounds
-// the wait on the worker too. The stream must be read to its end or
-// closed.
+// the wait on the worker too. The request lives as long as ctx: when ctx
+// ends before the stream does, the stream is closed, which cancels the
+// request on the worker. The stream must be read to its end or closed.
 func (c *Client) Generate(ctx context.Context, req GenerateRequest) (*Stream, error) {
 	if req.Schema == "" {
 		req.Schema = Schema
@@ -78,7 +85,9 @@ func (c *Client) Generate(ctx context.Context, req GenerateRequest) (*Stream, er
 		_ = sub.Unsubscribe()
 		return nil, fmt.Errorf("rollout: generate %q: publish: %w", req.ID, err)
 	}
-	return &Stream{c: c, id: req.ID, sub: sub}, nil
+	st := &Stream{c: c, ctx: ctx, id: req.ID, inbox: inbox, sub: sub}
+	st.unwatch = context.AfterFunc(ctx, func() { _ = st.Close() })
+	return st, nil
 }
 
 // ID is the request's id.
@@ -106,6 +115,9 @@ func (s *Stream) Next(ctx context.Context) (SampleReply, error) {
 			if cerr := ctx.Err(); cerr != nil {
 				return SampleReply{}, fmt.Errorf("rollout: generate %q: %w", s.id, cerr)
 			}
+			if cerr := s.ctx.Err(); cerr != nil { // the request's context ended: Close cancelled it
+				return SampleReply{}, s.end(fmt.Errorf("rollout: generate %q: cancelled: %w", s.id, cerr))
+			}
 			if errors.Is(err, context.DeadlineExceeded) {
 				err = fmt.Errorf("rollout: generate %q: nothing for %v: %w", s.id, idle, ErrTimeout)
 			} else {
@@ -114,6 +126,7 @@ func (s *Stream) Next(ctx context.Context) (SampleReply, error) {
 			return SampleReply{}, s.end(err)
 		}
 		if err := s.c.replyError(msg, "generate", s.id); err != nil {
+			s.ended.Store(true) // refused, or no worker at all: nothing to cancel
 			return SampleReply{}, s.end(err)
 		}
 		var head struct {
@@ -135,6 +148,7 @@ func (s *Stream) Next(ctx context.Context) (SampleReply, error) {
 				return SampleReply{}, s.end(fmt.Errorf("rollout: generate %q: malformed summary: %w", s.id, err))
 			}
 			s.summary = &sum
+			s.ended.Store(true)
 			return SampleReply{}, s.end(io.EOF)
 		default: // heartbeat, or a type this client does not know
 		}
@@ -156,16 +170,43 @@ func (s *Stream) Summary() (Summary, bool) {
 	return *s.summary, true
 }
 
-// Close stops receiving the stream's replies; the worker goes on with the
-// request. It is idempotent.
+// Close stops receiving the stream's replies. Unless the stream has ended
+// (its summary or an error reply arrived), it first publishes a cancel of
+// the request (SCHEMA.md): the worker aborts its unfinished samples. A
+// cancel that is lost is made up for by the worker's own check: a request
+// whose reply subject nobody subscribes to is aborted within seconds. It
+// is idempotent and safe from any goroutine.
 func (s *Stream) Close() error {
-	var err error
 	s.once.Do(func() {
-		if err = s.sub.Unsubscribe(); errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrBadSubscription) {
-			err = nil
+		if s.unwatch != nil {
+			s.unwatch()
 		}
+		var errs []error
+		if !s.ended.Load() {
+			if err := s.c.cancel(s.id, s.inbox); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		if err := s.sub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) && !errors.Is(err, nats.ErrBadSubscription) {
+			errs = append(errs, fmt.Errorf("rollout: generate %q: unsubscribe: %w", s.id, err))
+		}
+		s.closeErr = errors.Join(errs...)
 	})
-	return err
+	return s.closeErr
+}
+
+// cancel publishes the cancel of the generate request with id and reply
+// subject inbox to every worker of the model, without waiting for an
+// answer.
+func (c *Client) cancel(id, inbox string) error {
+	data, err := json.Marshal(CancelRequest{Schema: Schema, ID: id, Inbox: inbox})
+	if err != nil {
+		return fmt.Errorf("rollout: cancel %q: %w", id, err)
+	}
+	if err := c.nc.Publish(Subject(c.model, "cancel"), data); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+		return fmt.Errorf("rollout: cancel %q: publish: %w", id, err)
+	}
+	return nil
 }
 
 // GenerateAll sends req and collects its samples, ordered by index, and

@@ -8,11 +8,14 @@ import (
 
 // Request results (the "result" label of rollout_worker_requests_total).
 const (
-	resultOK       = "ok"      // every sample finished by stop or length
-	resultAborted  = "aborted" // some samples were aborted (drain, stop)
-	resultFailed   = "failed"  // a sample failed (non-finite logits): the rest were aborted
-	resultNoReply  = "no_reply"
-	resultInternal = ReasonInternal
+	resultOK         = "ok"          // every sample finished by stop or length
+	resultAborted    = "aborted"     // some samples were aborted (drain, stop)
+	resultCancelled  = "cancelled"   // some samples were aborted: the client cancelled the request
+	resultClientGone = "client_gone" // some samples were aborted: nothing subscribed to the reply subject any more
+	resultFailed     = "failed"      // a sample failed (non-finite logits): the rest were aborted
+	resultNoReply    = "no_reply"
+	resultNotFound   = "not_found" // a cancel for a request this worker does not hold
+	resultInternal   = ReasonInternal
 )
 
 // metrics are the service's Prometheus metrics.
@@ -27,7 +30,7 @@ type metrics struct {
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "rollout_worker_requests_total",
-			Help: "Requests answered, by endpoint and result (ok, aborted, bad_request, overloaded, draining, version_not_reached, internal, no_reply)."},
+			Help: "Requests answered, by endpoint and result (ok, aborted, cancelled, client_gone, bad_request, overloaded, draining, version_not_reached, internal, no_reply, not_found)."},
 			[]string{"endpoint", "result"}),
 		samples: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "rollout_worker_samples_total",
 			Help: "Samples sent, by finish reason (stop, length, abort)."}, []string{"finish_reason"}),

@@ -10,8 +10,10 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
+	"reflect"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/rollout-worker/rollout-worker/policy"
@@ -36,6 +38,7 @@ const (
 	TypeError     = "error"
 	TypeScore     = "score"
 	TypeStatus    = "status"
+	TypeCancelled = "cancelled"
 )
 
 // Finish reasons of a sample (policy.FinishReason on the wire).
@@ -49,7 +52,7 @@ const (
 )
 
 // Subject returns the subject of an endpoint ("generate", "score",
-// "status") of a model's workers: rollout.<model>.<endpoint>.
+// "status", "cancel") of a model's workers: rollout.<model>.<endpoint>.
 func Subject(model, endpoint string) string { return "rollout." + model + "." + endpoint }
 
 // validModelID reports whether s can be one subject token.
@@ -71,7 +74,8 @@ func validModelID(s string) bool {
 // absent (1 sample), TopP 0 as absent (1), TopK 0 means the whole
 // vocabulary, a nil Seed asks the service to choose one (echoed in every
 // sample), MinPolicyVersion 0 waits for nothing. Temperature is always
-// sent: 0 is greedy.
+// sent: 0 is greedy. Stop holds at most MaxStop distinct ids. A Seed above
+// MaxSafeSeed is exact here but not in JavaScript clients (SCHEMA.md).
 type GenerateRequest struct {
 	Schema              string  `json:"schema"`
 	ID                  string  `json:"id,omitempty"`
@@ -91,6 +95,14 @@ type GenerateRequest struct {
 	// from its context's deadline.
 	MaxWaitMS int64 `json:"max_wait_ms,omitempty"`
 }
+
+// MaxStop bounds the distinct ids of a request's stop list (more: a 400).
+const MaxStop = 1024
+
+// MaxSafeSeed is the largest seed every JSON parser reads exactly: 2^53-1.
+// Parsers that read numbers as IEEE doubles (JavaScript's JSON.parse)
+// round larger ones; the seeds the worker draws are never larger.
+const MaxSafeSeed = 1<<53 - 1
 
 // generateWire is what the service decodes: pointers tell an absent field
 // (default) from an explicit zero (possibly invalid).
@@ -197,6 +209,26 @@ type StatusRequest struct {
 	Schema string `json:"schema"`
 }
 
+// CancelRequest asks the workers of a model to abort a generate request:
+// the one holding the request whose id is ID and whose reply subject is
+// Inbox aborts its unfinished samples (they end with finish_reason
+// "abort", then the summary). Every worker receives it (the cancel
+// subject is not in the queue group); only the one holding the request
+// answers, and only when the cancel has a reply subject.
+type CancelRequest struct {
+	Schema string `json:"schema"`
+	ID     string `json:"id"`
+	Inbox  string `json:"inbox"`
+}
+
+// CancelReply confirms a cancel: the worker found the request and aborted
+// it. Its samples and summary still go to the request's inbox.
+type CancelReply struct {
+	Type   string `json:"type"` // "cancelled"
+	ID     string `json:"id"`
+	Worker string `json:"worker"`
+}
+
 // StatusReply describes one worker.
 type StatusReply struct {
 	Type    string `json:"type"` // "status"
@@ -219,9 +251,12 @@ type StatusReply struct {
 	KVPagesInUse   int64  `json:"kv_pages_in_use"`
 	KVPages        int    `json:"kv_pages"`
 	Recipe         string `json:"recipe"`
-	Limits         Limits `json:"limits"`
-	Steps          uint64 `json:"engine_steps"`
-	Generated      uint64 `json:"engine_generated_tokens"`
+	// Context is the model's context (max positions): prompt + max_tokens
+	// must fit it. Absent when the service was not told.
+	Context   int    `json:"context,omitempty"`
+	Limits    Limits `json:"limits"`
+	Steps     uint64 `json:"engine_steps"`
+	Generated uint64 `json:"engine_generated_tokens"`
 }
 
 // LogProbs is a list of logprobs whose non-finite values (none in
@@ -373,7 +408,70 @@ func decodeStrict(data []byte, v any) error {
 	if _, err := dec.Token(); err != io.EOF {
 		return errors.New("malformed JSON: data after the request object")
 	}
+	return checkFieldNames(data, v)
+}
+
+// checkFieldNames refuses a key of the JSON object data that is not, byte
+// for byte, the json name of a field of the struct v points to.
+// encoding/json matches names case-insensitively, so "Prompt" or
+// "MAX_TOKENS" would fill prompt and max_tokens; rollout.v1 field names are
+// exact. data has already decoded into v.
+func checkFieldNames(data []byte, v any) error {
+	names := fieldNames(reflect.TypeOf(v))
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return nil // null: nothing to check
+	}
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return fmt.Errorf("malformed JSON: %v", err)
+		}
+		key, _ := t.(string)
+		if !names[key] {
+			for name := range names {
+				if strings.EqualFold(name, key) {
+					return fmt.Errorf("%s: unknown field (field names are case-sensitive: %q)", key, name)
+				}
+			}
+			return fmt.Errorf("%s: unknown field (not in %s)", key, Schema)
+		}
+		var skip json.RawMessage
+		if err := dec.Decode(&skip); err != nil {
+			return fmt.Errorf("malformed JSON: %v", err)
+		}
+	}
 	return nil
+}
+
+// fieldNamesCache maps a struct type to the set of its fields' json names.
+var fieldNamesCache sync.Map // reflect.Type -> map[string]bool
+
+// fieldNames returns the json names of the fields of struct type t (or of
+// what t points to).
+func fieldNames(t reflect.Type) map[string]bool {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if m, ok := fieldNamesCache.Load(t); ok {
+		return m.(map[string]bool)
+	}
+	m := map[string]bool{}
+	if t.Kind() == reflect.Struct {
+		for i := range t.NumField() {
+			f := t.Field(i)
+			name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+			switch {
+			case name == "-" || !f.IsExported():
+			case name == "":
+				m[f.Name] = true
+			default:
+				m[name] = true
+			}
+		}
+	}
+	fieldNamesCache.Store(t, m)
+	return m
 }
 
 // newID returns a random request id (16 hex digits).
@@ -447,6 +545,8 @@ func parseGenerate(data []byte, lim Limits, vocab, ctxLen int, newID func() stri
 		return bad("prompt: empty, want at least one token id")
 	case len(w.Prompt) > lim.MaxPromptTokens:
 		return bad("prompt: %d tokens, limit %d", len(w.Prompt), lim.MaxPromptTokens)
+	case ctxLen > 0 && len(w.Prompt) >= ctxLen:
+		return bad("prompt: %d tokens, the model's context of %d leaves no room for max_tokens", len(w.Prompt), ctxLen)
 	}
 	if err := checkTokens("prompt", w.Prompt, vocab); err != nil {
 		return bad("%v", err)
@@ -464,6 +564,10 @@ func parseGenerate(data []byte, lim Limits, vocab, ctxLen int, newID func() stri
 		return bad("max_tokens: %d, want 1..%d", *w.MaxTokens, lim.MaxTokens)
 	}
 	r.Params.MaxTokens = *w.MaxTokens
+	if ctxLen > 0 && len(w.Prompt)+r.Params.MaxTokens > ctxLen {
+		return bad("max_tokens: %d, at most %d with a prompt of %d tokens (the model's context of %d)",
+			r.Params.MaxTokens, ctxLen-len(w.Prompt), len(w.Prompt), ctxLen)
+	}
 	if w.Temperature != nil {
 		r.Params.Temperature = *w.Temperature
 	}
@@ -482,13 +586,15 @@ func parseGenerate(data []byte, lim Limits, vocab, ctxLen int, newID func() stri
 	if err := checkTokens("stop", w.Stop, vocab); err != nil {
 		return bad("%v", err)
 	}
+	stop, err := distinctStop(w.Stop)
+	if err != nil {
+		return bad("%v", err)
+	}
+	r.Params.Stop = stop
 	if w.MaxWaitMS < 0 {
 		return bad("max_wait_ms: %d, want >= 0 (0: the worker's bound)", w.MaxWaitMS)
 	}
 	p.maxWait = time.Duration(min(w.MaxWaitMS, math.MaxInt64/int64(time.Millisecond))) * time.Millisecond
-	if ctxLen > 0 && len(w.Prompt)+r.Params.MaxTokens > ctxLen {
-		return bad("max_tokens: prompt of %d tokens + max_tokens %d exceeds the model's context of %d", len(w.Prompt), r.Params.MaxTokens, ctxLen)
-	}
 	if w.Seed != nil {
 		r.Params.Seed = *w.Seed
 	} else {
@@ -499,6 +605,27 @@ func parseGenerate(data []byte, lim Limits, vocab, ctxLen int, newID func() stri
 
 // maxTemperature is the engine's bound.
 const maxTemperature = 1e6
+
+// distinctStop returns the distinct ids of a stop list in their first
+// order, or an error naming stop when there are more than MaxStop.
+func distinctStop(ids []int32) ([]int32, error) {
+	if len(ids) <= 1 {
+		return ids, nil
+	}
+	seen := make(map[int32]struct{}, min(len(ids), MaxStop+1))
+	out := make([]int32, 0, min(len(ids), MaxStop))
+	for _, t := range ids {
+		if _, dup := seen[t]; dup {
+			continue
+		}
+		if len(out) == MaxStop {
+			return nil, fmt.Errorf("stop: more than %d distinct token ids (%d listed), limit %d", MaxStop, len(ids), MaxStop)
+		}
+		seen[t] = struct{}{}
+		out = append(out, t)
+	}
+	return out, nil
+}
 
 // parseScore decodes and validates a score request.
 func parseScore(data []byte, lim Limits, vocab, ctxLen int, newID func() string) (string, [][]int32, *Error) {
@@ -547,4 +674,61 @@ func parseScore(data []byte, lim Limits, vocab, ctxLen int, newID func() string)
 		}
 	}
 	return id, w.Sequences, nil
+}
+
+// parseStatus validates the body of a status request: empty, or an object
+// with the schema.
+func parseStatus(data []byte) *Error {
+	if len(data) == 0 {
+		return nil
+	}
+	var w struct {
+		Schema *string `json:"schema"`
+	}
+	err := decodeStrict(data, &w)
+	if err == nil && w.Schema != nil {
+		err = checkSchema(w.Schema)
+	}
+	if err != nil {
+		return badRequest("status", "", "%v", err)
+	}
+	return nil
+}
+
+// maxInboxLen bounds the inbox of a cancel request (a NATS subject).
+const maxInboxLen = 1024
+
+// parseCancel decodes and validates a cancel request: the id and the reply
+// subject of the generate request to abort.
+func parseCancel(data []byte) (id, inbox string, _ *Error) {
+	const op = "cancel"
+	var w struct {
+		Schema *string `json:"schema"`
+		ID     string  `json:"id"`
+		Inbox  string  `json:"inbox"`
+	}
+	if err := decodeStrict(data, &w); err != nil {
+		return "", "", badRequest(op, "", "%v", err)
+	}
+	id = w.ID
+	if len(id) > maxIDLen {
+		id = id[:maxIDLen]
+	}
+	bad := func(format string, args ...any) (string, string, *Error) {
+		return "", "", badRequest(op, id, format, args...)
+	}
+	if err := checkSchema(w.Schema); err != nil {
+		return bad("%v", err)
+	}
+	switch {
+	case w.ID == "":
+		return bad("id: missing, want the id of the generate request")
+	case len(w.ID) > maxIDLen:
+		return bad("id: %d bytes, limit %d", len(w.ID), maxIDLen)
+	case w.Inbox == "":
+		return bad("inbox: missing, want the reply subject of the generate request")
+	case len(w.Inbox) > maxInboxLen || strings.ContainsAny(w.Inbox, " \t\r\n*>"):
+		return bad("inbox: not a reply subject")
+	}
+	return w.ID, w.Inbox, nil
 }

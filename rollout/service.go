@@ -38,6 +38,12 @@ type Limits struct {
 	MaxN              int `json:"max_n"`
 	MaxQueue          int `json:"max_queue"` // admitted, unfinished generate and score requests
 	MaxScoreSequences int `json:"max_score_sequences"`
+	// MaxWaitingVersion bounds the generate requests admitted and waiting
+	// for their min_policy_version, a part of MaxQueue: beyond it such a
+	// request gets 503 "overloaded" while others are still admitted.
+	// Without Config.CurrentVersion, a request counts as waiting while its
+	// version is read, even if the version is served already.
+	MaxWaitingVersion int `json:"max_waiting_version"`
 }
 
 // Config configures a Service.
@@ -48,13 +54,20 @@ type Config struct {
 	// "rollout"): workers of a model in one group share its requests.
 	QueueGroup string
 	// Limits: defaults MaxPromptTokens and MaxTokens 4096 (Context-1 when
-	// Context is known), MaxN 64, MaxQueue 256, MaxScoreSequences 64.
+	// Context is known), MaxN 64 (StepSeqs when known), MaxQueue 256,
+	// MaxScoreSequences 64, MaxWaitingVersion MaxQueue/4 (at least 1).
+	// Limits beyond what the model can do (MaxPromptTokens or MaxTokens
+	// past Context-1, MaxN past StepSeqs, MaxWaitingVersion past MaxQueue)
+	// are clamped to it, so that status advertises only what works.
 	Limits Limits
 	// Vocab is the vocabulary size: token ids are checked against it before
 	// the engine sees them. Required.
 	Vocab int
 	// Context is the model's max positions (0: checked by the engine only).
 	Context int
+	// StepSeqs is the most samples one engine step carries: the engine
+	// refuses a request with a larger n (0: unknown).
+	StepSeqs int
 	// KVPages and Recipe are reported by status.
 	KVPages int
 	Recipe  string
@@ -68,6 +81,10 @@ type Config struct {
 	// Heartbeat is how often a generate stream that sent nothing else gets
 	// a heartbeat message (default 5 s; negative: never).
 	Heartbeat time.Duration
+	// ClientGone is how long the reply subject of a generate request may
+	// have no subscriber before the request is aborted: its client went
+	// away (default 3 s; negative: never checked). See cancel.go.
+	ClientGone time.Duration
 	// AbortGrace is how long Drain and Stop wait, after aborting, for the
 	// engine to return the aborted samples before they send the remaining
 	// summaries themselves (default 5 s).
@@ -76,14 +93,12 @@ type Config struct {
 	Release string
 }
 
-// WithModel fills the fields a model determines (Vocab, Context, KVPages,
-// Recipe) and defaults MaxN to the sequences one step carries.
+// WithModel fills the fields a model determines (Vocab, Context,
+// StepSeqs, KVPages, Recipe).
 func (c Config) WithModel(m *policy.Model) Config {
 	mc, o := m.Config(), m.Options()
 	c.Vocab, c.Context, c.KVPages, c.Recipe = mc.VocabSize, mc.MaxPositions, o.KVPages, string(o.Recipe)
-	if c.Limits.MaxN == 0 {
-		c.Limits.MaxN = min(o.MaxSeqs, o.MaxLogitRows)
-	}
+	c.StepSeqs = min(o.MaxSeqs, o.MaxLogitRows)
 	return c
 }
 
@@ -106,18 +121,32 @@ func (c *Config) defaults() error {
 			*v = d
 		}
 	}
-	lengths := 4096
+	if l.MaxPromptTokens < 0 || l.MaxTokens < 0 || l.MaxN < 0 || l.MaxQueue < 0 || l.MaxScoreSequences < 0 || l.MaxWaitingVersion < 0 {
+		return fmt.Errorf("rollout: service: negative limit in %+v", *l)
+	}
+	if c.Context < 0 || c.StepSeqs < 0 {
+		return fmt.Errorf("rollout: service: context %d, step sequences %d: want >= 0", c.Context, c.StepSeqs)
+	}
+	lengths, n := 4096, 64
 	if c.Context > 1 {
-		lengths = c.Context - 1
+		lengths = c.Context - 1 // a prompt of one token leaves Context-1 to generate
+	}
+	if c.StepSeqs > 0 {
+		n = c.StepSeqs
 	}
 	def(&l.MaxPromptTokens, lengths)
 	def(&l.MaxTokens, lengths)
-	def(&l.MaxN, 64)
+	def(&l.MaxN, n)
 	def(&l.MaxQueue, 256)
 	def(&l.MaxScoreSequences, 64)
-	if l.MaxPromptTokens < 0 || l.MaxTokens < 0 || l.MaxN < 0 || l.MaxQueue < 0 || l.MaxScoreSequences < 0 {
-		return fmt.Errorf("rollout: service: negative limit in %+v", *l)
+	def(&l.MaxWaitingVersion, max(1, l.MaxQueue/4))
+	if c.Context > 1 {
+		l.MaxPromptTokens, l.MaxTokens = min(l.MaxPromptTokens, lengths), min(l.MaxTokens, lengths)
 	}
+	if c.StepSeqs > 0 {
+		l.MaxN = min(l.MaxN, n)
+	}
+	l.MaxWaitingVersion = min(l.MaxWaitingVersion, l.MaxQueue)
 	if c.MaxWaitVersion <= 0 {
 		c.MaxWaitVersion = 30 * time.Second
 	}
@@ -126,6 +155,9 @@ func (c *Config) defaults() error {
 	}
 	if c.AbortGrace <= 0 {
 		c.AbortGrace = 5 * time.Second
+	}
+	if c.ClientGone == 0 {
+		c.ClientGone = 3 * time.Second
 	}
 	if c.Release == "" {
 		c.Release = Release
@@ -149,12 +181,20 @@ type Service struct {
 	abortCtx context.Context
 	abort    context.CancelFunc
 
+	// probes is the prefix of the reply subjects the service publishes its
+	// stream messages with ("" when ClientGone is off), probeSub its
+	// subscription to them (cancel.go).
+	probes   string
+	probeSub *nats.Subscription
+
 	mu       sync.Mutex
 	draining bool
 	jobs     map[*job]struct{} // admitted and not finished: the queue
-	wg       sync.WaitGroup    // one per admitted job's goroutine
-	idle     chan struct{}     // closed once draining and every job has ended
-	stopped  chan struct{}     // closed when shutdown is complete
+	byKey    map[uint64]*job   // the same jobs, by job.key
+	lastKey  uint64
+	wg       sync.WaitGroup // one per admitted job's goroutine
+	idle     chan struct{}  // closed once draining and every job has ended
+	stopped  chan struct{}  // closed when shutdown is complete
 
 	stopOnce sync.Once
 	stopErr  error
@@ -163,6 +203,7 @@ type Service struct {
 // NewService registers the micro service on nc and starts serving. nc
 // stays the caller's: the service never closes it. log and reg may be nil.
 func NewService(nc *nats.Conn, eng Engine, cfg Config, log *zap.Logger, reg prometheus.Registerer) (*Service, error) {
+	asked := cfg.Limits
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
@@ -174,8 +215,15 @@ func NewService(nc *nats.Conn, eng Engine, cfg Config, log *zap.Logger, reg prom
 		return nil, err
 	}
 	s := &Service{nc: nc, eng: eng, cfg: cfg, log: log.With(zap.String("model", cfg.Model), zap.String("worker", cfg.Worker)),
-		met: met, jobs: map[*job]struct{}{}, idle: make(chan struct{}), stopped: make(chan struct{})}
+		met: met, jobs: map[*job]struct{}{}, byKey: map[uint64]*job{}, idle: make(chan struct{}), stopped: make(chan struct{})}
 	s.abortCtx, s.abort = context.WithCancel(context.Background())
+	s.warnClamped(asked)
+	if cfg.ClientGone > 0 {
+		if err := s.startProbes(); err != nil {
+			s.abort()
+			return nil, err
+		}
+	}
 	svc, err := micro.AddService(nc, micro.Config{
 		Name:        ServiceName,
 		Version:     cfg.Release,
@@ -192,17 +240,26 @@ func NewService(nc *nats.Conn, eng Engine, cfg Config, log *zap.Logger, reg prom
 	})
 	if err != nil {
 		s.abort()
-		return nil, fmt.Errorf("rollout: service: %w", err)
+		return nil, errors.Join(fmt.Errorf("rollout: service: %w", err), s.stopProbes())
 	}
 	s.svc = svc
 	g := svc.AddGroup("rollout." + cfg.Model)
 	for _, ep := range []struct {
 		name string
 		h    micro.HandlerFunc
-	}{{"generate", s.handleGenerate}, {"score", s.handleScore}, {"status", s.handleStatus}} {
-		if err := g.AddEndpoint(ep.name, ep.h, micro.WithEndpointMetadata(map[string]string{"schema": Schema})); err != nil {
+		opts []micro.EndpointOpt
+	}{
+		{"generate", s.handleGenerate, nil},
+		{"score", s.handleScore, nil},
+		{"status", s.handleStatus, nil},
+		// Every worker must see a cancel: only the one holding the request
+		// can abort it.
+		{"cancel", s.handleCancel, []micro.EndpointOpt{micro.WithEndpointQueueGroupDisabled()}},
+	} {
+		opts := append([]micro.EndpointOpt{micro.WithEndpointMetadata(map[string]string{"schema": Schema})}, ep.opts...)
+		if err := g.AddEndpoint(ep.name, ep.h, opts...); err != nil {
 			s.abort()
-			return nil, errors.Join(fmt.Errorf("rollout: service: endpoint %s: %w", ep.name, err), svc.Stop())
+			return nil, errors.Join(fmt.Errorf("rollout: service: endpoint %s: %w", ep.name, err), svc.Stop(), s.stopProbes())
 		}
 	}
 	// The endpoints serve once the server has their subscriptions.
@@ -216,6 +273,26 @@ func NewService(nc *nats.Conn, eng Engine, cfg Config, log *zap.Logger, reg prom
 
 // Config returns the configuration with defaults filled in.
 func (s *Service) Config() Config { return s.cfg }
+
+// warnClamped logs the configured limits that were lowered to what the
+// model can do.
+func (s *Service) warnClamped(asked Limits) {
+	got := s.cfg.Limits
+	for _, l := range []struct {
+		name       string
+		asked, got int
+	}{
+		{"max_prompt_tokens", asked.MaxPromptTokens, got.MaxPromptTokens},
+		{"max_tokens", asked.MaxTokens, got.MaxTokens},
+		{"max_n", asked.MaxN, got.MaxN},
+		{"max_waiting_version", asked.MaxWaitingVersion, got.MaxWaitingVersion},
+	} {
+		if l.asked > l.got {
+			s.log.Warn("limit lowered to what the model can do", zap.String("limit", l.name), zap.Int("configured", l.asked),
+				zap.Int("limit", l.got), zap.Int("context", s.cfg.Context), zap.Int("step_sequences", s.cfg.StepSeqs))
+		}
+	}
+}
 
 type snapshot struct {
 	depth, running, waiting int
@@ -244,15 +321,28 @@ const (
 	stateRunning  // in the engine
 )
 
+// Causes of a job's cancellation (context.Cause of job.ctx).
+var (
+	errCancelled  = errors.New("cancelled by the client")
+	errClientGone = errors.New("client gone: no subscriber on the reply subject")
+)
+
 // job is one admitted request. Its goroutine owns it; the fields above mu
 // are set before admission and then only read; mu guards the stream's
-// state, which Drain's fallback (forceEnd) may also touch.
+// state, which Drain's fallback (forceEnd) and the gone-client check may
+// also touch.
 type job struct {
 	s        *Service
 	op       string
 	id       string
 	reply    string
 	received time.Time
+	key      uint64 // names the job in its probe subjects; set by admit
+
+	// ctx ends when the job must be aborted: the service's abort (drain
+	// deadline, Stop), or cancel with errCancelled or errClientGone.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
 
 	p     generateParams // generate only
 	state int            // guarded by s.mu
@@ -266,16 +356,22 @@ type job struct {
 	failure   string // the first failed sample's error
 	tokens    int
 	last      time.Time // last message sent
+	seq       uint64    // messages published: the last one's probe number
+	quietSeq  uint64    // the probe number of the last no-responders status
+	quietFrom time.Time // since when the reply subject has had no subscriber (zero: it has one)
 }
 
 // newJob makes the job of a request that arrived at received.
 func (s *Service) newJob(op, id, reply string, received time.Time) *job {
-	return &job{s: s, op: op, id: id, reply: reply, received: received, last: received}
+	j := &job{s: s, op: op, id: id, reply: reply, received: received, last: received}
+	j.ctx, j.cancel = context.WithCancelCause(s.abortCtx)
+	return j
 }
 
-// admit reserves a place for a job, or says why there is none. The job
-// must be complete: from here Drain's fallback may see it.
-func (s *Service) admit(j *job) *Error {
+// admit reserves a place for a job, or says why there is none; waiting
+// admits it as waiting for its min_policy_version, within that bound too.
+// The job must be complete: from here Drain's fallback may see it.
+func (s *Service) admit(j *job, waiting bool) *Error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	switch {
@@ -285,7 +381,23 @@ func (s *Service) admit(j *job) *Error {
 		return &Error{Op: j.op, ID: j.id, Code: 503, Reason: ReasonOverloaded,
 			Msg: fmt.Sprintf("overloaded: %d requests in flight, limit %d", len(s.jobs), s.cfg.Limits.MaxQueue)}
 	}
+	if waiting {
+		n := 0
+		for o := range s.jobs {
+			if o.state == stateWaiting {
+				n++
+			}
+		}
+		if n >= s.cfg.Limits.MaxWaitingVersion {
+			return &Error{Op: j.op, ID: j.id, Code: 503, Reason: ReasonOverloaded,
+				Msg: fmt.Sprintf("overloaded: %d requests waiting for a policy version, limit max_waiting_version %d", n, s.cfg.Limits.MaxWaitingVersion)}
+		}
+		j.state = stateWaiting
+	}
+	s.lastKey++
+	j.key = s.lastKey
 	s.jobs[j] = struct{}{}
+	s.byKey[j.key] = j
 	s.wg.Add(1)
 	s.met.queue.Set(float64(len(s.jobs)))
 	return nil
@@ -297,6 +409,7 @@ func (s *Service) admit(j *job) *Error {
 func (s *Service) unqueue(j *job) {
 	s.mu.Lock()
 	delete(s.jobs, j)
+	delete(s.byKey, j.key)
 	s.met.queue.Set(float64(len(s.jobs)))
 	s.mu.Unlock()
 }
@@ -304,6 +417,7 @@ func (s *Service) unqueue(j *job) {
 // release ends a job: its goroutine calls it last.
 func (s *Service) release(j *job) {
 	s.unqueue(j)
+	j.cancel(nil)
 	s.wg.Done()
 }
 
@@ -367,11 +481,13 @@ func (s *Service) handleGenerate(req micro.Request) {
 	}
 	j := s.newJob("generate", p.req.ID, req.Reply(), received)
 	j.p, j.sentIdx = p, make([]bool, p.req.N)
-	if e := s.admit(j); e != nil {
+	wait := p.minVersion > 0 && !s.versionReached(p.minVersion)
+	if e := s.admit(j, wait); e != nil {
+		j.cancel(nil)
 		s.replyError(req, e)
 		return
 	}
-	if p.minVersion == 0 {
+	if !wait {
 		// The common case: submit here, so engine-side refusals are answered
 		// (and counted by micro) like any other bad request.
 		h, err := s.eng.Submit(p.req)
@@ -387,8 +503,13 @@ func (s *Service) handleGenerate(req micro.Request) {
 		go j.stream(h)
 		return
 	}
-	s.setState(j, stateWaiting)
 	go j.waitAndStream()
+}
+
+// versionReached reports whether the served version is known, without
+// waiting, to be at least v (only with Config.CurrentVersion).
+func (s *Service) versionReached(v uint64) bool {
+	return s.cfg.CurrentVersion != nil && s.cfg.CurrentVersion() >= v
 }
 
 // waitAndStream waits for the request's min_policy_version, then submits
@@ -401,7 +522,7 @@ func (j *job) waitAndStream() {
 		var e *Error
 		if errors.As(err, &e) {
 			j.fail(e)
-		} else { // aborted (drain deadline, stop): the samples end as the engine would end them
+		} else { // aborted (drain deadline, stop, cancel, client gone): the samples end as the engine would end them
 			j.abortAll(fmt.Sprintf("aborted while waiting for policy version %d: %v", j.p.minVersion, err))
 		}
 		s.release(j)
@@ -431,13 +552,13 @@ func (j *job) waitVersion() error {
 	if j.p.maxWait > 0 {
 		wait = min(wait, j.p.maxWait)
 	}
-	ctx, cancel := context.WithTimeout(s.abortCtx, wait)
+	ctx, cancel := context.WithTimeout(j.ctx, wait)
 	defer cancel()
 	tick := time.NewTicker(versionPoll)
 	defer tick.Stop()
 	var hb <-chan time.Time
-	if s.cfg.Heartbeat > 0 {
-		t := time.NewTicker(s.cfg.Heartbeat)
+	if p := s.keepalive(); p > 0 {
+		t := time.NewTicker(p)
 		defer t.Stop()
 		hb = t.C
 	}
@@ -464,6 +585,9 @@ func (j *job) waitVersion() error {
 			if err := s.abortCtx.Err(); err != nil {
 				return errors.New("worker draining")
 			}
+			if err := context.Cause(j.ctx); err != nil {
+				return err
+			}
 			msg := fmt.Sprintf("policy version %d not reached within %v (serving %d)", j.p.minVersion, wait, last)
 			if verr != nil && !errors.Is(verr, context.DeadlineExceeded) {
 				msg = fmt.Sprintf("policy version %d not reached within %v (version unreadable: %v)", j.p.minVersion, wait, verr)
@@ -486,16 +610,28 @@ func (s *Service) version(ctx context.Context) (uint64, error) {
 	return v, err
 }
 
+// keepalive is the period of a quiet stream's heartbeats: Heartbeat, or
+// shorter when the gone-client check needs a message to probe with (0:
+// none).
+func (s *Service) keepalive() time.Duration {
+	p := s.cfg.Heartbeat
+	if g := s.cfg.ClientGone; g > 0 && (p <= 0 || g/probesPerGone < p) {
+		p = max(g/probesPerGone, time.Millisecond)
+	}
+	return max(p, 0)
+}
+
 // stream forwards the samples of h as they finish, then the summary. An
-// abort (Drain's deadline, Stop) aborts h; the engine then ends the
-// unfinished samples with "abort", and they are forwarded like the others.
+// abort (Drain's deadline, Stop, a cancel, a gone client) aborts h; the
+// engine then ends the unfinished samples with "abort", and they are
+// forwarded like the others.
 func (j *job) stream(h *policy.Handle) {
 	s := j.s
 	defer s.release(j)
-	abort := s.abortCtx.Done()
+	abort := j.ctx.Done()
 	var hb <-chan time.Time
-	if s.cfg.Heartbeat > 0 {
-		t := time.NewTicker(s.cfg.Heartbeat)
+	if p := s.keepalive(); p > 0 {
+		t := time.NewTicker(p)
 		defer t.Stop()
 		hb = t.C
 	}
@@ -507,9 +643,12 @@ func (j *job) stream(h *policy.Handle) {
 				if f := j.failureMsg(); f != "" {
 					msg = f + "; the request's other samples were aborted"
 				} else if j.abortedCount() > 0 {
-					if s.abortCtx.Err() != nil {
+					switch cause := context.Cause(j.ctx); {
+					case s.abortCtx.Err() != nil:
 						msg = "worker draining: unfinished samples aborted"
-					} else {
+					case errors.Is(cause, errCancelled) || errors.Is(cause, errClientGone):
+						msg = cause.Error() + ": unfinished samples aborted"
+					default:
 						msg = "engine stopped: unfinished samples aborted"
 					}
 				}
@@ -544,10 +683,15 @@ func (j *job) publishLocked(m *nats.Msg) bool {
 	if j.done {
 		return false
 	}
+	seq := j.seq + 1
+	if j.s.probes != "" {
+		m.Reply = j.s.probeSubject(j.key, seq)
+	}
 	if err := j.s.nc.PublishMsg(m); err != nil {
 		j.s.log.Warn("reply failed", zap.String("op", j.op), zap.String("id", j.id), zap.Error(err))
 		return false
 	}
+	j.seq = seq
 	j.last = time.Now()
 	return true
 }
@@ -626,7 +770,7 @@ func (j *job) sendSample(smp policy.Sample) {
 func (j *job) heartbeat() {
 	j.mu.Lock()
 	defer j.mu.Unlock()
-	if time.Since(j.last) < j.s.cfg.Heartbeat/2 {
+	if time.Since(j.last) < j.s.keepalive()/2 {
 		return
 	}
 	data, _ := json.Marshal(Heartbeat{Type: TypeHeartbeat, ID: j.id, ElapsedMS: ms(time.Since(j.received)), Samples: j.sent})
@@ -655,6 +799,13 @@ func (j *job) finish(errMsg string) {
 		result = resultFailed
 	case j.aborted > 0 || j.sent < j.p.req.N:
 		result = resultAborted
+		switch cause := context.Cause(j.ctx); {
+		case j.s.abortCtx.Err() != nil:
+		case errors.Is(cause, errCancelled):
+			result = resultCancelled
+		case errors.Is(cause, errClientGone):
+			result = resultClientGone
+		}
 	}
 	s.met.requests.WithLabelValues(j.op, result).Inc()
 	s.met.latencies.Observe(now.Sub(j.received).Seconds())
@@ -723,7 +874,8 @@ func (s *Service) handleScore(req micro.Request) {
 		return
 	}
 	j := s.newJob("score", id, req.Reply(), received)
-	if e := s.admit(j); e != nil {
+	if e := s.admit(j, false); e != nil {
+		j.cancel(nil)
 		s.replyError(req, e)
 		return
 	}
@@ -779,18 +931,9 @@ func (s *Service) handleStatus(req micro.Request) {
 	if s.noReply("status", req) {
 		return
 	}
-	if len(req.Data()) > 0 {
-		var w struct {
-			Schema *string `json:"schema"`
-		}
-		err := decodeStrict(req.Data(), &w)
-		if err == nil && w.Schema != nil {
-			err = checkSchema(w.Schema)
-		}
-		if err != nil {
-			s.replyError(req, badRequest("status", "", "%v", err))
-			return
-		}
+	if e := parseStatus(req.Data()); e != nil {
+		s.replyError(req, e)
+		return
 	}
 	s.met.requests.WithLabelValues("status", resultOK).Inc()
 	if err := req.RespondJSON(s.Status()); err != nil {
@@ -804,7 +947,8 @@ func (s *Service) Status() StatusReply {
 	es := s.eng.Stats()
 	st := StatusReply{Type: TypeStatus, Schema: Schema, Release: s.cfg.Release, Model: s.cfg.Model, Worker: s.cfg.Worker,
 		QueueDepth: snap.depth, MaxQueue: s.cfg.Limits.MaxQueue, Running: snap.running, WaitingVersion: snap.waiting, Draining: snap.draining,
-		KVPagesInUse: es.KVPagesUsed, KVPages: s.cfg.KVPages, Recipe: s.cfg.Recipe, Limits: s.cfg.Limits, Steps: es.Steps, Generated: es.Generated}
+		KVPagesInUse: es.KVPagesUsed, KVPages: s.cfg.KVPages, Recipe: s.cfg.Recipe, Context: s.cfg.Context, Limits: s.cfg.Limits,
+		Steps: es.Steps, Generated: es.Generated}
 	ctx, cancel := context.WithTimeout(context.Background(), statusTimeout)
 	defer cancel()
 	if v, err := s.version(ctx); err != nil {
@@ -887,6 +1031,9 @@ func (s *Service) shutdown() error {
 		}
 		if err := s.svc.Stop(); err != nil {
 			errs = append(errs, fmt.Errorf("rollout: stop: micro service: %w", err))
+		}
+		if err := s.stopProbes(); err != nil {
+			errs = append(errs, err)
 		}
 		s.stopErr = errors.Join(errs...)
 		close(s.stopped)

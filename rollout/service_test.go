@@ -170,6 +170,9 @@ func TestBadRequests(t *testing.T) {
 		{"no schema", `{"prompt":[1],"max_tokens":1}`, []string{"schema", "missing"}},
 		{"wrong schema", `{"schema":"rollout.v0","prompt":[1],"max_tokens":1}`, []string{"schema", "rollout.v0"}},
 		{"unknown field", `{"schema":"rollout.v1","prompt":[1],"max_tokens":1,"max_new_tokens":3}`, []string{"max_new_tokens"}},
+		{"field name case", `{"schema":"rollout.v1","Prompt":[1],"max_tokens":1}`, []string{"Prompt", "unknown field"}},
+		{"field name upper case", `{"schema":"rollout.v1","prompt":[1],"MAX_TOKENS":1}`, []string{"MAX_TOKENS", "unknown field"}},
+		{"prompt past the context", fmt.Sprintf(`{"schema":"rollout.v1","prompt":%s,"max_tokens":1}`, mustJSON(t, prompt(1024))), []string{"prompt:", "1024 tokens"}},
 		{"prompt type", `{"schema":"rollout.v1","prompt":"hello","max_tokens":1}`, []string{"prompt"}},
 		{"token overflow", `{"schema":"rollout.v1","prompt":[1,4294967296],"max_tokens":1}`, []string{"prompt"}},
 		{"empty prompt", `{"schema":"rollout.v1","prompt":[],"max_tokens":1}`, []string{"prompt", "empty"}},
@@ -231,6 +234,45 @@ func TestBadRequests(t *testing.T) {
 	<-done
 	if n := w.counter(t, w.svc.met.requests.WithLabelValues("generate", ReasonBadRequest)); n != float64(len(cases)+2) {
 		t.Errorf("requests_total{generate,bad_request} = %v, want %d", n, len(cases)+2)
+	}
+}
+
+// TestTruthfulLimits: limits configured beyond what the model can do (a
+// context of 1024, 64 sequences a step) are lowered to it in status, which
+// reports the context; a request past the context is refused naming the
+// field that does not fit.
+func TestTruthfulLimits(t *testing.T) {
+	w, c := setup(t, Config{Limits: Limits{MaxPromptTokens: 4096, MaxTokens: 4096, MaxN: 100, MaxQueue: 8, MaxWaitingVersion: 100}})
+	ctx := testCtx(t)
+	st, err := c.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Limits{MaxPromptTokens: 1023, MaxTokens: 1023, MaxN: 64, MaxQueue: 8, MaxScoreSequences: 64, MaxWaitingVersion: 8}
+	if st.Context != 1024 || st.Limits != want {
+		t.Errorf("status context %d, limits %+v: want 1024, %+v", st.Context, st.Limits, want)
+	}
+	if w.svc.Config().Limits != want {
+		t.Errorf("config limits %+v", w.svc.Config().Limits)
+	}
+	for _, tc := range []struct {
+		name string
+		req  GenerateRequest
+		want string // prefix of the error
+	}{
+		{"prompt fills the context", GenerateRequest{Prompt: prompt(1023), MaxTokens: 2}, "max_tokens: 2, at most 1 with a prompt of 1023 tokens"},
+		{"prompt past the limit", GenerateRequest{Prompt: prompt(1100), MaxTokens: 1}, "prompt: 1100 tokens, limit 1023"},
+		{"max_tokens past the context", GenerateRequest{Prompt: prompt(1000), MaxTokens: 100}, "max_tokens: 100, at most 24"},
+		{"n past a step", GenerateRequest{Prompt: prompt(4), N: 65, MaxTokens: 1}, "n: 65, want 1..64"},
+	} {
+		_, _, err := c.GenerateAll(ctx, tc.req)
+		var e *Error
+		if !errors.As(err, &e) || e.Code != 400 || !strings.HasPrefix(e.Msg, tc.want) {
+			t.Errorf("%s: %v, want a 400 starting %q", tc.name, err, tc.want)
+		}
+	}
+	if _, _, err := c.GenerateAll(ctx, GenerateRequest{Prompt: prompt(1000), MaxTokens: 24}); err != nil {
+		t.Errorf("a request that fills the context exactly: %v", err)
 	}
 }
 
@@ -420,18 +462,22 @@ func TestDiscovery(t *testing.T) {
 	subjects := map[string]string{}
 	for _, e := range info.Endpoints {
 		subjects[e.Name] = e.Subject
-		if e.QueueGroup != "rollout" {
-			t.Errorf("endpoint %s: queue group %q", e.Name, e.QueueGroup)
+		want := "rollout"
+		if e.Name == "cancel" {
+			want = "" // every worker sees a cancel
+		}
+		if e.QueueGroup != want {
+			t.Errorf("endpoint %s: queue group %q, want %q", e.Name, e.QueueGroup, want)
 		}
 	}
-	for _, ep := range []string{"generate", "score", "status"} {
+	for _, ep := range []string{"generate", "score", "status", "cancel"} {
 		if subjects[ep] != "rollout.tiny."+ep {
 			t.Errorf("endpoints %v: want %s on rollout.tiny.%s", subjects, ep, ep)
 		}
 	}
 	var stats micro.Stats
 	ask(micro.StatsVerb, "", &stats)
-	if stats.Name != ServiceName || stats.Version != Release || len(stats.Endpoints) != 3 {
+	if stats.Name != ServiceName || stats.Version != Release || len(stats.Endpoints) != 4 {
 		t.Fatalf("stats %+v", stats)
 	}
 	for _, e := range stats.Endpoints {
@@ -687,12 +733,13 @@ func waitFor(t testing.TB, cond func() bool) {
 }
 
 // TestEngineRefusal checks a request the limits let through but the engine
-// refuses (more samples than a step carries) is a 400 too.
+// refuses (more KV pages than the cache has: 64 x 63 pages of 1024) is a
+// 400 too.
 func TestEngineRefusal(t *testing.T) {
-	_, c := setup(t, Config{Limits: Limits{MaxN: 100}})
-	_, _, err := c.GenerateAll(testCtx(t), GenerateRequest{Prompt: prompt(4), N: 65, MaxTokens: 3})
+	_, c := setup(t, Config{})
+	_, _, err := c.GenerateAll(testCtx(t), GenerateRequest{Prompt: prompt(4), N: 64, MaxTokens: 1000})
 	var e *Error
-	if !errors.As(err, &e) || e.Code != 400 || !strings.Contains(e.Msg, "n = 65") {
+	if !errors.As(err, &e) || e.Code != 400 || !strings.Contains(e.Msg, "KV pages") {
 		t.Errorf("got %v: want a 400 from the engine", err)
 	}
 }

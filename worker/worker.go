@@ -212,7 +212,8 @@ func (w *Worker) Start() error {
 		}
 	}()
 	svc, err := rollout.NewService(w.nc, w.eng, rollout.Config{Model: w.cfg.ModelID, Worker: w.cfg.WorkerID, Limits: w.cfg.Limits,
-		Vocab: w.vocab, Context: w.ctxLen, KVPages: w.m.Options().KVPages, Recipe: string(w.cfg.Recipe),
+		Vocab: w.vocab, Context: w.ctxLen, StepSeqs: min(w.m.Options().MaxSeqs, w.m.Options().MaxLogitRows),
+		KVPages: w.m.Options().KVPages, Recipe: string(w.cfg.Recipe),
 		CurrentVersion: w.eng.Version}, w.log.Named("rollout"), w.reg)
 	if err != nil {
 		return err
