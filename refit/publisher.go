@@ -64,6 +64,12 @@ type PublisherConfig struct {
 	// JetStream API call (default DefaultPublishTimeout); after it the
 	// operation is retried.
 	PublishTimeout time.Duration
+	// Signer, when set, signs every announcement and manifest
+	// (PROTOCOL.md, "Signatures"): workers given a trust file apply only
+	// signed versions. Its manifests also carry the whole stream's SHA-256,
+	// at the cost of one SHA-256 pass over the bytes here and at every
+	// worker that checks signatures.
+	Signer *Signer
 }
 
 // Publisher publishes versions of one model (PROTOCOL.md). One Publisher,
@@ -189,7 +195,7 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	case size <= 8 || size > MaxStreamBytes:
 		return Manifest{}, fmt.Errorf("stream of %d bytes: want 9 to %d", size, MaxStreamBytes)
 	}
-	hdr, err := readHeader(src, size)
+	hdr, headerSum, err := readHeader(src, size)
 	if err != nil {
 		return Manifest{}, err
 	}
@@ -204,6 +210,12 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		HeaderBytes: int(hdr.Len),
 		Tensors:     len(hdr.Tensors),
 	}
+	if p.cfg.Signer != nil {
+		if p.protocol != ProtocolVersion {
+			return Manifest{}, fmt.Errorf("protocol %d versions cannot be signed", p.protocol)
+		}
+		m.HeaderSHA256 = headerSum
+	}
 	if err := m.Announce.check("announce"); err != nil {
 		return Manifest{}, err // cannot happen with the checks above; kept as the contract's guard
 	}
@@ -212,7 +224,7 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	if err != nil {
 		return Manifest{}, err
 	}
-	prev, err := p.previous(ctx, kv)
+	prev, unsignedPrev, err := p.previous(ctx, kv)
 	if err != nil {
 		return Manifest{}, err
 	}
@@ -220,6 +232,9 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		return Manifest{}, fmt.Errorf("not newer than version %d, the newest published", prev)
 	}
 	if !full {
+		if p.cfg.Signer != nil && prev == 0 && unsignedPrev {
+			return Manifest{}, fmt.Errorf("the bucket holds no manifest signed by %s to base a partial version on: publish a full version", p.cfg.Signer.PublicKey())
+		}
 		m.Base = prev // a partial version is a delta on the newest one published
 	}
 	subjects, err := p.subjects(ctx, stream)
@@ -233,10 +248,17 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	log := p.log.With(zap.Uint64("version", version))
 	log.Info("refit: publishing", zap.Int64("bytes", size), zap.Int("chunks", m.Chunks), zap.Int("chunk_bytes", m.ChunkBytes),
 		zap.Int("tensors", m.Tensors), zap.Bool("full", full), zap.Uint64("previous", prev))
+	if p.cfg.Signer != nil {
+		if err := p.cfg.Signer.SignAnnounce(&m.Announce); err != nil {
+			return Manifest{}, err
+		}
+	}
 	if err := p.put(ctx, kv, KeyAnnounce, m.Announce); err != nil {
 		return Manifest{}, err
 	}
-	sum, err := p.sendChunks(ctx, log, version, src, size)
+	// The announcement's signature is its own: the manifest is signed below.
+	m.Announce.SignedBy, m.Announce.Signature = "", ""
+	sum, streamSum, err := p.sendChunks(ctx, log, version, src, size)
 	if err != nil {
 		return Manifest{}, err
 	}
@@ -246,6 +268,12 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		m.ChunkTableSHA256 = sum
 	}
 	m.PublishedAt = time.Now().UTC()
+	if p.cfg.Signer != nil {
+		m.StreamSHA256 = streamSum
+		if err := p.cfg.Signer.SignManifest(&m); err != nil {
+			return Manifest{}, err
+		}
+	}
 	if err := p.put(ctx, kv, KeyManifest, m); err != nil {
 		return Manifest{}, err
 	}
@@ -262,26 +290,32 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 }
 
 // readHeader reads and checks the safetensors header at the start of src.
-func readHeader(src io.ReaderAt, size int64) (Header, error) {
+// sum is the hex SHA-256 of the length and the header (the announcement's
+// header_sha256).
+func readHeader(src io.ReaderAt, size int64) (h Header, sum string, err error) {
 	var lenBuf [8]byte
 	if err := readFull(src, lenBuf[:], 0); err != nil {
-		return Header{}, fmt.Errorf("read the header length: %w", err)
+		return Header{}, "", fmt.Errorf("read the header length: %w", err)
 	}
 	n, _, err := HeaderLen(lenBuf[:])
 	if err != nil {
-		return Header{}, err
+		return Header{}, "", err
 	}
 	if 8+n > size {
-		return Header{}, fmt.Errorf("%w: safetensors header of %d bytes in a stream of %d", ErrProtocol, n, size)
+		return Header{}, "", fmt.Errorf("%w: safetensors header of %d bytes in a stream of %d", ErrProtocol, n, size)
 	}
 	js := make([]byte, n)
 	if err := readFull(src, js, 8); err != nil {
-		return Header{}, fmt.Errorf("read the header: %w", err)
+		return Header{}, "", fmt.Errorf("read the header: %w", err)
 	}
-	h, err := ParseHeader(js, size)
+	h, err = ParseHeader(js, size)
 	if err != nil {
-		return Header{}, err
+		return Header{}, "", err
 	}
+	d := sha256.New()
+	d.Write(lenBuf[:])
+	d.Write(js)
+	sum = hex.EncodeToString(d.Sum(nil))
 	var bad []string
 	for _, t := range h.Tensors {
 		if t.DType != "BF16" {
@@ -290,9 +324,9 @@ func readHeader(src io.ReaderAt, size int64) (Header, error) {
 	}
 	if len(bad) > 0 {
 		slices.SortFunc(bad, naturalCompare)
-		return Header{}, fmt.Errorf("%d tensors are not BF16: %s", len(bad), listSome(bad, 10))
+		return Header{}, "", fmt.Errorf("%d tensors are not BF16: %s", len(bad), listSome(bad, 10))
 	}
-	return h, nil
+	return h, sum, nil
 }
 
 // readFull fills p from src at off.
@@ -401,9 +435,17 @@ func sameStreamSettings(have, want jetstream.StreamConfig) bool {
 }
 
 // previous returns the version of the bucket's manifest, 0 if none.
-func (p *Publisher) previous(ctx context.Context, kv jetstream.KeyValue) (uint64, error) {
-	var prev uint64
-	err := p.retry(ctx, "read the manifest", func(ctx context.Context) error {
+//
+// A signing publisher counts only manifests signed by its own key, the
+// newest of the bucket's history: a manifest anyone else wrote (a bogus
+// version 2^64-1, say) must not stop it from publishing, nor be the base
+// of its partial versions. unsigned then says the bucket held manifests,
+// none of them signed by this key.
+func (p *Publisher) previous(ctx context.Context, kv jetstream.KeyValue) (prev uint64, unsigned bool, err error) {
+	if p.cfg.Signer != nil {
+		return p.previousSigned(ctx, kv)
+	}
+	err = p.retry(ctx, "read the manifest", func(ctx context.Context) error {
 		e, err := kv.Get(ctx, KeyManifest)
 		if errors.Is(err, jetstream.ErrKeyNotFound) {
 			return nil
@@ -420,7 +462,43 @@ func (p *Publisher) previous(ctx context.Context, kv jetstream.KeyValue) (uint64
 		prev = m.Version
 		return nil
 	})
-	return prev, err
+	return prev, false, err
+}
+
+// previousSigned is previous for a signing publisher.
+func (p *Publisher) previousSigned(ctx context.Context, kv jetstream.KeyValue) (prev uint64, unsigned bool, err error) {
+	own, err := NewTrust(p.cfg.Signer.PublicKey())
+	if err != nil {
+		return 0, false, err
+	}
+	err = p.retry(ctx, "read the manifest's history", func(ctx context.Context) error {
+		prev, unsigned = 0, false
+		hist, err := kv.History(ctx, KeyManifest)
+		if errors.Is(err, jetstream.ErrKeyNotFound) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		for i := len(hist) - 1; i >= 0; i-- {
+			if hist[i].Operation() != jetstream.KeyValuePut {
+				continue
+			}
+			m, err := ParseManifest(hist[i].Value())
+			if err == nil {
+				err = own.VerifyManifest(m)
+			}
+			if err != nil {
+				unsigned = true
+				p.log.Warn("refit: ignoring a manifest not signed by this publisher's key", zap.Uint64("version", m.Version), zap.Error(err))
+				continue
+			}
+			prev, unsigned = m.Version, false
+			return nil
+		}
+		return nil
+	})
+	return prev, unsigned, err
 }
 
 // subjects returns the message count of every version subject in the stream.
@@ -560,14 +638,15 @@ type inflightChunk struct {
 // sendChunks publishes the chunks of src on the version's subject within
 // the byte window and returns the manifest's digest once every chunk is
 // acknowledged: the chunk table's SHA-256 (protocol 2), or the stream's
-// (protocol 1).
+// (protocol 1), as tableSum; streamSum is the stream's SHA-256 of a signed
+// protocol-2 version, empty otherwise.
 //
 // The window is a FIFO of published chunks. A chunk is published when it
 // fits in the window; otherwise the oldest is awaited. When the oldest
 // fails, every later chunk in flight is awaited too (each ends with an ack,
 // an error or the ack timeout), and publishing resumes at the failed chunk:
 // chunks the stream did store are acknowledged again as duplicates.
-func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uint64, src io.ReaderAt, size int64) (string, error) {
+func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uint64, src io.ReaderAt, size int64) (tableSum, streamSum string, err error) {
 	model := p.cfg.Model
 	subject := VersionSubject(model, version)
 	chunkBytes := int64(p.cfg.ChunkBytes)
@@ -583,7 +662,7 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 	// concurrent reads). sendChunks owns the goroutine: it is stopped and
 	// awaited on return.
 	var hashed chan hashResult
-	if p.protocol == Protocol1 {
+	if p.protocol == Protocol1 || p.cfg.Signer != nil {
 		hctx, stopHash := context.WithCancel(ctx)
 		hashed = make(chan hashResult, 1)
 		go func() { hashed <- p.hashSource(hctx, src, size) }()
@@ -648,7 +727,7 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 			}
 			off := int64(next) * chunkBytes
 			if err := readFull(src, buf, off); err != nil {
-				return "", fmt.Errorf("read chunk %d: %w", next, err)
+				return "", "", fmt.Errorf("read chunk %d: %w", next, err)
 			}
 			crc := CRC32C(buf)
 			h := Chunk{Protocol: p.protocol, Version: version, Seq: next, Offset: off, Total: size, Chunks: nChunks, CRC: crc}.Header()
@@ -660,7 +739,7 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 			if err != nil {
 				// Not sent: nothing of it is in flight.
 				if err := fail(next, err, queue); err != nil {
-					return "", err
+					return "", "", err
 				}
 				continue
 			}
@@ -683,29 +762,35 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 			wait = retryMin
 		case err := <-c.fut.Err():
 			if err := fail(c.seq, err, queue[1:]); err != nil {
-				return "", err
+				return "", "", err
 			}
 		case <-ctx.Done():
-			return "", fmt.Errorf("chunk %d of %d: %w", c.seq, nChunks, ctx.Err())
+			return "", "", fmt.Errorf("chunk %d of %d: %w", c.seq, nChunks, ctx.Err())
 		}
 	}
 	if retries > 0 {
 		log.Info("refit: all chunks stored after retries", zap.Int("retries", retries))
 	}
+	if p.protocol != Protocol1 {
+		tableSum = table.Sum()
+	}
 	if hashed == nil {
-		return table.Sum(), nil
+		return tableSum, "", nil
 	}
 	var h hashResult
 	select {
 	case h = <-hashed:
 		hashed <- h // for the deferred wait
 	case <-ctx.Done():
-		return "", fmt.Errorf("hash the stream: %w", ctx.Err())
+		return "", "", fmt.Errorf("hash the stream: %w", ctx.Err())
 	}
 	if h.err != nil {
-		return "", fmt.Errorf("hash the stream: %w", h.err)
+		return "", "", fmt.Errorf("hash the stream: %w", h.err)
 	}
-	return h.sum, nil
+	if p.protocol == Protocol1 {
+		return h.sum, "", nil
+	}
+	return tableSum, h.sum, nil
 }
 
 // hashResult is the outcome of hashSource.

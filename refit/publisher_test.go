@@ -203,7 +203,7 @@ func ptCheckVersion(t *testing.T, nc *nats.Conn, m Manifest, src []byte, chunkBy
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := readHeader(bytes.NewReader(src), int64(len(src)))
+	h, _, err := readHeader(bytes.NewReader(src), int64(len(src)))
 	if err != nil {
 		t.Fatal(err)
 	}

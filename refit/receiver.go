@@ -3,7 +3,9 @@ package refit
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -48,7 +50,25 @@ type ReceiverConfig struct {
 	// the version is fetched from the stream (default DefaultLiveIdle, at
 	// most ChunkTimeout).
 	LiveIdle time.Duration
+	// Trust, when set, makes the receiver apply only versions whose
+	// announcement and manifest are signed by one of its keys
+	// (PROTOCOL.md, "Signatures"); others are rejected, with a status that
+	// says why, before they change anything a later version is checked
+	// against. A signed version is trusted for its number.
+	Trust *Trust
+	// MaxVersionStep bounds, without Trust, how far above the version
+	// served a version may be numbered (default DefaultMaxVersionStep):
+	// one further above is rejected before it changes anything, so an
+	// unauthenticated client cannot use up the version numbers in one go.
+	MaxVersionStep uint64
 }
+
+// DefaultMaxVersionStep is ReceiverConfig.MaxVersionStep's default.
+const DefaultMaxVersionStep = 1 << 20
+
+// ErrVersionJump rejects a version numbered more than MaxVersionStep above
+// the one served, on a receiver without Trust.
+var ErrVersionJump = errors.New("refit: version number too far ahead")
 
 // Receiver is the worker side of the refit protocol. Run owns it: every
 // field below mu is touched only by Run's goroutine; Status and
@@ -135,6 +155,9 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 		cfg.LiveIdle = DefaultLiveIdle
 	}
 	cfg.LiveIdle = min(cfg.LiveIdle, cfg.ChunkTimeout)
+	if cfg.MaxVersionStep == 0 {
+		cfg.MaxVersionStep = DefaultMaxVersionStep
+	}
 	if log == nil {
 		log = zap.NewNop()
 	}
@@ -262,11 +285,11 @@ func (r *Receiver) Run(ctx context.Context) error {
 			continue // a replay (after a reconnect, say) of an entry already handled
 		}
 		r.revs[e.Key()] = e.Revision()
-		a, ok, complete := r.announcement(e)
+		a, ok, complete, auth := r.announcement(e)
 		if !ok || a.Model != r.cfg.Model {
 			continue
 		}
-		if err := r.handle(ctx, kv, a, !complete); errors.Is(err, errFatal) {
+		if err := r.handle(ctx, kv, a, !complete, auth); errors.Is(err, errFatal) {
 			return err
 		}
 	}
@@ -276,27 +299,44 @@ func (r *Receiver) Run(ctx context.Context) error {
 // entry; a manifest counts only if its version was not seen (its
 // announcement was missed, during a reconnect say). complete says the
 // version is wholly in the stream already (a manifest): its chunks are
-// read from there, not waited for live.
-func (r *Receiver) announcement(e jetstream.KeyValueEntry) (a Announce, ok, complete bool) {
+// read from there, not waited for live. auth is why the entry's signature
+// is not accepted (nil without Trust).
+func (r *Receiver) announcement(e jetstream.KeyValueEntry) (a Announce, ok, complete bool, auth error) {
 	switch e.Key() {
 	case KeyAnnounce:
 		a, err := ParseAnnounce(e.Value())
 		if err != nil {
 			r.log.Warn("refit: bad announcement", zap.Error(err))
-			return a, false, false
+			return a, false, false, nil
 		}
-		return a, true, false
+		return a, true, false, r.authAnnounce(a)
 	case KeyManifest:
 		m, err := ParseManifest(e.Value())
 		if err != nil {
 			r.log.Warn("refit: bad manifest", zap.Error(err))
-			return Announce{}, false, false
+			return Announce{}, false, false, nil
 		}
 		// A manifest counts only for a version whose announcement was
 		// missed; at or below the current version it is old news.
-		return m.Announce, !r.seen[m.Version] && m.Version > r.current, true
+		return m.Announce, !r.seen[m.Version] && m.Version > r.current, true, r.authManifest(m)
 	}
-	return Announce{}, false, false
+	return Announce{}, false, false, nil
+}
+
+// authAnnounce checks an announcement's signature; nil without Trust.
+func (r *Receiver) authAnnounce(a Announce) error {
+	if r.cfg.Trust == nil {
+		return nil
+	}
+	return r.cfg.Trust.VerifyAnnounce(a)
+}
+
+// authManifest checks a manifest's signature; nil without Trust.
+func (r *Receiver) authManifest(m Manifest) error {
+	if r.cfg.Trust == nil {
+		return nil
+	}
+	return r.cfg.Trust.VerifyManifest(m)
 }
 
 // bucket waits for the model's bucket to exist, polling every 10 ms at
@@ -341,15 +381,24 @@ func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial [
 			}
 		}
 	}
-	if m != nil && m.Version > r.current {
+	if m != nil && r.authManifest(*m) != nil {
+		// Not signed by a trusted key: the version to catch up with is the
+		// newest one of the bucket's history that is (if any), and the
+		// bogus one is rejected as it would be live.
+		if err := r.handle(ctx, kv, m.Announce, false, r.authManifest(*m)); errors.Is(err, errFatal) {
+			return err
+		}
+		m = r.newestTrusted(ctx, kv)
+	}
+	if m != nil && m.Version > r.current && m.Model == r.cfg.Model {
 		if err := r.catchUpTo(ctx, kv, *m); err != nil {
 			return err
 		}
 	}
-	if ann != nil && ann.Version > r.current && !r.seen[ann.Version] {
+	if ann != nil && ann.Version > r.current && !r.seen[ann.Version] && ann.Model == r.cfg.Model {
 		// Live first: chunks published before this worker subscribed show
 		// as a gap, which sends it to the stream at once.
-		if err := r.handle(ctx, kv, *ann, true); errors.Is(err, errFatal) {
+		if err := r.handle(ctx, kv, *ann, true, r.authAnnounce(*ann)); errors.Is(err, errFatal) {
 			return err
 		}
 	}
@@ -359,14 +408,15 @@ func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial [
 // catchUpTo applies version m, first its base when m is partial and this
 // worker does not serve that base. Only fatal errors are returned.
 func (r *Receiver) catchUpTo(ctx context.Context, kv jetstream.KeyValue, m Manifest) error {
-	if !m.Full && m.Base != r.current {
+	auth := r.authManifest(m)
+	if auth == nil && !m.Full && m.Base != r.current {
 		if base, ok := r.oldManifest(ctx, kv, m.Base); ok && (base.Full || base.Base == r.current) {
-			if err := r.handle(ctx, kv, base.Announce, false); errors.Is(err, errFatal) {
+			if err := r.handle(ctx, kv, base.Announce, false, nil); errors.Is(err, errFatal) {
 				return err
 			}
 		}
 	}
-	if err := r.handle(ctx, kv, m.Announce, false); errors.Is(err, errFatal) {
+	if err := r.handle(ctx, kv, m.Announce, false, auth); errors.Is(err, errFatal) {
 		return err
 	}
 	return nil
@@ -375,11 +425,23 @@ func (r *Receiver) catchUpTo(ctx context.Context, kv jetstream.KeyValue, m Manif
 // handle receives and commits one version, or rejects it, and reports.
 // live says to take its chunks from the live subscription while it keeps
 // up (a version being published now), rather than from the stream alone.
-func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce, live bool) error {
+// auth is why the version's signature is not accepted (nil: accepted, or
+// no Trust).
+//
+// A version rejected for its signature or its number (auth, a jump past
+// MaxVersionStep) is rejected before anything else: it is not marked seen
+// and writes nothing, so that the same number, published properly, is
+// still applied.
+func (r *Receiver) handle(ctx context.Context, kv jetstream.KeyValue, a Announce, live bool, auth error) error {
 	// Reported in the version's protocol, which its publisher reads.
 	st := Status{Protocol: a.Protocol, Worker: r.cfg.Worker, Version: a.Version}
 	var err error
 	switch {
+	case auth != nil:
+		err = fmt.Errorf("version %d rejected: %w", a.Version, auth)
+	case r.cfg.Trust == nil && a.Version > r.current && a.Version-r.current > r.cfg.MaxVersionStep:
+		err = fmt.Errorf("%w: version %d is more than %d above version %d, the one served (number versions consecutively, or sign them and give the workers a trust file)",
+			ErrVersionJump, a.Version, r.cfg.MaxVersionStep, r.current)
 	case a.Version <= r.current || r.seen[a.Version]:
 		err = fmt.Errorf("duplicate or older version %d (serving %d)", a.Version, r.current)
 	case !a.Full && a.Base != r.current:
@@ -511,11 +573,13 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 		}
 	}
 	// Dirty stack ranges must all be rewritten by this version.
-	var missing []string
+	var missing []string // distinct tensors
+	seen := map[string]bool{}
 	for _, d := range r.dirty {
-		if !slices.ContainsFunc(ws, func(w *write) bool {
+		if !seen[d.name] && !slices.ContainsFunc(ws, func(w *write) bool {
 			return w.dst == w.target.Buffer && span{w.target.Buffer, w.target.Offset, w.target.Size(), ""}.covers(d)
 		}) {
+			seen[d.name] = true
 			missing = append(missing, d.name)
 		}
 	}
@@ -523,6 +587,20 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 		return nil, fmt.Errorf("%w: %d tensors left dirty by a rejected version are not rewritten (first: %s)", errNeedsFull, len(missing), missing[0])
 	}
 	return ws, nil
+}
+
+// addDirty records stack ranges a rejected version wrote. A range already
+// dirty (the same tensor written by two rejected versions, or by one
+// received twice) is recorded once, and one that covers ranges already
+// recorded replaces them: r.dirty holds no range covered by another.
+func (r *Receiver) addDirty(wrote []span) {
+	for _, w := range wrote {
+		if slices.ContainsFunc(r.dirty, func(d span) bool { return d.covers(w) }) {
+			continue
+		}
+		r.dirty = slices.DeleteFunc(r.dirty, func(d span) bool { return w.covers(d) })
+		r.dirty = append(r.dirty, w)
+	}
 }
 
 // isFull reports whether a version's tensors cover every weight of the
@@ -572,7 +650,10 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	// SHA-256 of the whole stream, on a goroutine of its own.
 	table := NewChunkTable()
 	var digest *digester
-	if a.Protocol == Protocol1 {
+	// A signed version's manifest also carries the whole stream's SHA-256
+	// (the chunk table binds chunks only by CRC-32C, which can be forged).
+	signed := r.cfg.Trust != nil
+	if a.Protocol == Protocol1 || signed {
 		digest = newDigester(8)
 		defer digest.close()
 	}
@@ -590,7 +671,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	)
 	defer func() {
 		if err != nil && len(wrote) > 0 {
-			r.dirty = append(r.dirty, wrote...)
+			r.addDirty(wrote)
 		}
 	}()
 	for total < 0 || received < total {
@@ -633,6 +714,13 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 				}
 				continue
 			}
+			if signed {
+				// Before anything is written: the header decides where
+				// the bytes go.
+				if sum := sha256.Sum256(head[:8+n]); hex.EncodeToString(sum[:]) != a.HeaderSHA256 {
+					return fmt.Errorf("version %d: header sha256 %x, the signed announcement says %s", a.Version, sum, a.HeaderSHA256)
+				}
+			}
 			if hdr, err = ParseHeader(head[8:8+n], total); err != nil {
 				return fmt.Errorf("version %d: %w", a.Version, err)
 			}
@@ -673,18 +761,29 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	if m.Full != a.Full || m.Base != a.Base {
 		return fmt.Errorf("version %d: announced full=%v base=%d, the manifest says full=%v base=%d", a.Version, a.Full, a.Base, m.Full, m.Base)
 	}
+	if m.Model != a.Model || m.HeaderSHA256 != a.HeaderSHA256 {
+		return fmt.Errorf("version %d: announced model %s header sha256 %q, the manifest says model %s header sha256 %q",
+			a.Version, a.Model, a.HeaderSHA256, m.Model, m.HeaderSHA256)
+	}
 	r.liveChunks.Store(int64(feed.fromNet))
 	r.storedChunks.Store(int64(feed.fromJS))
 	if m.Protocol != a.Protocol {
 		return fmt.Errorf("version %d: announced in protocol %d, the manifest is protocol %d", a.Version, a.Protocol, m.Protocol)
 	}
 	field, sum := "chunk table sha256", table.Sum()
-	if digest != nil {
+	streamSum, wantStream := "", ""
+	switch {
+	case a.Protocol == Protocol1:
 		field, sum = "sha256", digest.sum()
+	case signed:
+		streamSum, wantStream = digest.sum(), m.StreamSHA256
 	}
-	if sum != m.Digest() || m.TotalBytes != total || m.Chunks != chunks {
+	if sum != m.Digest() || streamSum != wantStream || m.TotalBytes != total || m.Chunks != chunks {
 		err := fmt.Errorf("version %d: %s %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
 			a.Version, field, sum, total, chunks, m.Digest(), m.TotalBytes, m.Chunks)
+		if streamSum != wantStream {
+			err = fmt.Errorf("version %d: stream sha256 %s, the signed manifest says %s", a.Version, streamSum, wantStream)
+		}
 		if feed.fromNet > 0 {
 			return fmt.Errorf("%w: %w", errLiveDigest, err)
 		}
@@ -783,13 +882,39 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw 
 	poll := time.NewTicker(100 * time.Millisecond)
 	defer poll.Stop()
 	updates := mw.Updates()
+	// Without Trust, the manifest is taken as it comes. With it, one whose
+	// signature is not accepted is passed over, as if not yet written (its
+	// writer might otherwise reject a signed version by writing a bogus
+	// manifest while it is received): the wait goes on, and its error is
+	// the reason given if no accepted one comes.
+	var authErr error
+	accepted := func(m Manifest) bool {
+		if err := r.authManifest(m); err != nil {
+			if authErr == nil || authErr.Error() != err.Error() {
+				r.log.Warn("refit: ignoring a manifest", zap.Uint64("version", v), zap.Error(err))
+			}
+			authErr = err
+			return false
+		}
+		return true
+	}
 	for {
 		e, err := kv.Get(ctx, KeyManifest)
 		if err == nil {
 			m, perr := ParseManifest(e.Value())
 			switch {
+			case perr != nil && r.cfg.Trust != nil:
+				if authErr == nil {
+					authErr = perr
+				}
 			case perr != nil:
 				return m, fmt.Errorf("version %d: %w", v, perr)
+			case !accepted(m):
+				// Written over this version's manifest, perhaps: look in
+				// the history.
+				if old, ok := r.oldManifest(ctx, kv, v); ok {
+					return old, nil
+				}
 			case m.Version == v:
 				return m, nil
 			case m.Version > v:
@@ -807,6 +932,9 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw 
 		case <-ctx.Done():
 			return Manifest{}, ctx.Err()
 		case <-deadline.C:
+			if authErr != nil {
+				return Manifest{}, fmt.Errorf("version %d: all bytes in, but no acceptable manifest after %v: %w", v, r.cfg.ChunkTimeout, authErr)
+			}
 			return Manifest{}, fmt.Errorf("version %d: all bytes in, but no manifest after %v (publisher gone?)", v, r.cfg.ChunkTimeout)
 		case e, ok := <-updates:
 			if !ok {
@@ -816,13 +944,28 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw 
 			// The usual case: the manifest of this version, in hand (one
 			// round trip less at the end of every version).
 			if e != nil {
-				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v {
+				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && accepted(m) {
 					return m, nil
 				}
 			}
 		case <-poll.C:
 		}
 	}
+}
+
+// newestTrusted returns the newest manifest of the bucket's history signed
+// by a trusted key, nil if none.
+func (r *Receiver) newestTrusted(ctx context.Context, kv jetstream.KeyValue) *Manifest {
+	hist, err := kv.History(ctx, KeyManifest)
+	if err != nil {
+		return nil
+	}
+	for i := len(hist) - 1; i >= 0; i-- {
+		if m, err := ParseManifest(hist[i].Value()); err == nil && r.authManifest(m) == nil {
+			return &m
+		}
+	}
+	return nil
 }
 
 // oldManifest looks for version v's manifest in the bucket's history.
@@ -832,7 +975,7 @@ func (r *Receiver) oldManifest(ctx context.Context, kv jetstream.KeyValue, v uin
 		return Manifest{}, false
 	}
 	for _, e := range hist {
-		if m, err := ParseManifest(e.Value()); err == nil && m.Version == v {
+		if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && r.authManifest(m) == nil {
 			return m, true
 		}
 	}

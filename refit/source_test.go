@@ -43,7 +43,7 @@ func stRead(t *testing.T, s *Source) []byte {
 // named tensors of want, in natural name order.
 func stCheck(t *testing.T, stream []byte, want []stfile.Tensor, names ...string) {
 	t.Helper()
-	h, err := readHeader(bytes.NewReader(stream), int64(len(stream)))
+	h, _, err := readHeader(bytes.NewReader(stream), int64(len(stream)))
 	if err != nil {
 		t.Fatal(err)
 	}

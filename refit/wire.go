@@ -182,6 +182,17 @@ type Announce struct {
 	TotalBytes int64  `json:"total_bytes"`
 	ChunkBytes int    `json:"chunk_bytes"`
 	Chunks     int    `json:"chunks"`
+	// HeaderSHA256 is the hex SHA-256 of the stream's first 8 + header
+	// length bytes (the length and the JSON header): set by a signing
+	// publisher, so that a worker checks the header before it writes
+	// anything (PROTOCOL.md, "Signatures").
+	HeaderSHA256 string `json:"header_sha256,omitempty"`
+	// SignedBy and Signature sign the announcement (SignedBytes): the
+	// public nkey and the standard base64 of its ed25519 signature. In a
+	// Manifest, the manifest's own fields of these names hold its
+	// signature, and these stay empty.
+	SignedBy  string `json:"signed_by,omitempty"`
+	Signature string `json:"signature,omitempty"`
 }
 
 // Manifest is the bucket's "manifest" value: the newest complete version.
@@ -193,8 +204,16 @@ type Manifest struct {
 	// (ChunkTable): protocol 2.
 	ChunkTableSHA256 string `json:"chunk_table_sha256,omitempty"`
 	// SHA256 is the hex SHA-256 of the whole stream: protocol 1 only.
-	SHA256      string    `json:"sha256,omitempty"`
-	PublishedAt time.Time `json:"published_at"`
+	SHA256 string `json:"sha256,omitempty"`
+	// StreamSHA256 is the hex SHA-256 of the whole stream in a signed
+	// protocol-2 manifest: what binds the signature to the bytes (a chunk
+	// table binds them only by CRC-32C, which is no defence against
+	// forgery).
+	StreamSHA256 string    `json:"stream_sha256,omitempty"`
+	PublishedAt  time.Time `json:"published_at"`
+	// SignedBy and Signature sign the manifest (SignedBytes).
+	SignedBy  string `json:"signed_by,omitempty"`
+	Signature string `json:"signature,omitempty"`
 }
 
 // Digest returns the manifest's digest field, by its protocol.
@@ -224,6 +243,8 @@ func (a Announce) check(what string) error {
 		return fmt.Errorf("%w: %s: chunk bytes %d", ErrProtocol, what, a.ChunkBytes)
 	case int64(a.Chunks) != (a.TotalBytes+int64(a.ChunkBytes)-1)/int64(a.ChunkBytes):
 		return fmt.Errorf("%w: %s: %d chunks of %d bytes for %d bytes", ErrProtocol, what, a.Chunks, a.ChunkBytes, a.TotalBytes)
+	case a.HeaderSHA256 != "" && !isSHA256Hex(a.HeaderSHA256):
+		return fmt.Errorf("%w: %s: header_sha256 %q: want 64 lowercase hex digits", ErrProtocol, what, a.HeaderSHA256)
 	}
 	return nil
 }
@@ -258,6 +279,9 @@ func ParseManifest(b []byte) (Manifest, error) {
 	// by a publisher that mixed the two.
 	if m.Protocol == Protocol1 && m.ChunkTableSHA256 != "" || m.Protocol != Protocol1 && m.SHA256 != "" {
 		return m, fmt.Errorf("%w: manifest: protocol %d carries %s", ErrProtocol, m.Protocol, other)
+	}
+	if m.StreamSHA256 != "" && !isSHA256Hex(m.StreamSHA256) {
+		return m, fmt.Errorf("%w: manifest: stream_sha256 %q: want 64 lowercase hex digits", ErrProtocol, m.StreamSHA256)
 	}
 	return m, nil
 }
