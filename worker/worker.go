@@ -47,6 +47,10 @@ type Config struct {
 	KVPages, PageSize, MaxBatchTokens, MaxSeqs int
 	KVMemoryFraction                           float64 // with KVPages 0
 	Graphs                                     bool
+
+	// RefitTrust, when set, makes the refit receiver apply only versions
+	// signed by one of its keys (refit.ReceiverConfig.Trust).
+	RefitTrust *refit.Trust
 }
 
 // DefaultModelID is the model id a worker serves when none is given: the
@@ -183,7 +187,7 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 		ecfg.Graphs = w.graphs
 	}
 	w.eng = policy.NewEngine(w.m, ecfg)
-	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID}, log.Named("refit"), reg); err != nil {
+	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID, Trust: cfg.RefitTrust}, log.Named("refit"), reg); err != nil {
 		return nil, err
 	}
 	return w, nil

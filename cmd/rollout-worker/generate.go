@@ -89,7 +89,7 @@ func runGenerate(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	}
 	nc, err := nats.Connect(nf.url, opts...)
 	if err != nil {
-		return fmt.Errorf("connect to %s: %w", nf.url, err)
+		return fmt.Errorf("connect to %s: %w", redactURL(nf.url), err)
 	}
 	defer nc.Close()
 	ctx, cancel := context.WithTimeout(ctx, *timeout)

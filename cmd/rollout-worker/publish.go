@@ -19,6 +19,7 @@ import (
 
 const publishUsage = `Usage: rollout-worker publish --nats-url URL --model-id ID --version N
        --from DIR|FILE.safetensors [--only REGEX] [--wait-workers K --timeout D]
+       [--sign-key SEEDFILE] [--nats-creds FILE | --nats-nkey FILE] [--tls-ca FILE ...]
 
 Publish a weight version to the rollout workers over NATS JetStream
 (refit/PROTOCOL.md): the BF16 tensors of a checkpoint, a model directory
@@ -36,6 +37,10 @@ once JetStream has stored every chunk. With --wait-workers K the command
 then waits up to --timeout for K workers' statuses, prints them with
 per-layer timings, and fails unless every one applied the version.
 
+With --sign-key the announcement and the manifest are signed with that nkey
+seed (refit/PROTOCOL.md, "Signatures"): workers started with --refit-trust
+apply only versions signed by a key they trust.
+
 Flags:
 `
 
@@ -47,6 +52,9 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		fs.PrintDefaults()
 	}
 	url := fs.String("nats-url", nats.DefaultURL, "NATS server `URL`(s), comma-separated")
+	var nf natsFlags
+	nf.registerAuth(fs)
+	signKey := fs.String("sign-key", "", "sign the version with the nkey seed in this `file` (as nk -gen user writes it, or a NATS credentials file)")
 	model := fs.String("model-id", "", "model `id`, [A-Za-z0-9_-]{1,64} (required)")
 	version := fs.Uint64("version", 0, "version `number`, > 0 and newer than the last published (required)")
 	from := fs.String("from", "", "model `directory` or .safetensors file (required)")
@@ -88,9 +96,20 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	default:
 		return usageErrorf("--storage %q: want file or memory", *storage)
 	}
+	if *signKey != "" {
+		s, err := refit.LoadSigner(*signKey)
+		if err != nil {
+			return fmt.Errorf("--sign-key: %w", err)
+		}
+		cfg.Signer = s
+	}
+	nf.url = *url
+	natsOpts, err := nf.options("rollout-worker publish")
+	if err != nil {
+		return err
+	}
 	var re *regexp.Regexp
 	if *only != "" {
-		var err error
 		if re, err = regexp.Compile(*only); err != nil {
 			return usageErrorf("--only: %v", err)
 		}
@@ -109,14 +128,10 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 	defer src.Close()
 
-	nc, err := nats.Connect(*url,
-		nats.Name("rollout-worker publish"),
-		nats.Timeout(5*time.Second),
-		nats.MaxReconnects(-1), // Publish retries until ctx ends (Ctrl-C)
-		nats.ReconnectWait(250*time.Millisecond),
-	)
+	// Reconnects without end: Publish retries until ctx ends (Ctrl-C).
+	nc, err := nats.Connect(nf.url, append(natsOpts, nats.Timeout(5*time.Second))...)
 	if err != nil {
-		return fmt.Errorf("connect to NATS at %s: %w", *url, err)
+		return fmt.Errorf("connect to NATS at %s: %w", redactURL(nf.url), err)
 	}
 	defer nc.Close()
 
@@ -181,5 +196,8 @@ func writeManifestSummary(w io.Writer, m refit.Manifest, took time.Duration) {
 		fmt.Fprintf(w, "  sha256 %s\n", m.SHA256)
 	} else {
 		fmt.Fprintf(w, "  chunk table sha256 %s\n", m.ChunkTableSHA256)
+	}
+	if m.SignedBy != "" {
+		fmt.Fprintf(w, "  signed by %s (stream sha256 %s)\n", m.SignedBy, m.StreamSHA256)
 	}
 }

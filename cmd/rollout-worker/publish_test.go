@@ -13,10 +13,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nkeys"
 
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
+	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
 	"github.com/rollout-worker/rollout-worker/refit/refittest"
 )
@@ -300,5 +303,186 @@ func TestPublishCommandErrors(t *testing.T) {
 	code, stdout, _ := pubtRun(t, "help", "publish")
 	if code != 0 || !strings.Contains(stdout, "rollout-worker publish --nats-url URL") || !strings.Contains(stdout, "-wait-workers") {
 		t.Errorf("help publish: exit %d:\n%s", code, stdout)
+	}
+}
+
+func TestRedactURL(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"nats://127.0.0.1:4222", "nats://127.0.0.1:4222"},
+		{"nats://alice:s3cret@nats.example:4222", "nats://alice:xxxxx@nats.example:4222"},
+		{"tls://alice:p%40ss:w0rd@h:4222/x?y=1", "tls://alice:xxxxx@h:4222/x?y=1"},
+		{"nats://t0ken@h:4222", "nats://xxxxx@h:4222"},
+		{"nats://a:b@h1:4222,nats://c:d@h2:4222, nats://h3", "nats://a:xxxxx@h1:4222,nats://c:xxxxx@h2:4222, nats://h3"},
+		{"connect to nats://u:pw@h: nats: Authorization Violation", "connect to nats://u:xxxxx@h: nats: Authorization Violation"},
+		{"127.0.0.1:4222", "127.0.0.1:4222"},
+		{"nats://:pw@h", "nats://:xxxxx@h"},
+		{"", ""},
+	} {
+		if got := redactURL(tc.in); got != tc.want {
+			t.Errorf("redactURL(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+	}
+}
+
+// pubtSecureServer starts nats-server with JetStream for two users: one by
+// nkey (the seed's file is returned) and alice, by password.
+func pubtSecureServer(t *testing.T) (url string, nkeySeedFile string) {
+	t.Helper()
+	kp, err := nkeys.CreateUser()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, _ := kp.PublicKey()
+	seed, _ := kp.Seed()
+	nkeySeedFile = filepath.Join(t.TempDir(), "user.nk")
+	if err := os.WriteFile(nkeySeedFile, seed, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := &server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, NoLog: true, NoSigs: true, JetStream: true,
+		StoreDir: t.TempDir(), Nkeys: []*server.NkeyUser{{Nkey: pub}}, Users: []*server.User{{Username: "alice", Password: "s3cret-pw"}}}
+	srv, err := server.NewServer(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Start()
+	t.Cleanup(func() {
+		srv.Shutdown()
+		srv.WaitForShutdown()
+	})
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("server not ready")
+	}
+	return "nats://" + srv.Addr().String(), nkeySeedFile
+}
+
+// TestPublishCommandSecured: publish reaches a server that requires
+// authentication with --nats-nkey (or a password in the URL), and never
+// prints the password of a URL it failed to connect to.
+func TestPublishCommandSecured(t *testing.T) {
+	url, seedFile := pubtSecureServer(t)
+	dir, _ := pubtModel(t)
+	alice := strings.Replace(url, "nats://", "nats://alice:s3cret-pw@", 1)
+	wrong := strings.Replace(url, "nats://", "nats://alice:wr0ng-pw@", 1)
+	for _, tc := range []struct {
+		name    string
+		args    []string
+		code    int
+		want    string // in stdout (exit 0) or stderr
+		secrets []string
+	}{
+		{"nkey", []string{"--nats-url", url, "--nats-nkey", seedFile, "--version", "1"}, 0, "published full version 1", nil},
+		{"password", []string{"--nats-url", alice, "--version", "2"}, 0, "published full version 2", nil},
+		{"no credentials", []string{"--nats-url", url, "--version", "3"}, 1, "connect to NATS at " + url, nil},
+		{"wrong password", []string{"--nats-url", wrong, "--version", "3"}, 1, "nats://alice:xxxxx@", []string{"wr0ng-pw"}},
+		{"wrong passwords, two servers", []string{"--nats-url", wrong + "," + strings.Replace(wrong, "wr0ng-pw", "an0ther-pw", 1), "--version", "3"}, 1,
+			"nats://alice:xxxxx@", []string{"wr0ng-pw", "an0ther-pw"}},
+		{"tls cert without key", []string{"--nats-url", url, "--tls-cert", seedFile, "--version", "3"}, 2, "--tls-cert and --tls-key go together", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"publish", "--model-id", "m", "--from", dir, "--storage", "memory"}, tc.args...)
+			code, stdout, stderr := pubtRun(t, args...)
+			out := stderr
+			if tc.code == 0 {
+				out = stdout
+			}
+			if code != tc.code || !strings.Contains(out, tc.want) {
+				t.Fatalf("exit %d (want %d), want %q in\nstdout:\n%s\nstderr:\n%s", code, tc.code, tc.want, stdout, stderr)
+			}
+			for _, s := range tc.secrets {
+				if strings.Contains(stdout+stderr, s) {
+					t.Fatalf("output shows the password %q:\n%s%s", s, stdout, stderr)
+				}
+			}
+		})
+	}
+}
+
+// pubtSyncBuffer is a bytes.Buffer for output written by another goroutine.
+type pubtSyncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *pubtSyncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *pubtSyncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
+}
+
+// TestPublishSignedToServe: a worker started with --refit-trust applies a
+// version published with --sign-key of a trusted key, and rejects an
+// unsigned one and one signed by another key, saying why.
+func TestPublishSignedToServe(t *testing.T) {
+	url := refittest.StartServer(t).URL()
+	cfg, err := policy.Preset("tiny")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := policy.WriteRandomModel(dir, cfg, 7); err != nil {
+		t.Fatal(err)
+	}
+	keyFile := func(name string) (seedFile, pub string) {
+		kp, err := nkeys.CreateUser()
+		if err != nil {
+			t.Fatal(err)
+		}
+		seed, _ := kp.Seed()
+		pub, _ = kp.PublicKey()
+		seedFile = filepath.Join(t.TempDir(), name+".nk")
+		if err := os.WriteFile(seedFile, append(seed, '\n'), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return seedFile, pub
+	}
+	trusted, trustedPub := keyFile("trusted")
+	other, _ := keyFile("other")
+	trustFile := filepath.Join(t.TempDir(), "trust")
+	if err := os.WriteFile(trustFile, []byte("# the trainer\n"+trustedPub+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	var stdout, stderr pubtSyncBuffer
+	go func() {
+		done <- runServe(ctx, []string{"--nats-url", url, "--preset", "tiny", "--model-id", "tiny", "--device", "cpu", "--worker-id", "w-1",
+			"--http-addr", "", "--log-format", "json", "--refit-trust", trustFile}, &stdout, &stderr)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v\n%s", err, stderr.String())
+		}
+	})
+	publishArgs := func(v string, extra ...string) []string {
+		return append([]string{"publish", "--nats-url", url, "--model-id", "tiny", "--from", dir, "--version", v,
+			"--wait-workers", "1", "--timeout", "30s"}, extra...)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"unsigned", publishArgs("1"), 1, "unsigned version"},
+		{"untrusted key", publishArgs("2", "--sign-key", other), 1, "signed by an untrusted key"},
+		{"trusted key", publishArgs("3", "--sign-key", trusted), 0, "signed by " + trustedPub},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out, errOut := pubtRun(t, tc.args...)
+			if code != tc.code || !strings.Contains(out, tc.want) {
+				t.Fatalf("exit %d (want %d), want %q in\nstdout:\n%s\nstderr:\n%s\nserve:\n%s", code, tc.code, tc.want, out, errOut, stderr.String())
+			}
+		})
+	}
+	if !strings.Contains(stderr.String(), trustedPub) {
+		t.Errorf("serve does not log its trusted key:\n%s", stderr.String())
 	}
 }

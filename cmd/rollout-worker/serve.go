@@ -22,6 +22,7 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
 	"github.com/rollout-worker/rollout-worker/policy"
+	"github.com/rollout-worker/rollout-worker/refit"
 	"github.com/rollout-worker/rollout-worker/worker"
 )
 
@@ -88,44 +89,6 @@ func newLogger(w io.Writer, format string) (*zap.Logger, error) {
 	return zap.New(zapcore.NewCore(enc, zapcore.AddSync(w), zap.InfoLevel)), nil
 }
 
-// natsFlags are the connection flags shared by serve, generate and demo.
-type natsFlags struct {
-	url, creds, nkey, ca, cert, key string
-}
-
-func (n *natsFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&n.url, "nats-url", "", "NATS server URL; empty starts an embedded server (serve only)")
-	fs.StringVar(&n.creds, "nats-creds", "", "NATS credentials `file` (JWT and nkey)")
-	fs.StringVar(&n.nkey, "nats-nkey", "", "NATS nkey seed `file`")
-	fs.StringVar(&n.ca, "tls-ca", "", "CA certificate `file` to verify the NATS server")
-	fs.StringVar(&n.cert, "tls-cert", "", "client certificate `file` (with --tls-key)")
-	fs.StringVar(&n.key, "tls-key", "", "client key `file`")
-}
-
-func (n *natsFlags) options(name string) ([]nats.Option, error) {
-	opts := []nats.Option{nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond)}
-	if n.creds != "" {
-		opts = append(opts, nats.UserCredentials(n.creds))
-	}
-	if n.nkey != "" {
-		o, err := nats.NkeyOptionFromSeed(n.nkey)
-		if err != nil {
-			return nil, fmt.Errorf("--nats-nkey: %w", err)
-		}
-		opts = append(opts, o)
-	}
-	if n.ca != "" {
-		opts = append(opts, nats.RootCAs(n.ca))
-	}
-	if (n.cert == "") != (n.key == "") {
-		return nil, usageErrorf("--tls-cert and --tls-key go together")
-	}
-	if n.cert != "" {
-		opts = append(opts, nats.ClientCert(n.cert, n.key))
-	}
-	return opts, nil
-}
-
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err error) {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -158,6 +121,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	httpAddr := fs.String("http-addr", "127.0.0.1:9090", "address of /metrics, /healthz and /readyz (empty: none)")
 	drainTimeout := fs.Duration("drain-timeout", 30*time.Second, "how long a drain lets in-flight requests finish before aborting them")
 	logFormat := fs.String("log-format", "auto", "log format: auto (JSON unless on a terminal), json or console")
+	trustFile := fs.String("refit-trust", "", "apply only weight versions signed by a public nkey of this `file` (one a line, # comments; refit/PROTOCOL.md, \"Signatures\")")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -167,11 +131,19 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	if cfg.Recipe, err = recipeFlag(*recipeName); err != nil {
 		return err
 	}
+	if *trustFile != "" {
+		if cfg.RefitTrust, err = refit.LoadTrust(*trustFile); err != nil {
+			return fmt.Errorf("--refit-trust: %w", err)
+		}
+	}
 	log, err := newLogger(stderr, *logFormat)
 	if err != nil {
 		return err
 	}
 	defer log.Sync()
+	if cfg.RefitTrust != nil {
+		log.Info("refit: applying only versions signed by a trusted key", zap.Strings("keys", cfg.RefitTrust.Keys()))
+	}
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -184,8 +156,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 		}
 		defer srv.Shutdown()
 		url = srv.URL()
-		log.Info("embedded NATS server started (JetStream on, loopback only)", zap.String("url", url), zap.String("store", srv.StoreDir()))
-		fmt.Fprintf(stdout, "embedded NATS server: %s\n", url)
+		log.Info("embedded NATS server started (JetStream on, loopback only)", zap.String("url", redactURL(url)), zap.String("store", srv.StoreDir()))
+		fmt.Fprintf(stdout, "embedded NATS server: %s\n", redactURL(url))
 	}
 	opts, err := nf.options("rollout-worker " + cfg.WorkerID)
 	if err != nil {
@@ -193,7 +165,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 	}
 	nc, err := nats.Connect(url, opts...)
 	if err != nil {
-		return fmt.Errorf("connect to %s: %w", url, err)
+		return fmt.Errorf("connect to %s: %w", redactURL(url), err)
 	}
 	defer nc.Close()
 
