@@ -70,9 +70,21 @@ func (r *Receiver) subscribeLive(ctx context.Context) (*liveSub, error) {
 	}
 }
 
-func (r *Receiver) trySubscribeLive(ctx context.Context) (*liveSub, error) {
-	opts := r.nc.Opts
+// liveOptions copies nc's options for the live connection: the same
+// servers, credentials and TLS, none of nc's handlers (a closed or errored
+// live connection must not reach whatever owns nc, such as a micro
+// service's handlers).
+func liveOptions(nc *nats.Conn) nats.Options {
+	opts := nc.Opts
 	opts.Name = strings.TrimSpace(opts.Name + " refit-live")
+	opts.ClosedCB, opts.DisconnectedCB, opts.DisconnectedErrCB, opts.ConnectedCB = nil, nil, nil, nil
+	opts.ReconnectedCB, opts.DiscoveredServersCB, opts.AsyncErrorCB, opts.LameDuckModeHandler = nil, nil, nil, nil
+	opts.ReconnectErrCB = nil
+	return opts
+}
+
+func (r *Receiver) trySubscribeLive(ctx context.Context) (*liveSub, error) {
+	opts := r.liveOpts
 	nc, err := opts.Connect()
 	if err != nil {
 		return nil, fmt.Errorf("refit: receiver: connect for live chunks: %w", err)

@@ -157,7 +157,7 @@ func TestRefitLiveAndFallback(t *testing.T) {
 func TestLiveOverflow(t *testing.T) {
 	srv := refittest.StartServer(t)
 	nc := refittest.Connect(t, srv.URL())
-	r := &Receiver{nc: nc, cfg: ReceiverConfig{Model: testModel, LiveIdle: 50 * time.Millisecond, MaxBytes: 64 << 10,
+	r := &Receiver{nc: nc, liveOpts: liveOptions(nc), cfg: ReceiverConfig{Model: testModel, LiveIdle: 50 * time.Millisecond, MaxBytes: 64 << 10,
 		LivePendingBytes: 64 << 10}, log: zap.NewNop()}
 	l, err := r.subscribeLive(context.Background())
 	if err != nil {

@@ -74,14 +74,18 @@ var ErrVersionJump = errors.New("refit: version number too far ahead")
 // field below mu is touched only by Run's goroutine; Status and
 // CurrentVersion may be called from anywhere.
 type Receiver struct {
-	cfg     ReceiverConfig
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	m       *policy.Model
-	eng     Engine
-	stager  kernels.Stager
-	log     *zap.Logger
-	metrics *metrics
+	cfg ReceiverConfig
+	nc  *nats.Conn
+	// liveOpts are nc's options as NewReceiver found them, for the live
+	// chunks' own connection: read once, before anything else may install
+	// handlers on nc, and without nc's callbacks, which belong to nc.
+	liveOpts nats.Options
+	js       jetstream.JetStream
+	m        *policy.Model
+	eng      Engine
+	stager   kernels.Stager
+	log      *zap.Logger
+	metrics  *metrics
 
 	// Staging mirrors of the live buffers that a version may not write in
 	// place (everything but the expert stacks, and those too when the
@@ -173,7 +177,7 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	if err != nil {
 		return nil, err
 	}
-	r := &Receiver{cfg: cfg, nc: nc, js: js, m: m, eng: eng, stager: st, log: log, metrics: met,
+	r := &Receiver{cfg: cfg, nc: nc, liveOpts: liveOptions(nc), js: js, m: m, eng: eng, stager: st, log: log, metrics: met,
 		staging: map[*kernels.Buffer]*kernels.Buffer{}, direct: m.Options().Recipe != moe.RecipeBF16,
 		current: cfg.Version, seen: map[uint64]bool{}, revs: map[string]uint64{}, liveReady: make(chan struct{})}
 	targets, err := m.Tensors()
