@@ -376,3 +376,21 @@ func TestSchemaDocumented(t *testing.T) {
 		}
 	}
 }
+
+// TestSeedsAboveSafeRange: seeds past 2^53-1 (which JavaScript rounds, so
+// SCHEMA.md advises against them) are still read exactly as uint64 by the
+// worker, up to 2^64-1; one past that is refused.
+func TestSeedsAboveSafeRange(t *testing.T) {
+	for _, seed := range []uint64{MaxSafeSeed, MaxSafeSeed + 1, MaxSafeSeed + 2, 1<<63 + 12345, math.MaxUint64} {
+		p, e := parse(fmt.Sprintf(`{"schema":"rollout.v1","prompt":[1],"max_tokens":1,"seed":%d}`, seed))
+		if e != nil {
+			t.Fatalf("seed %d: %v", seed, e)
+		}
+		if p.req.Params.Seed != seed {
+			t.Errorf("seed %d read as %d", seed, p.req.Params.Seed)
+		}
+	}
+	if _, e := parse(`{"schema":"rollout.v1","prompt":[1],"max_tokens":1,"seed":18446744073709551616}`); e == nil || !strings.Contains(e.Error(), "seed") {
+		t.Errorf("seed 2^64: %v, want an error naming seed", e)
+	}
+}
