@@ -38,7 +38,7 @@ func TestServeDrainsOnSIGTERM(t *testing.T) {
 		t.Skip("builds and runs the binary")
 	}
 	bin := buildBinary(t)
-	cmd := exec.Command(bin, "serve", "--http-addr", "", "--log-format", "json", "--drain-timeout", "300ms", "--model-id", "sig")
+	cmd := exec.Command(bin, "serve", "--http-addr", "", "--log-format", "json", "--drain-timeout", "100ms", "--model-id", "sig")
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -98,7 +98,7 @@ func TestServeDrainsOnSIGTERM(t *testing.T) {
 				seed := uint64(c*1000 + i)
 				n := 1 + i%3
 				s, err := client.Generate(ctx, rollout.GenerateRequest{Schema: rollout.Schema, Prompt: []int32{1, 2, 3, int32(c)}, N: n,
-					Temperature: 1, MaxTokens: 20 + (i%4)*290, Seed: &seed}) // short ones finish, long ones are cut by the drain
+					Temperature: 1, MaxTokens: 20 + (i%4)*330, Seed: &seed}) // short ones finish, long ones (up to 1010 of the context of 1024) are cut by the drain
 				if err != nil {
 					mu.Lock()
 					total.refused++
