@@ -29,10 +29,6 @@ type Config struct {
 	// StagingBytes is the size of each of the two pinned host buffers that
 	// Stage streams through (default 8 MiB).
 	StagingBytes int
-	// NoPDL launches every kernel after the one before it has finished,
-	// instead of letting the MoE layer's kernels start their blocks early
-	// (programmatic dependent launch; pdlKernel).
-	NoPDL bool
 }
 
 // Backend is the CUDA implementation of kernels.Backend, with
@@ -62,22 +58,6 @@ type Backend struct {
 	mod    *drv.Module
 	fns    map[string]*drv.Function
 	errw   drv.DevicePtr // the device error word (see errors.go)
-	arrive drv.DevicePtr // grid-barrier counters of quant_stack, arriveWords of them
-	coop   int           // quant_stack blocks per launch (all resident at once)
-	// quantGroups is the number of block groups quant_stack runs (matrices
-	// in flight at once); 0, the default, takes the three-kernel path
-	// (amax, blocks, scales) instead: it reads the BF16 stack twice, but
-	// both passes stream at full width, and on the H200 it measured faster
-	// than every quant_stack setting (docs/MOE.md, "Requantization"). Tests
-	// compare them.
-	quantGroups int
-	// quantAhead makes quant_stack take the next matrix's amax before it
-	// waits at this one's barrier. Tests compare both.
-	quantAhead bool
-	// fp4Staged selects the staged NVFP4 x NVFP4 GEMM (grouped_gemm_fp4_*:
-	// both operands dequantized into shared memory) instead of the
-	// streamed one (gemm_fp4_stream_*). Tests time them side by side.
-	fp4Staged bool
 	// fp4TileRows is the average rows per expert above which NVFP4 grouped
 	// GEMMs run the tiled kernel (defaultTileRows; tests force either).
 	fp4TileRows int
@@ -92,11 +72,8 @@ type Backend struct {
 	// takes 192-row tiles (defaultWS192Rows on sm_90a; tests force either).
 	fp4WS192Rows int
 	// pdl: launch the kernels pdlKernel names with programmatic stream
-	// serialization (not Config.NoPDL).
+	// serialization (always, but for TestPDLSameBits).
 	pdl bool
-	// bf16Generic sends BF16 x BF16 grouped GEMMs to the generic tiled
-	// kernel instead of the streamed one (tests compare them).
-	bf16Generic bool
 	// streamJ is the n8 tiles a warp of a streamed 16-row-tile kernel
 	// multiplies: 0 picks by the launch's size (streamFewBlocks), 1 or 2
 	// force it (tests compare them).
@@ -151,7 +128,7 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		return nil, err
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
-		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, fp4WS192Rows: math.MaxInt32, pdl: !cfg.NoPDL,
+		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, fp4WS192Rows: math.MaxInt32, pdl: true,
 		narrow8: gemmNarrow8}
 	if be.hasWGMMA() {
 		be.fp4WSRows, be.fp4WS192Rows = defaultWSRows, defaultWS192Rows
@@ -180,18 +157,6 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		if err := c.Memset8(be.errw, 0, errWordBytes); err != nil {
 			return err
 		}
-		if be.arrive, err = c.Alloc(4 * arriveWords); err != nil {
-			return err
-		}
-		f, err := be.function("quant_stack")
-		if err != nil {
-			return err
-		}
-		perSM, err := f.MaxActiveBlocksPerSM(quantStackThreads, 0)
-		if err != nil {
-			return err
-		}
-		be.coop = max(1, perSM) * be.info.SMs
 		for i := range be.pinned {
 			if be.pinned[i], err = c.HostAlloc(cfg.StagingBytes); err != nil {
 				return err

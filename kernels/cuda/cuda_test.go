@@ -117,8 +117,7 @@ func TestMoE(t *testing.T) {
 
 // TestQuantizeAllBF16 quantizes every finite BF16 value, shuffled into rows
 // of 272 (17 blocks, so blocks mix magnitudes), on the GPU and with the CPU
-// backend, in both modes (per matrix, on every GPU path), with and without
-// padding: bit for bit.
+// backend, in both modes, with and without padding: bit for bit.
 func TestQuantizeAllBF16(t *testing.T) {
 	be := gpu(t)
 	ref, err := cpu.New(cpu.Config{}, nil)
@@ -143,29 +142,8 @@ func TestQuantizeAllBF16(t *testing.T) {
 		}
 	}
 	src := kernels.Uint16Bytes(vals)
-	// Per matrix, every GPU path: the three kernels and quant_stack.
-	type path struct {
-		groups int
-		ahead  bool
-	}
-	defGroups, defAhead := be.quantGroups, be.quantAhead
-	t.Cleanup(func() { be.quantGroups, be.quantAhead = defGroups, defAhead })
 	for _, mode := range []kernels.QuantMode{kernels.PerRow, kernels.PerMatrix} {
-		paths := []path{{defGroups, defAhead}}
-		if mode == kernels.PerMatrix {
-			paths = []path{{0, false}, {4, false}, {4, true}, {8, false}, {8, true}}
-		}
-		for _, p := range paths {
-			be.quantGroups, be.quantAhead = p.groups, p.ahead
-			name := "default"
-			switch {
-			case mode == kernels.PerMatrix && p.groups == 0:
-				name = "three kernels"
-			case mode == kernels.PerMatrix:
-				name = fmt.Sprintf("quant_stack, %d groups, ahead %v", p.groups, p.ahead)
-			}
-			testQuantizeAll(t, be, ref, mode, name, src, vals, rows, k)
-		}
+		testQuantizeAll(t, be, ref, mode, "default", src, vals, rows, k)
 	}
 }
 
@@ -323,7 +301,7 @@ func TestPDLKernels(t *testing.T) {
 			}
 		}
 	}
-	for _, n := range []string{"gemm_fp4_tile_ks2", "route", "route_r8", "permute", "finalize_scattered", "quant_stack", "grouped_gemm"} {
+	for _, n := range []string{"gemm_fp4_tile_ks2", "route", "route_r8", "permute", "finalize_scattered", "grouped_gemm"} {
 		if pdlKernel(n) {
 			t.Errorf("pdlKernel(%q) = true: it does not wait (pdl_wait)", n)
 		}

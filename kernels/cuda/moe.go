@@ -426,13 +426,12 @@ func tilePlan(act kernels.Activation, s kernels.GroupedGemmShape, tile8Rows, wsR
 
 // groupedGemmFP4 launches an NVFP4 x NVFP4 kernel (the per-token recipe's
 // expert GEMMs): the tiled one for many rows per expert, the streamed one
-// for few, or the staged one when a test asks or A is too large for 32-bit
-// offsets.
+// for few, or the staged one when A is too large for 32-bit offsets.
 func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) error {
 	args := []any{be.errw, ptr(a.A.Q.Packed), ptr(a.A.Q.Scales), ptr(a.A.Q.Scale), int32(s.Kp), ptr(a.Gather), int32(s.Ta),
 		ptr(a.W.Q.Packed), ptr(a.W.Q.Scales), ptr(a.W.Q.Scale), int32(s.N), ptr(a.Offsets), int32(s.E), int32(s.R),
 		int32(a.Act), ptr(a.Out), int32(s.OutN)}
-	if !be.fp4Staged && streamFits(s.Ta, s.Kp) {
+	if streamFits(s.Ta, s.Kp) {
 		if s.R > be.fp4TileRows*s.E {
 			return be.tileLaunch(a, s, args...)
 		}
@@ -460,7 +459,7 @@ func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGe
 // time; it reports false otherwise (the generic kernel runs instead).
 func (be *Backend) groupedGemmBF16(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape) (bool, error) {
 	k := a.A.BF16.Dim(1)
-	if be.bf16Generic || aligned16(a.A.BF16, k) == 0 || aligned16(a.W.BF16, k) == 0 || !streamFits(s.Ta, k) {
+	if aligned16(a.A.BF16, k) == 0 || aligned16(a.W.BF16, k) == 0 || !streamFits(s.Ta, k) {
 		return false, nil
 	}
 	return true, be.streamLaunch(false, a, s, be.errw, ptr(a.A.BF16), drv.DevicePtr(0), drv.DevicePtr(0), int32(k),
@@ -623,9 +622,6 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 				ptr(a.Dst.Scale), int32(s.Mats), uint32(0)); err != nil {
 				return err
 			}
-			if s.Mats <= arriveWords && be.quantGroups > 0 {
-				return be.quantStack(a, s, vec)
-			}
 			per := s.Rows * s.K
 			blocks := min((per/8+256*4-1)/(256*4), 1024)
 			// A grid's y dimension stops at 65535: larger stacks take several launches.
@@ -656,44 +652,9 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 	})
 }
 
-// arriveWords is the number of grid-barrier counters quant_stack has: the
-// most matrices one Quantize call fuses (more fall back to three kernels).
-const arriveWords = 16384
-
 // quantBlocksPerThread is about how many 16-element blocks a quant_blocks
 // thread takes: enough to spread its per-matrix scale arithmetic.
 const quantBlocksPerThread = 8
-
-// quantStackThreads is quant_stack's block size.
-const quantStackThreads = 512
-
-// quantStack is Quantize's per-matrix path in one cooperative kernel
-// (src/moe.cu quant_stack); Scale has been zeroed (owner thread).
-func (be *Backend) quantStack(a kernels.QuantizeArgs, s kernels.QuantizeShape, vec int32) error {
-	if err := be.launch("fill_u32", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
-		be.arrive, int32(s.Mats), uint32(0)); err != nil {
-		return err
-	}
-	f, err := be.function("quant_stack")
-	if err != nil {
-		return err
-	}
-	// groups equal groups of blocks, each no larger than its work (a thread
-	// takes a block of 16), all resident at once.
-	groups := min(be.quantGroups, s.Mats)
-	ahead := int32(0)
-	if be.quantAhead {
-		ahead = 1
-	}
-	per := max(1, min(be.coop/groups, (s.Rows*s.Kp/16+quantStackThreads-1)/quantStackThreads))
-	grid := groups * per
-	if err := f.LaunchCooperative(drv.Dim3{X: grid}, drv.Dim3{X: quantStackThreads}, 0, be.stream,
-		ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), be.arrive,
-		int32(s.Mats), int32(s.Rows), int32(s.K), int32(s.Kp), vec, int32(groups), ahead); err != nil {
-		return err
-	}
-	return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0, ptr(a.Dst.Scale), int32(s.Mats))
-}
 
 // errScatter refuses the atomic finalize where only the older grouped GEMM
 // kernels apply.

@@ -68,20 +68,6 @@ __device__ __forceinline__ float bfround(float x) { return bf2f(f2bf(x)); }
 // min32 keeps a when a is NaN (like internal/nvfp4's min32).
 __device__ __forceinline__ float min32(float a, float b) { return b < a ? b : a; }
 
-// e2m1_encode rounds to the nearest E2M1 code, ties to even, saturating; the
-// sign is kept (-0 is code 8). NaN gives +-6. Branch-free: below 1 the grid
-// is 0.5 apart and one FP32 addition of 1.5*2^22 (whose ulp is 0.5) rounds
-// 2|x| to an integer, ties to even; from 1 on, E2M1 is a float with one
-// mantissa bit, so integer round-half-even of the FP32 bits at bit 22 gives
-// the code. Checked against the comparison chain for all 2^32 inputs.
-__device__ __forceinline__ unsigned e2m1_encode(float x) {
-    const float a = fminf(fabsf(x), 6.0f); // min.f32 returns 6 for NaN
-    const unsigned lo = __float_as_uint(__fadd_rn(a, 6291456.0f)) - 0x4AC00000u;
-    const unsigned b = __float_as_uint(a);
-    const unsigned hi = (b + 0x1FFFFFu + ((b >> 22) & 1u) - (0xFCu << 22)) >> 22;
-    return (a < 1.0f ? lo : hi) | ((__float_as_uint(x) >> 28) & 8u);
-}
-
 __device__ __forceinline__ float e2m1_decode(unsigned c) {
     const float v[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
     float m = v[c & 7];
@@ -98,33 +84,9 @@ __device__ __forceinline__ float e4m3_decode(unsigned b) {
     return (b & 0x80) ? -v : v;
 }
 
-// e4m3_encode converts with round-to-nearest-even, saturating at +-448;
-// magnitudes at or below 2^-10 become zero; NaN gives 0x7F with its sign.
-__device__ __forceinline__ unsigned e4m3_encode(float x) {
-    unsigned bits = __float_as_uint(x);
-    unsigned sign = (bits >> 24) & 0x80;
-    unsigned a = bits & 0x7fffffff;
-    if (a > 0x7f800000u) return sign | 0x7f;
-    float f = __uint_as_float(a);
-    if (f >= 448.0f) return sign | 0x7e;
-    if (f < 1.0f / 64.0f) {
-        // f*512 is exact; rint rounds half to even.
-        return sign | (unsigned)rintf(f * 512.0f);
-    }
-    int e = (int)(a >> 23) - 127;
-    unsigned m = a & 0x7fffff;
-    unsigned q = m >> 20;
-    unsigned rem = m & 0xfffff, half = 1u << 19;
-    if (rem > half || (rem == half && (q & 1))) q++;
-    if (q == 8) { q = 0; e++; }
-    unsigned code = ((unsigned)(e + 7) << 3) | q;
-    if (code > 0x7e) code = 0x7e;
-    return sign | code;
-}
-
-// e4m3_satfinite is e4m3_encode by the sm_89+ conversion instruction (the
-// one NVFP4.md names: RNE, saturating at +-448, NaN 0x7F); check_e4m3 holds
-// the two equal over every FP32 input on the device.
+// e4m3_satfinite converts to E4M3 by the sm_89+ conversion instruction (the
+// one NVFP4.md names: RNE, saturating at +-448, NaN 0x7F), as
+// internal/nvfp4 does in software.
 __device__ __forceinline__ unsigned e4m3_satfinite(float x) {
     unsigned short r;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
@@ -153,22 +115,6 @@ __device__ __forceinline__ void encode_scale(float amax, float *senc, float *sde
     *sdec = __fdiv_rn(1.0f, s);
 }
 
-// e2m1_fast is e2m1_encode in fewer instructions, and the per-element
-// arithmetic of the quantizers' loop (e2m1_pack8), checked here on its own
-// over every FP32 input: with a = min(|x|, 6) and t = max(exponent(a), 0) (t = 0 below 2),
-// the E2M1 grid step near a is 2^(t-1), so adding M = 1.5 * 2^(22+t)
-// (whose ulp is that step) rounds a to the grid, ties to even, and the
-// integer bits above M count steps; code = steps + 2t. M and M - 2t are
-// both linear in max(exponent field, 127). check_codec holds it equal to
-// e2m1_encode over every FP32 input.
-__device__ __forceinline__ unsigned e2m1_fast(float x) {
-    const float a = fminf(fabsf(x), 6.0f); // min.f32 returns 6 for NaN
-    const unsigned e = max(__float_as_uint(a) >> 23, 127u);
-    const unsigned m = e * (1u << 23) + 0x0B400000u;     // 1.5 * 2^(22 + e - 127)
-    const unsigned n = e * ((1u << 23) - 2u) + 0x0B4000FEu; // m - 2 * (e - 127)
-    return (__float_as_uint(__fadd_rn(a, __uint_as_float(m))) - n) | ((__float_as_uint(x) >> 28) & 8u);
-}
-
 // prmt is PTX prmt.b32 in its default mode: byte n of the result is byte
 // (s_n & 7) of the pair {b, a} (a holds bytes 0-3), where s_n is nibble n
 // of s; with bit 3 of s_n set, that byte's sign bit fills the whole byte.
@@ -180,16 +126,20 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
 
 // e2m1_pack8 returns the E2M1 codes of the 8 BF16 values in w[0..3]
 // (element 2i in the low half of w[i]) times enc, packed as NVFP4 stores
-// them (element e in nibble e). It is e2m1_fast with the bookkeeping folded
-// into the packing: code magnitude e is bits(a + M) - n (n linear in the
-// exponent field, see e2m1_fast) and lies in 0..7, so the sum of the
+// them (element e in nibble e). Per element: with a = min(|x|, 6) and
+// t = max(exponent(a), 0) (t = 0 below 2), the E2M1 grid step near a is
+// 2^(t-1), so adding M = 1.5 * 2^(22+t) (whose ulp is that step) rounds a
+// to the grid, ties to even, and the integer bits above M count steps;
+// code = steps + 2t. M and M - 2t are both linear in max(exponent field,
+// 127). That is folded into the packing: code magnitude e is bits(a + M) - n (n linear in the
+// exponent field) and lies in 0..7, so the sum of the
 // differences shifted by 4e is exact modulo 2^32 and each term can be
 // added as it comes (two multiply-adds an element, the constant parts of
 // n once a word). The signs are those of the inputs (enc > 0, so the
 // products have them): the high byte of each BF16 value, sign-replicated
 // and gathered by four byte permutes, masked into bits 3 and 7 of each
 // byte. keep is all ones, or zero when enc is NaN (then every product is
-// the device's positive NaN and e2m1_fast gives unsigned codes).
+// the device's positive NaN and the codes are unsigned).
 __device__ __forceinline__ unsigned e2m1_pack8(const unsigned w[4], float enc, unsigned keep) {
     unsigned acc = 0;
 #pragma unroll

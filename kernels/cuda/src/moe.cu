@@ -152,66 +152,6 @@ extern "C" __global__ void quant_rows(const bf16_t *src, unsigned char *packed, 
     if (blockIdx.x < rows) quant_row_block(src, packed, scales, scale, blockIdx.x, k, kp, vec);
 }
 
-// quant_stack quantizes a weight stack [mats, rowsPerMat, k] with one global
-// scale per matrix in a single cooperative launch, matrix by matrix: all
-// blocks of a group take matrix m's amax (order-free atomic max into
-// amax[m]), meet at a barrier (arrive[m] counts the group's blocks), then
-// quantize m, one 16-element block per thread and step, while its BF16
-// values may still be in L2 from the amax pass. With ahead, a block takes
-// its part of the next matrix's amax before it waits for this one's
-// barrier, so the wait overlaps work (and two matrices a group are in L2).
-// Measured on the H200 it is slower than the three kernels (quant_amax,
-// quant_blocks, quant_scales), which read the stack twice but at full
-// width: it is no longer the default, and the tests keep comparing them.
-// amax and arrive are zeroed before the launch; quant_scales turns amax
-// into S_dec after it.
-extern "C" __global__ void __launch_bounds__(512) quant_stack(const bf16_t *src, unsigned char *packed, unsigned char *scales,
-                                                             unsigned *amax, unsigned *arrive, int mats, int rowsPerMat,
-                                                             int k, int kp, int vec, int groups, int ahead) {
-    __shared__ unsigned scratch[32];
-    __shared__ unsigned s_amax;
-    __shared__ float s_enc[ENC_TABLE];
-    // Block group g (of `groups` equal groups) takes matrices g, g+groups,
-    // ...: groups at different phases overlap the memory-bound amax pass of
-    // one matrix with the compute-bound quantization of another, and only
-    // a few matrices are in L2 at a time.
-    const int G = gridDim.x / groups, g = blockIdx.x / G;
-    if (g >= groups) return; // the remainder of an uneven grid
-    const long long per = (long long)rowsPerMat * k;
-    const long long nthreads = (long long)G * blockDim.x;
-    const long long gtid = (long long)(blockIdx.x - g * G) * blockDim.x + threadIdx.x;
-    const long long blocksPer = (long long)rowsPerMat * (kp / 16); // below 2^31: the host checks
-    // arrive_amax adds this block's part of matrix m's amax and counts the
-    // block in; block_reduce's barriers also end every thread's use of
-    // s_enc and s_amax for the matrix before.
-    auto arrive_amax = [&](int m) {
-        const unsigned v = block_reduce(amax_span(src + (long long)m * per, per, gtid, nthreads, vec), scratch, OpMax());
-        if (threadIdx.x == 0) {
-            atomicMax(&amax[m], v << 16);
-            __threadfence();
-            atomicAdd(&arrive[m], 1u);
-        }
-    };
-    if (g < mats) arrive_amax(g);
-    for (int m = g; m < mats; m += groups) {
-        const int next = m + groups;
-        if (ahead && next < mats) arrive_amax(next);
-        if (threadIdx.x == 0) {
-            while (atomicAdd(&arrive[m], 0u) < (unsigned)G) __nanosleep(32);
-            s_amax = atomicAdd(&amax[m], 0u);
-        }
-        __syncthreads();
-        float senc, sdec;
-        encode_scale(__uint_as_float(s_amax), &senc, &sdec);
-        fill_enc_table(s_enc, sdec);
-        __syncthreads();
-        quant_matrix_blocks(src + (long long)m * per, packed + (long long)m * rowsPerMat * (kp / 2),
-                            scales + (long long)m * rowsPerMat * (kp / 16), (unsigned)gtid, (unsigned)nthreads, (unsigned)blocksPer, k,
-                            kp, vec, __fmul_rn(senc, NVFP4_INV6), s_enc);
-        if (!ahead && next < mats) arrive_amax(next);
-    }
-}
-
 // quant_blocks quantizes matrix blockIdx.y (of rowsPerMat rows, blocksPer
 // = rowsPerMat * kp/16 16-element blocks) with its global scale, one block
 // per thread and step: coalesced 32-byte reads, 8-byte writes. amax[m]
@@ -229,54 +169,6 @@ extern "C" __global__ void quant_blocks(const bf16_t *src, unsigned char *packed
     quant_matrix_blocks(src + (long long)m * rowsPerMat * k, packed + (long long)m * rowsPerMat * (kp / 2),
                         scales + (long long)m * rowsPerMat * (kp / 16), blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x,
                         blocksPer, k, kp, vec, __fmul_rn(senc, NVFP4_INV6), s_enc);
-}
-
-// check_codec counts, over every FP32 bit pattern x = blockIdx.x * 2^16 +
-// ..., the inputs where a fast conversion differs from the software codec
-// that matches internal/nvfp4: bad[0] for e4m3_satfinite vs e4m3_encode
-// (NaN with the sign bit set excepted: quant_block never passes one),
-// bad[2] for e2m1_fast vs e2m1_encode, bad[4] for e4m3_value vs
-// e4m3_decode over the 256 bytes; bad[5] for e2m1_pack8 vs e2m1_encode of
-// each product, with x read as a pair of BF16 values (every pair, each
-// sign, both halves; NaN elements excepted) at three element scales;
-// bad[1], bad[3] and bad[6] keep an input that differed. A self-check run
-// by the tests.
-extern "C" __global__ void check_codec(unsigned *bad) {
-    const float encs[3] = {1.0f, 0.3713f, 1.0e-3f};
-    for (unsigned i = threadIdx.x; i < 65536u; i += blockDim.x) {
-        const unsigned x = (blockIdx.x << 16) | i;
-        const float f = __uint_as_float(x);
-        const bool negNaN = (x & 0x7fffffffu) > 0x7f800000u && (x >> 31);
-        if (!negNaN && e4m3_satfinite(f) != e4m3_encode(f)) {
-            atomicAdd(&bad[0], 1u);
-            bad[1] = x;
-        }
-        if (e2m1_fast(f) != e2m1_encode(f)) {
-            atomicAdd(&bad[2], 1u);
-            bad[3] = x;
-        }
-        const unsigned w[4] = {x, x ^ 0x80008000u, (x >> 16) | (x << 16), x ^ 0x80000000u};
-#pragma unroll
-        for (int s = 0; s < 3; s++) {
-            const unsigned got = e2m1_pack8(w, encs[s], ~0u);
-            unsigned want = 0, mask = 0;
-#pragma unroll
-            for (int e = 0; e < 8; e++) {
-                const unsigned h = (w[e / 2] >> (16 * (e % 2))) & 0xffffu;
-                if ((h & 0x7fffu) > 0x7f80u) continue; // NaN
-                mask |= 0xfu << (4 * e);
-                want |= e2m1_encode(__fmul_rn(bf2f((bf16_t)h), encs[s])) << (4 * e);
-            }
-            if ((got ^ want) & mask) {
-                atomicAdd(&bad[5], 1u);
-                bad[6] = x;
-            }
-        }
-    }
-    if (blockIdx.x == 0 && threadIdx.x < 256) {
-        const float a = e4m3_value(threadIdx.x), b = e4m3_decode(threadIdx.x);
-        if (__float_as_uint(a) != __float_as_uint(b) && !(a != a && b != b)) atomicAdd(&bad[4], 1u);
-    }
 }
 
 // ---- Route ----
