@@ -186,21 +186,21 @@ func fakeCubin(n int) []byte {
 func TestCacheRoundTrip(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "a", "b") // created on first put
 	key := CacheKey("src", nil, "sm_90a", 13, 0)
-	if _, ok := cacheGet(dir, key); ok {
+	if _, _, ok := cacheGet(dir, key, nil); ok {
 		t.Fatal("hit in an empty cache")
 	}
 	want := fakeCubin(4096)
-	if err := cachePut(dir, key, want); err != nil {
+	if err := cachePut(dir, key, want, nil); err != nil {
 		t.Fatal(err)
 	}
-	got, ok := cacheGet(dir, key)
+	got, _, ok := cacheGet(dir, key, nil)
 	if !ok || !reflect.DeepEqual(got, want) {
 		t.Fatalf("read back %d bytes, ok=%v", len(got), ok)
 	}
-	if err := cachePut(dir, key, fakeCubin(100)); err != nil { // overwrite
+	if err := cachePut(dir, key, fakeCubin(100), nil); err != nil { // overwrite
 		t.Fatal(err)
 	}
-	if got, _ := cacheGet(dir, key); len(got) != 100 {
+	if got, _, _ := cacheGet(dir, key, nil); len(got) != 100 {
 		t.Errorf("overwrite: %d bytes", len(got))
 	}
 	ents, _ := os.ReadDir(dir)
@@ -211,8 +211,42 @@ func TestCacheRoundTrip(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, key+".cubin"), []byte("garbage"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := cacheGet(dir, key); ok {
+	if _, _, ok := cacheGet(dir, key, nil); ok {
 		t.Error("a corrupt cache file was a hit")
+	}
+}
+
+// TestCacheLoweredNames: a program's lowered names are cached beside its
+// cubin; a cubin without them, or without one of the program's
+// expressions, is a miss.
+func TestCacheLoweredNames(t *testing.T) {
+	dir := t.TempDir()
+	p := Program{Name: "k.cu", Source: "src", Headers: []Header{{Name: "h.cuh", Source: "h"}}, NameExpressions: []string{"ns::k<1>"}}
+	key := ProgramKey(p, nil, "sm_90a", 13, 0)
+	if key == CacheKey(p.Source, nil, "sm_90a", 13, 0) {
+		t.Fatal("headers and name expressions do not change the key")
+	}
+	other := p
+	other.Headers = []Header{{Name: "h.cuh", Source: "h2"}}
+	if ProgramKey(other, nil, "sm_90a", 13, 0) == key {
+		t.Error("a header's content does not change the key")
+	}
+	if err := os.WriteFile(filepath.Join(dir, key+".cubin"), fakeCubin(64), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok := cacheGet(dir, key, p.NameExpressions); ok {
+		t.Error("a cubin without its names was a hit")
+	}
+	want := map[string]string{"ns::k<1>": "_ZN2ns1kILi1EEEvv"}
+	if err := cachePut(dir, key, fakeCubin(64), want); err != nil {
+		t.Fatal(err)
+	}
+	_, got, ok := cacheGet(dir, key, p.NameExpressions)
+	if !ok || !reflect.DeepEqual(got, want) {
+		t.Fatalf("names %v, ok=%v; want %v", got, ok, want)
+	}
+	if _, _, ok := cacheGet(dir, key, []string{"ns::k<1>", "ns::k<2>"}); ok {
+		t.Error("a cache entry without one of the expressions was a hit")
 	}
 }
 

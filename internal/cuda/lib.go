@@ -196,7 +196,7 @@ type nvrtcLib struct {
 
 	nvrtcVersion, nvrtcGetErrorString, nvrtcCreateProgram, nvrtcCompileProgram   uintptr
 	nvrtcGetProgramLogSize, nvrtcGetProgramLog, nvrtcGetCUBINSize, nvrtcGetCUBIN uintptr
-	nvrtcDestroyProgram                                                          uintptr
+	nvrtcDestroyProgram, nvrtcAddNameExpression, nvrtcGetLoweredName             uintptr
 
 	errorString func(int32) string // nvrtcGetErrorString, bound by purego
 
@@ -233,6 +233,8 @@ func loadNVRTC(paths []string) (*nvrtcLib, error) {
 			{p: &l.nvrtcGetCUBINSize, name: "nvrtcGetCUBINSize"},
 			{p: &l.nvrtcGetCUBIN, name: "nvrtcGetCUBIN"},
 			{p: &l.nvrtcDestroyProgram, name: "nvrtcDestroyProgram"},
+			{p: &l.nvrtcAddNameExpression, name: "nvrtcAddNameExpression"},
+			{p: &l.nvrtcGetLoweredName, name: "nvrtcGetLoweredName"},
 		}); err != nil {
 			return nil, err
 		}

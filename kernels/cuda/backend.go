@@ -1,13 +1,9 @@
 package cuda
 
 import (
-	"embed"
 	"errors"
 	"fmt"
-	"io/fs"
 	"math"
-	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -16,9 +12,6 @@ import (
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 	"github.com/rollout-worker/rollout-worker/kernels"
 )
-
-//go:embed src/*.cuh src/*.cu
-var sources embed.FS
 
 // Config configures the CUDA backend.
 type Config struct {
@@ -55,9 +48,10 @@ type Backend struct {
 	// Owner-thread state.
 	stream *drv.Stream // every op and graph launch
 	copyS  *drv.Stream // Stage's host-to-device copies, overlapping the ops
-	mod    *drv.Module
-	fns    map[string]*drv.Function
-	errw   drv.DevicePtr // the device error word (see errors.go)
+	// kernels holds every kernel the device runs, by registry key, with
+	// its loaded function (New fills it; read-only after).
+	kernels map[any]loadedKernel
+	errw    drv.DevicePtr // the device error word (see errors.go)
 	// fp4TileRows is the average rows per expert above which NVFP4 grouped
 	// GEMMs run the tiled kernel (defaultTileRows; tests force either).
 	fp4TileRows int
@@ -79,8 +73,8 @@ type Backend struct {
 	// force it (tests compare them).
 	streamJ int
 	// narrow8 is the kernel for Gemms of at most gemmNarrow8M rows
-	// (gemmNarrow8; tests force the others, which give the same bits).
-	narrow8 string
+	// (kGemmNarrow8; tests force kGemmNarrow, which gives the same bits).
+	narrow8 plainKernel
 	pinned  [2][]byte
 	events  [2]*drv.Event
 	busy    [2]bool // a copy from pinned[i] may still be in flight
@@ -105,6 +99,12 @@ type allocation struct {
 	freed bool // set on the owner thread by Free; read there too
 }
 
+// loadedKernel is a kernel's registry entry and its function.
+type loadedKernel struct {
+	spec *kernelSpec
+	fn   *drv.Function
+}
+
 // New opens the device, compiles the embedded kernels with NVRTC for its
 // architecture (or takes them from the cubin cache) and loads them. An error
 // that means no usable GPU matches internal/cuda.ErrNoDevice. A nil logger
@@ -119,32 +119,36 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 	if cfg.StagingBytes < 1<<16 {
 		return nil, fmt.Errorf("cuda backend: staging buffers of %d bytes: want at least 64 KiB", cfg.StagingBytes)
 	}
-	src, err := Source()
-	if err != nil {
-		return nil, err
-	}
 	dev, err := drv.Open(cfg.Driver)
 	if err != nil {
 		return nil, err
 	}
-	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, fns: make(map[string]*drv.Function),
+	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, kernels: make(map[any]loadedKernel),
 		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, fp4WS192Rows: math.MaxInt32, pdl: true,
-		narrow8: gemmNarrow8}
+		narrow8: kGemmNarrow8}
 	if be.hasWGMMA() {
 		be.fp4WSRows, be.fp4WS192Rows = defaultWSRows, defaultWS192Rows
 	}
-	start := time.Now()
-	out, err := dev.Compile(drv.Program{Name: "kernels.cu", Source: src})
+	progs, outs, err := compileKernels(dev, be.info.Arch, log)
 	if err != nil {
 		dev.Close()
 		return nil, fmt.Errorf("cuda backend: %w", err)
 	}
-	compiled := time.Since(start)
 	err = dev.Do(func(c *drv.Ctx) error {
-		var err error
-		if be.mod, err = c.LoadModule(out.Cubin); err != nil {
-			return err
+		for i, p := range progs {
+			mod, err := c.LoadModule(outs[i].Cubin)
+			if err != nil {
+				return fmt.Errorf("load %s: %w", p.label, err)
+			}
+			for _, k := range p.kernels {
+				f, err := mod.Function(outs[i].Lowered[k.expr])
+				if err != nil {
+					return fmt.Errorf("kernel %s (%s): %w", k.name, k.expr, err)
+				}
+				be.kernels[k.key] = loadedKernel{spec: k, fn: f}
+			}
 		}
+		var err error
 		if be.stream, err = c.NewStream(); err != nil {
 			return err
 		}
@@ -172,31 +176,8 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		return nil, fmt.Errorf("cuda backend: %w", err)
 	}
 	log.Info("cuda backend ready", zap.String("device", be.info.Name), zap.String("arch", be.info.Arch),
-		zap.Int("sms", be.info.SMs), zap.Duration("compile", compiled), zap.Bool("cubin_cached", out.Cached))
+		zap.Int("sms", be.info.SMs), zap.Int("kernels", len(be.kernels)))
 	return be, nil
-}
-
-// Source returns the CUDA C++ source of every kernel, as NVRTC compiles it:
-// the header, then each .cu file in name order.
-func Source() (string, error) {
-	var b strings.Builder
-	for _, pat := range []string{"src/*.cuh", "src/*.cu"} {
-		names, err := fs.Glob(sources, pat)
-		if err != nil {
-			return "", err
-		}
-		slices.Sort(names)
-		for _, n := range names {
-			data, err := sources.ReadFile(n)
-			if err != nil {
-				return "", err
-			}
-			fmt.Fprintf(&b, "// ---- %s\n", n)
-			b.Write(data)
-			b.WriteString("\n")
-		}
-	}
-	return b.String(), nil
 }
 
 // Close waits for outstanding work and releases the device (every buffer,
@@ -484,19 +465,6 @@ func (be *Backend) outsideCapture(fn func(*drv.Ctx) error) error {
 		}
 		time.Sleep(50 * time.Microsecond)
 	}
-}
-
-// function returns the kernel called name, looked up once (owner thread).
-func (be *Backend) function(name string) (*drv.Function, error) {
-	if f := be.fns[name]; f != nil {
-		return f, nil
-	}
-	f, err := be.mod.Function(name)
-	if err != nil {
-		return nil, err
-	}
-	be.fns[name] = f
-	return f, nil
 }
 
 // Time enqueues fn's work n times between two events on the compute stream

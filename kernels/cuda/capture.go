@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
@@ -72,36 +71,25 @@ func (be *Backend) issue(op string, args any, validate func() error, enqueue fun
 	})
 }
 
-// launch enqueues kernel name on the compute stream (owner thread).
-func (be *Backend) launch(name string, grid, block drv.Dim3, shared int, args ...any) error {
-	f, err := be.function(name)
-	if err != nil {
+// launch enqueues the kernel the registry keys by key on the compute
+// stream (owner thread), after checking the launch against its entry.
+func (be *Backend) launch(key any, grid, block drv.Dim3, shared int, args ...any) error {
+	k, ok := be.kernels[key]
+	if !ok {
+		return fmt.Errorf("cuda: launch %v: no such kernel loaded for %s", key, be.info.Arch)
+	}
+	if err := k.spec.check(be.info.Arch, grid, block, shared, be.info.SharedOptin); err != nil {
 		return err
 	}
 	if shared > 48<<10 {
-		if err := f.SetMaxDynamicShared(shared); err != nil {
-			return err
+		if err := k.fn.SetMaxDynamicShared(shared); err != nil {
+			return fmt.Errorf("cuda: launch %s: %w", k.spec.name, err)
 		}
 	}
-	if be.pdl && pdlKernel(name) {
-		return f.LaunchPDL(grid, block, shared, be.stream, args...)
+	if be.pdl && k.spec.pdl {
+		return k.fn.LaunchPDL(grid, block, shared, be.stream, args...)
 	}
-	return f.Launch(grid, block, shared, be.stream, args...)
-}
-
-// pdlKernel reports whether kernel name reads global memory only after
-// pdl_wait (src/common.cuh), so that it may start its blocks while the
-// kernel before it finishes: the MoE
-// layer's chain at small batch (router GEMM, dispatch, streamed expert
-// GEMMs, quantize, finalize), where launch and block start-up are a
-// visible share of each kernel. TestPDLKernels checks the sources.
-func pdlKernel(name string) bool {
-	switch name {
-	case "gemm_narrow", "gemm_narrow8", "gemm_narrow_wide", "quant_rows", "finalize":
-		return true
-	}
-	return strings.HasPrefix(name, "dispatch_r") || strings.HasPrefix(name, "gemm_fp4_stream_") ||
-		strings.HasPrefix(name, "gemm_bf16_stream_")
+	return k.fn.Launch(grid, block, shared, be.stream, args...)
 }
 
 // BeginCapture starts recording the ops issued on this backend into a CUDA

@@ -50,18 +50,6 @@ func gpu(t testing.TB) *Backend {
 	return shared
 }
 
-func TestSourceEmbedded(t *testing.T) {
-	src, err := Source()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, want := range []string{"grouped_gemm(int *err", "__global__ void quant_rows(", "__global__ void permute("} {
-		if !bytes.Contains([]byte(src), []byte(want)) {
-			t.Errorf("kernel source lacks %q", want)
-		}
-	}
-}
-
 func TestNoDeviceError(t *testing.T) {
 	_, err := New(Config{Driver: drv.Config{LibCUDA: "libcuda-does-not-exist.so"}}, nil)
 	if !errors.Is(err, drv.ErrNoDevice) {
@@ -201,31 +189,33 @@ func testQuantizeAll(t *testing.T, be, ref kernels.Backend, mode kernels.QuantMo
 	}
 }
 
-// TestPDLKernels checks, without a GPU, that every kernel the host launches
-// with programmatic stream serialization (pdlKernel) touches no global
-// memory before pdl_wait: the plain kernels and the DISPATCH ones begin
-// with pdl_enter (after shared-memory declarations at most); the streamed
-// GEMMs (G5_KERNEL, G5_KERNEL_KS2) wait in g5_gemm before any of their
-// pointer parameters is used and trigger in g5_tail after the chunk loop;
-// and kernels without a wait are not named.
+// TestPDLKernels checks, without a GPU, that every kernel the registry
+// launches with programmatic stream serialization (pdl) touches no global
+// memory before pdl_wait: the plain kernels and dispatch_r begin with
+// pdl_enter (after shared-memory declarations at most); the streamed GEMMs
+// wait in g5_gemm before any of their pointer parameters is used and
+// trigger in g5_tail after the chunk loop; and kernels without a wait are
+// not marked.
 func TestPDLKernels(t *testing.T) {
-	src, err := Source()
-	if err != nil {
-		t.Fatal(err)
+	unit := func(name string) string {
+		t.Helper()
+		b, err := sources.ReadFile("src/" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
 	}
-	// first returns the first statement after from in the source that is
-	// not a shared-memory declaration, line continuations removed.
-	first := func(from string, brace bool) string {
+	// first returns the first statement after from in src that is not a
+	// shared-memory declaration.
+	first := func(src, from string) string {
 		t.Helper()
 		i := strings.Index(src, from)
 		if i < 0 {
 			t.Fatalf("no %q in the kernel source", from)
 		}
 		rest := src[i+len(from):]
-		if brace {
-			rest = rest[strings.Index(rest, "{")+1:]
-		}
-		for _, st := range strings.Split(strings.ReplaceAll(rest, "\\\n", " "), ";") {
+		rest = rest[strings.Index(rest, "{")+1:]
+		for _, st := range strings.Split(rest, ";") {
 			st = strings.Join(strings.Fields(st), " ")
 			if !strings.HasPrefix(st, "__shared__") && !strings.HasPrefix(st, "extern __shared__") {
 				return st
@@ -233,29 +223,40 @@ func TestPDLKernels(t *testing.T) {
 		}
 		return ""
 	}
-	for _, k := range []struct {
-		from  string
-		brace bool
-		names []string
-	}{
-		{" gemm_narrow(", true, []string{"gemm_narrow"}},
-		{" gemm_narrow8(", true, []string{"gemm_narrow8"}},
-		{" gemm_narrow_wide(", true, []string{"gemm_narrow_wide"}},
-		{" quant_rows(", true, []string{"quant_rows"}},
-		{" finalize(", true, []string{"finalize"}},
-		{"#define DISPATCH(PER)", true, []string{"dispatch_r1", "dispatch_r8"}},
-	} {
-		if got := first(k.from, k.brace); got != "pdl_enter()" {
-			t.Errorf("%s: begins with %q, not pdl_enter()", strings.TrimSpace(k.from), got)
-		}
-		for _, n := range k.names {
-			if !pdlKernel(n) {
-				t.Errorf("pdlKernel(%q) = false", n)
+	reg := kernelRegistry()
+	for i := range reg {
+		k := &reg[i]
+		_, streamed := k.key.(streamKernel)
+		switch {
+		case streamed:
+			if !k.pdl {
+				t.Errorf("%s: a streamed GEMM without pdl", k.name)
 			}
+		case k.pdl:
+			entry := strings.TrimPrefix(k.expr, "rw::")
+			if j := strings.Index(entry, "<"); j >= 0 {
+				entry = entry[:j]
+			}
+			if got := first(unit(k.unit), " "+entry+"("); got != "pdl_enter()" {
+				t.Errorf("%s: begins with %q, not pdl_enter()", k.name, got)
+			}
+		}
+	}
+	for _, key := range []any{kGemmNarrow, kGemmNarrow8, kGemmNarrowWide, kQuantRows, kFinalize, dispatchKernel{1}, dispatchKernel{8},
+		streamKernel{fp4: true, bm: 16, j: 1, ks2: true}, streamKernel{bm: 64, j: 2, swiglu: true}} {
+		if k := specOf(t, reg, key); !k.pdl {
+			t.Errorf("%s: pdl = false", k.name)
+		}
+	}
+	for _, key := range []any{tileKernel{16, false, true}, wsKernel{128, false, false}, kRoute, routeKernel{8}, kPermute,
+		kFinalizeScattered, kGroupedGemm, stagedKernel{64, false}} {
+		if k := specOf(t, reg, key); k.pdl {
+			t.Errorf("%s: pdl = true: it does not wait (pdl_wait)", k.name)
 		}
 	}
 	// The streamed GEMMs: nothing before g5_gemm's wait names a pointer
 	// parameter, and g5_tail triggers after its chunk loop.
+	src := unit("gemm_stream.cu")
 	body := func(from string) string {
 		t.Helper()
 		i := strings.Index(src, from)
@@ -280,32 +281,24 @@ func TestPDLKernels(t *testing.T) {
 	if loop, trig := strings.LastIndex(tail, "chunk(c, u);"), strings.Index(tail, "pdl_trigger();"); loop < 0 || trig < loop {
 		t.Errorf("g5_tail: pdl_trigger() at %d, not after the chunk loop (%d)", trig, loop)
 	}
-	for _, n := range []string{"gemm_fp4_stream_m16", "gemm_fp4_stream_m16_ks2_j1", "gemm_bf16_stream_m64_swiglu"} {
-		if !pdlKernel(n) {
-			t.Errorf("pdlKernel(%q) = false", n)
+	// The stream kernels run nothing but stream_body.
+	for _, entry := range []string{"gemm_stream(", "gemm_stream_ks2("} {
+		if got := first(src, " "+entry); !strings.HasPrefix(got, "stream_body<T, ") && !strings.HasPrefix(got, "static_assert") {
+			t.Errorf("%s: begins with %q, not stream_body", entry, got)
 		}
 	}
-	// Every kernel a macro defines: the streamed GEMMs and the dispatch
-	// (G5_BODY, DISPATCH) are named, the tiled GEMMs (GT_BODY) are not.
-	for _, line := range strings.Split(src, "\n") {
-		for _, m := range []string{"G5_KERNEL(", "G5_KERNEL_KS2(", "GT_KERNEL(", "DISPATCH("} {
-			if !strings.HasPrefix(line, m) {
-				continue
-			}
-			name := strings.TrimSpace(strings.SplitN(strings.TrimPrefix(line, m), ",", 2)[0])
-			if m == "DISPATCH(" {
-				name = "dispatch_r" + strings.TrimSuffix(name, ")")
-			}
-			if want := m != "GT_KERNEL("; pdlKernel(name) != want {
-				t.Errorf("pdlKernel(%q) = %v, want %v (defined by %s...)", name, !want, want, m)
-			}
+}
+
+// specOf returns the registry's entry for key.
+func specOf(t *testing.T, reg []kernelSpec, key any) *kernelSpec {
+	t.Helper()
+	for i := range reg {
+		if reg[i].key == key {
+			return &reg[i]
 		}
 	}
-	for _, n := range []string{"gemm_fp4_tile_ks2", "route", "route_r8", "permute", "finalize_scattered", "grouped_gemm"} {
-		if pdlKernel(n) {
-			t.Errorf("pdlKernel(%q) = true: it does not wait (pdl_wait)", n)
-		}
-	}
+	t.Fatalf("no kernel %+v in the registry", key)
+	return nil
 }
 
 // TestPDLSameBits runs an MoE layer (hidden 4096, so FC1 splits K over a

@@ -8,22 +8,14 @@ import (
 )
 
 // The dense model's ops (kernels.ModelOps). Launch geometry lives here; the
-// kernels are in src/model.cu. Every kernel that follows an index read from
+// kernels are in src/model.cu, their block sizes in registry.go. Every kernel that follows an index read from
 // a buffer takes the device error word first, skips the affected row and
 // reports it (errors.go).
 
-// Block sizes. Each is fixed (or a function of a shape only), so every
-// reduction order depends on the row's own shape, never on the batch.
-const (
-	copyThreads     = 128  // embed, kv write, rope: one block per token
-	normMaxThreads  = 256  // rmsnorm: one block per row
-	addThreads      = 256  // add: grid-stride
-	addMaxBlocks    = 4096 //
-	attTile         = 64   // attention: positions per shared-memory tile (MODEL_ATT_TILE)
-	attThreads      = 256  // attention: threads per (query row, kv head) (MODEL_ATT_THREADS)
-	sampleThreads   = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
-	logprobsThreads = 512  // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
-)
+// Block sizes (registry.go) are each fixed, or a function of a shape only,
+// so every reduction order depends on the row's own shape, never on the
+// batch.
+const addMaxBlocks = 4096 // add: grid-stride
 
 // Embed gathers table rows: one block per token.
 func (be *Backend) Embed(a kernels.EmbedArgs) error {
@@ -36,7 +28,7 @@ func (be *Backend) Embed(a kernels.EmbedArgs) error {
 		if t == 0 || h == 0 {
 			return nil
 		}
-		return be.launch("model_embed", drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
+		return be.launch(kEmbed, drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
 			be.errw, ptr(a.Out), ptr(a.Table), ptr(a.IDs), int32(h), int32(v))
 	})
 }
@@ -54,7 +46,7 @@ func (be *Backend) RMSNorm(a kernels.RMSNormArgs) error {
 			return nil
 		}
 		threads := min(normMaxThreads, (d+31)/32*32)
-		return be.launch("model_rmsnorm", drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
+		return be.launch(kRMSNorm, drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
 			ptr(a.Out), ptr(a.Src), ptr(a.Weight), int32(d), a.Eps)
 	})
 }
@@ -72,7 +64,7 @@ func (be *Backend) Add(a kernels.AddArgs) error {
 			return nil
 		}
 		blocks := min(addMaxBlocks, (n+8*addThreads-1)/(8*addThreads))
-		return be.launch("model_add", drv.Dim3{X: blocks}, drv.Dim3{X: addThreads}, 0,
+		return be.launch(kAdd, drv.Dim3{X: blocks}, drv.Dim3{X: addThreads}, 0,
 			ptr(a.Out), ptr(a.A), ptr(a.B), int64(n))
 	})
 }
@@ -88,7 +80,7 @@ func (be *Backend) RoPE(a kernels.RoPEArgs) error {
 		if t == 0 || heads == 0 || d == 0 {
 			return nil
 		}
-		return be.launch("model_rope", drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
+		return be.launch(kRoPE, drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
 			be.errw, ptr(a.X), ptr(a.Positions), ptr(a.Cos), ptr(a.Sin), int32(heads), int32(d), int32(maxPos))
 	})
 }
@@ -107,18 +99,10 @@ func (be *Backend) KVWrite(a kernels.KVWriteArgs) error {
 		if t == 0 {
 			return nil
 		}
-		return be.launch("model_kv_write", drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
+		return be.launch(kKVWrite, drv.Dim3{X: t}, drv.Dim3{X: copyThreads}, 0,
 			be.errw, ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.K), ptr(a.V), ptr(a.Slots),
 			int32(cs.KVHeads*cs.D), int64(cs.Pages)*int64(cs.PageSize))
 	})
-}
-
-// attentionShared is the dynamic shared memory of model_attention for a
-// group of query heads per KV head and head dim d: the K and V tiles (rows
-// padded by 8 elements), the tile's row offsets, then FP32 q, accumulators,
-// scores and three per-head values.
-func attentionShared(group, d int) int {
-	return 2*attTile*(d+8)*2 + attTile*8 + (2*group*d+group*attTile+3*group)*4
 }
 
 // Attention is causal GQA over the paged cache: one block per (query row,
@@ -142,7 +126,7 @@ func (be *Backend) Attention(a kernels.AttentionArgs) error {
 			return nil
 		}
 		cs := s.Cache
-		return be.launch("model_attention", drv.Dim3{X: s.Tq, Y: cs.KVHeads}, drv.Dim3{X: attThreads}, shared,
+		return be.launch(kAttention, drv.Dim3{X: s.Tq, Y: cs.KVHeads}, drv.Dim3{X: attThreads}, shared,
 			be.errw, ptr(a.Out), ptr(a.Q), ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.PageTable), ptr(a.SeqLens), ptr(a.QueryStart),
 			int32(s.Tq), int32(s.QHeads), int32(cs.KVHeads), int32(cs.D), int32(cs.PageSize), int32(cs.Pages),
 			int32(s.S), int32(s.MaxPages), a.Scale)
@@ -160,7 +144,7 @@ func (be *Backend) Sample(a kernels.SampleArgs) error {
 		if rows == 0 {
 			return nil
 		}
-		return be.launch("model_sample", drv.Dim3{X: rows}, drv.Dim3{X: sampleThreads}, 0,
+		return be.launch(kSample, drv.Dim3{X: rows}, drv.Dim3{X: sampleThreads}, 0,
 			be.errw, ptr(a.Logits), ptr(a.Temperature), ptr(a.TopK), ptr(a.TopP), ptr(a.Seeds),
 			ptr(a.SampleIDs), ptr(a.Positions), ptr(a.Tokens), ptr(a.LogProbs), int32(v))
 	})
@@ -177,7 +161,7 @@ func (be *Backend) LogProbs(a kernels.LogProbsArgs) error {
 		if rows == 0 {
 			return nil
 		}
-		return be.launch("model_logprobs", drv.Dim3{X: rows}, drv.Dim3{X: logprobsThreads}, 0,
+		return be.launch(kLogProbs, drv.Dim3{X: rows}, drv.Dim3{X: logprobsThreads}, 0,
 			be.errw, ptr(a.Logits), ptr(a.Tokens), ptr(a.LogProbs), int32(v))
 	})
 }

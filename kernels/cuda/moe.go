@@ -9,13 +9,14 @@ import (
 )
 
 // The MoE ops and the dense GEMM. Launch geometry lives here; the kernels
-// are in src/moe.cu.
+// are in src/ (dispatch.cu, quantize.cu, gemm_*.cu) and the registry
+// (registry.go) names them.
 
-// GEMM tile: BM sorted rows by BN output columns per block of 128 threads.
+// GEMM tile of grouped_gemm and gemm_staged: BM sorted rows by BN output
+// columns per block of gemmThreads.
 const (
-	gemmBM      = 64
-	gemmBN      = 64
-	gemmThreads = 128
+	gemmBM = 64
+	gemmBN = 64
 )
 
 // Operand formats of the GEMM kernel.
@@ -61,7 +62,7 @@ type gemmLaunch struct {
 }
 
 func (g gemmLaunch) run(be *Backend) error {
-	return be.launch("grouped_gemm", drv.Dim3{X: g.maxTiles, Y: g.colTiles}, drv.Dim3{X: gemmThreads}, 0,
+	return be.launch(kGroupedGemm, drv.Dim3{X: g.maxTiles, Y: g.colTiles}, drv.Dim3{X: gemmThreads}, 0,
 		be.errw, g.aFmt, g.a, g.aPacked, g.aSF, g.aScale, g.aK, g.aVec, g.gather, g.ta,
 		g.wFmt, g.w, g.wPacked, g.wSF, g.wScale, g.wK, g.wVec, g.n,
 		g.offsets, g.e, g.r, g.kp, g.act, g.out, g.outN, g.outFmt)
@@ -73,21 +74,15 @@ func (g gemmLaunch) run(be *Backend) error {
 const gemmNarrowN = 1024
 
 // gemmWideM is the row count from which narrow GEMMs take 32 x 32 blocks
-// (gemm_narrow_wide) instead of 16 x 8 ones: the same bits (src/moe.cu),
-// a fraction of the activation and weight reads (the router at 4096
-// tokens read its input 32 times over). Its shared memory holds the 16
-// warps' partial sums of the 32 x 32 tile (rows padded to 33).
-const (
-	gemmWideM    = 32
-	gemmWideSmem = 16 * 32 * 33 * 4
-)
+// (gemm_narrow_wide) instead of 16 x 8 ones: the same bits
+// (src/gemm_narrow.cu), a fraction of the activation and weight reads (the
+// router at 4096 tokens read its input 32 times over).
+const gemmWideM = 32
 
-// gemmNarrow8 is the kernel for at most 8 rows (gemmNarrow8M): gemm_narrow
-// with more slices in flight a warp (src/moe.cu), the same bits.
-const (
-	gemmNarrow8M = 8
-	gemmNarrow8  = "gemm_narrow8"
-)
+// gemmNarrow8M: up to this many rows the narrow GEMM is gemm_narrow8,
+// gemm_narrow with more slices in flight a warp (src/gemm_narrow.cu), the
+// same bits.
+const gemmNarrow8M = 8
 
 // packedAligned checks what the NVFP4 kernels assume of a quantized
 // operand's addresses: packed rows are read and written 8 bytes at a time,
@@ -121,14 +116,14 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 				out = outF32
 			}
 			if m >= gemmWideM {
-				return be.launch("gemm_narrow_wide", drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, gemmWideSmem,
+				return be.launch(kGemmNarrowWide, drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, gemmWideSmem,
 					ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 			}
-			name := "gemm_narrow"
+			kern := kGemmNarrow
 			if m <= gemmNarrow8M {
-				name = be.narrow8
+				kern = be.narrow8
 			}
-			return be.launch(name, drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
+			return be.launch(kern, drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
 				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 		}
 		g := gemmLaunch{aFmt: fmtBF16, a: ptr(a), aK: int32(k), aVec: aligned16(a, k), ta: int32(m),
@@ -185,41 +180,6 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 	})
 }
 
-// g4LD is grouped_gemm_fp4's shared tile row stride in BF16 elements.
-const g4LD = 128 + 8
-
-// Streamed GEMM geometry (src/moe.cu, g5_gemm): 8 warps of j = 2 n8
-// tiles, 128 output columns per block (64 for SwiGLU: a gate and an up
-// tile per warp), or of j = 1 tile (the _j1 kernels: 64 columns). Each
-// 16-row tile of activations takes 4 KB of shared memory per K chunk,
-// double buffered; each warp keeps a ring of weight chunks in
-// flight in shared memory (G5_D): for NVFP4 16 B of codes per lane and
-// tile and a word of block scales per lane pair and tile, 5 chunks deep
-// for 16-row tiles (four blocks an SM) and 8 for larger ones; for BF16 4
-// chunks of 64 B.
-const streamTileSmem = 2 * 4096
-
-// streamSmem is the dynamic shared memory of a streamed kernel of bm-row
-// tiles and j n8 tiles a warp.
-func streamSmem(fp4 bool, bm, j int) int {
-	ring := 4 * 64 // bytes per lane and tile: 4 chunks of 64 B
-	if fp4 {
-		depth := 8
-		switch {
-		case bm == 16:
-			depth = streamDepth16
-		case j == 4:
-			depth = 4
-		}
-		ring = depth * (16 + 2) // per chunk: 16 B of codes, half a lane pair's scale word
-	}
-	return bm/16*streamTileSmem + 8*j*32*ring
-}
-
-// streamDepth16 is G5_D for NVFP4 16-row tiles (src/moe.cu): 5 chunks, so
-// that four blocks share an SM (TestStreamSmemFits).
-const streamDepth16 = 5
-
 // streamFits reports whether the streamed kernels can address an A of ta
 // rows of k elements: they use 32-bit element offsets. Past that (about
 // 300,000 rows at K = 7168) the older kernels run instead, whose bits
@@ -245,51 +205,45 @@ func splitK(k int) bool { return k >= 4096 }
 // us. Four is the NVFP4 kernel's residency an SM.
 const streamFewBlocks = 4
 
-// streamLaunch launches a streamed grouped GEMM kernel (gemm_fp4_stream_*
-// or gemm_bf16_stream_*). Its row tile is 16, 32 or 64
+// streamLaunch launches a streamed grouped GEMM kernel (gemm_stream.cu,
+// 8 warps of one, two or four n8 tiles). Its row tile is 16, 32 or 64
 // rows, by the average rows per expert; the tile never changes an output
-// bit (src/moe.cu), so the choice keeps batch invariance. The shared
-// memory figure must match src/moe.cu's G5_D, G5_WB and G5_KERNEL
-// (8 warps of one or two n8 tiles); TestStreamSmemFits bounds it.
+// bit (src/gemm_stream.cu), so the choice keeps batch invariance.
+// TestStreamSmemFits bounds the shared memory.
 func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
 	l := streamPlan(fp4, a.Act, s, be.info.SMs, be.streamJ)
-	return be.launch(l.name, l.grid, drv.Dim3{X: 256}, l.smem, scatterArgs(a, args)...)
+	return be.launch(l.kernel, l.grid, drv.Dim3{X: 256}, l.smem, scatterArgs(a, args)...)
 }
 
-// streamLaunchPlan is a streamed kernel's launch: kernel name, grid and
-// dynamic shared memory.
+// streamLaunchPlan is a streamed kernel's launch: kernel, grid and dynamic
+// shared memory.
 type streamLaunchPlan struct {
-	name string
-	grid drv.Dim3
-	smem int
+	kernel streamKernel
+	grid   drv.Dim3
+	smem   int
 }
 
 // streamPlan picks the streamed kernel and its geometry for a GEMM of
 // shape s on a device of sms SMs; j forces the n8 tiles a warp of a
 // 16-row-tile kernel (0: by streamFewBlocks).
 func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sms, j int) streamLaunchPlan {
-	family := "gemm_bf16_stream"
-	if fp4 {
-		family = "gemm_fp4_stream"
-	}
-	bm, name := 64, family+"_m64"
+	k := streamKernel{fp4: fp4, bm: 64, j: 2, swiglu: act == kernels.SwiGLU}
 	switch {
 	case s.R <= 8*s.E:
-		bm, name = 16, family+"_m16"
+		k.bm = 16
 	case s.R <= 24*s.E:
-		bm, name = 32, family+"_m32"
+		k.bm = 32
 	}
 	cols := 128
-	if act == kernels.SwiGLU {
-		cols, name = 64, name+"_swiglu"
+	if k.swiglu {
+		cols = 64
 	}
-	grid := drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 1}
+	grid := drv.Dim3{X: s.R/k.bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 1}
 	if fp4 && splitK(s.Kp) {
-		// Z: the two blocks of a cluster, which split K (src/moe.cu g5_gemm).
-		name, grid.Z = name+"_ks2", 2
+		// Z: the two blocks of a cluster, which split K (src/gemm_stream.cu).
+		k.ks2, grid.Z = true, 2
 	}
-	smem := streamSmem(fp4, bm, 2)
-	if bm == 16 && act != kernels.SwiGLU {
+	if k.bm == 16 && !k.swiglu {
 		if j == 0 {
 			j = 2
 			if grid.X*grid.Y*grid.Z < streamFewBlocks*sms {
@@ -298,19 +252,19 @@ func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sm
 		}
 		if j == 1 {
 			// One n8 tile a warp, twice the blocks, each with half the
-			// shared memory. Same bits (src/moe.cu g5_gemm).
-			name, grid.Y, smem = name+"_j1", (s.OutN+cols/2-1)/(cols/2), streamSmem(fp4, bm, 1)
+			// shared memory. Same bits (src/gemm_stream.cu g5_gemm).
+			k.j, grid.Y = 1, (s.OutN+cols/2-1)/(cols/2)
 		}
 	}
-	if fp4 && bm == 32 {
+	if fp4 && k.bm == 32 {
 		// Four n8 tiles a warp (twice the columns a block): each A
 		// fragment read from shared memory feeds four MMAs instead of two,
 		// and the block's activation staging serves twice the columns.
 		// H200, 512 tokens (docs/MOE.md, fourteenth session): 2812 -> 2345
-		// us. Same bits (src/moe.cu g5_gemm).
-		name, grid.Y, smem = name+"_j4", (s.OutN+2*cols-1)/(2*cols), streamSmem(fp4, bm, 4)
+		// us. Same bits (src/gemm_stream.cu g5_gemm).
+		k.j, grid.Y = 4, (s.OutN+2*cols-1)/(2*cols)
 	}
-	return streamLaunchPlan{name: name, grid: grid, smem: smem}
+	return streamLaunchPlan{kernel: k, grid: grid, smem: streamSmem(fp4, k.bm, k.j)}
 }
 
 // scatterArgs appends the streamed and tiled kernels' last arguments: the
@@ -322,21 +276,12 @@ func scatterArgs(a kernels.GroupedGemmArgs, args []any) []any {
 	return append(args, drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), int32(0), int32(0))
 }
 
-// Tiled NVFP4 GEMM geometry (src/moe.cu, gt_gemm): 128 rows by 128 output
-// columns (64 for SwiGLU) per block of 16 warps (8 in the _w8 kernels),
-// both operands dequantized into two shared buffers of 2 x 2048 16-byte
-// items.
-const (
-	tileBM   = 128
-	tileSmem = 2 * 2 * 2048 * 16
-)
-
 // defaultTileRows is the average rows per expert above which the NVFP4
 // grouped GEMMs take the tiled kernel instead of the streamed one: where
 // the streamed kernel would take 64-row tiles. Measured on the H200
 // (TestStreamedGemm, FC1 at the seed's shapes): 24 rows per expert,
 // streamed 232 us, tiled 283; 32 rows, streamed 447, tiled 289. Both give
-// every output the same bits (src/moe.cu), so the choice keeps batch
+// every output the same bits (src/gemm_stream.cu), so the choice keeps batch
 // invariance.
 const defaultTileRows = 24
 
@@ -347,17 +292,6 @@ const defaultTileRows = 24
 // 578 us). Both give the same bits. On sm_90a gemm_fp4_ws takes over
 // from defaultWSRows, so this applies to other targets.
 const defaultTile8Rows = 96
-
-// wsSmem and wsSmem192 are the dynamic shared memory of gemm_fp4_ws and
-// gemm_fp4_ws192 (src/moe.cu gw_gemm, MT = 2, 3): 2 stages of the
-// tile's activation rows and 128 weight rows, 128 K of BF16 each (256
-// bytes a row), 4 (2) chunks of the producers' raw codes and scales (256
-// threads x 4 (5) rows x 20 bytes), and 1 KB to align the stages to 1024
-// bytes for the 128-byte swizzle.
-const (
-	wsSmem    = 2*(128+128)*256 + 4*256*4*20 + 1024
-	wsSmem192 = 2*(192+128)*256 + 2*256*5*20 + 1024
-)
 
 // defaultWSRows is the average rows per expert above which the tiled
 // GEMM is the warp-specialised wgmma kernel (gemm_fp4_ws) on sm_90a.
@@ -380,17 +314,18 @@ const defaultWSRows = 48
 // tokens) the 192-row one 1.2% / 1.8%, hence the line at 104.
 const defaultWS192Rows = 104
 
-// tileLaunch launches gemm_fp4_tile_* or gemm_fp4_ws_* (K split over a
-// cluster of two like the streamed kernels, by K alone).
+// tileLaunch launches the tiled kernel (gemm_tile.cu) or the
+// warp-specialised one (gemm_ws.cu), K split over a cluster of two like
+// the streamed kernels, by K alone.
 func (be *Backend) tileLaunch(a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
 	l := tilePlan(a.Act, s, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows)
-	return be.launch(l.name, l.grid, drv.Dim3{X: l.threads}, l.smem, scatterArgs(a, args)...)
+	return be.launch(l.kernel, l.grid, drv.Dim3{X: l.threads}, l.smem, scatterArgs(a, args)...)
 }
 
-// tileLaunchPlan is a tiled kernel's launch: kernel name, grid, threads a
-// block and dynamic shared memory.
+// tileLaunchPlan is a tiled kernel's launch: kernel (a tileKernel or a
+// wsKernel), grid, threads a block and dynamic shared memory.
 type tileLaunchPlan struct {
-	name    string
+	kernel  any
 	grid    drv.Dim3
 	threads int
 	smem    int
@@ -401,25 +336,29 @@ type tileLaunchPlan struct {
 // on average, with 128-row tiles above wsRows, else the 8-warp one above
 // tile8Rows, else 16 warps.
 func tilePlan(act kernels.Activation, s kernels.GroupedGemmShape, tile8Rows, wsRows, ws192Rows int) tileLaunchPlan {
-	l := tileLaunchPlan{name: "gemm_fp4_tile", threads: 512, smem: tileSmem}
-	bm := tileBM
+	swiglu := act == kernels.SwiGLU
+	cols := 128
+	if swiglu {
+		cols = 64
+	}
+	ks2 := splitK(s.Kp)
+	var l tileLaunchPlan
+	bm := 128
 	switch {
 	case s.R > ws192Rows*s.E:
-		l.name, l.threads, l.smem, bm = "gemm_fp4_ws192", 640, wsSmem192, 192
+		l.kernel, l.threads, l.smem, bm = wsKernel{rows: 192, swiglu: swiglu, ks2: ks2}, 640, wsSmem192, 192
 	case s.R > wsRows*s.E:
-		l.name, l.smem = "gemm_fp4_ws", wsSmem
+		l.kernel, l.threads, l.smem = wsKernel{rows: 128, swiglu: swiglu, ks2: ks2}, 512, wsSmem
 	case s.R > tile8Rows*s.E:
-		l.name, l.threads = l.name+"_w8", 256
-	}
-	cols := 128
-	if act == kernels.SwiGLU {
-		l.name, cols = l.name+"_swiglu", 64
+		l.kernel, l.threads, l.smem = tileKernel{warps: 8, swiglu: swiglu, ks2: ks2}, 256, tileSmem
+	default:
+		l.kernel, l.threads, l.smem = tileKernel{warps: 16, swiglu: swiglu, ks2: ks2}, 512, tileSmem
 	}
 	// X: an upper bound on the row tiles (each expert adds at most one
 	// partial tile to the R/bm full ones); blocks past the last exit.
 	l.grid = drv.Dim3{X: s.R/bm + min(s.E, s.R), Y: (s.OutN + cols - 1) / cols, Z: 1}
-	if splitK(s.Kp) {
-		l.name, l.grid.Z = l.name+"_ks2", 2
+	if ks2 {
+		l.grid.Z = 2
 	}
 	return l
 }
@@ -440,18 +379,12 @@ func (be *Backend) groupedGemmFP4(a kernels.GroupedGemmArgs, s kernels.GroupedGe
 	if a.Scatter != nil {
 		return errScatter
 	}
-	bm, name := 64, "grouped_gemm_fp4_m64"
+	k := stagedKernel{bm: 64, swiglu: a.Act == kernels.SwiGLU}
 	if s.R <= 16*s.E {
-		bm, name = 16, "grouped_gemm_fp4_m16"
+		k.bm = 16
 	}
-	wRows := gemmBN
-	if a.Act == kernels.SwiGLU {
-		wRows = 2 * gemmBN
-		name += "_swiglu"
-	}
-	shared := (bm + wRows) * g4LD * 2
-	tiles := s.R/bm + min(s.E, s.R)
-	return be.launch(name, drv.Dim3{X: tiles, Y: (s.OutN + gemmBN - 1) / gemmBN}, drv.Dim3{X: gemmThreads}, shared, args...)
+	tiles := s.R/k.bm + min(s.E, s.R)
+	return be.launch(k, drv.Dim3{X: tiles, Y: (s.OutN + gemmBN - 1) / gemmBN}, drv.Dim3{X: gemmThreads}, stagedSmem(k.bm, k.swiglu), args...)
 }
 
 // groupedGemmBF16 launches the streamed BF16 x BF16 kernel (the bf16
@@ -479,17 +412,16 @@ func (be *Backend) Route(a kernels.RouteArgs) error {
 		if t == 0 {
 			return nil
 		}
-		const warps = 4
+		const warps = routeWarps
 		if per := routePer(e); per > 0 && k <= 32 {
-			return be.launch(fmt.Sprintf("route_r%d", per), drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
+			return be.launch(routeKernel{per}, drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, 0,
 				routeArgs(a, t, e, k)...)
 		}
-		// Shared memory: each warp's scores, chosen scores and taken flags.
-		shared := warps * (e*5 + k*4)
+		shared := routeSmem(e, k)
 		if shared > int(be.info.SharedOptin) {
 			return fmt.Errorf("cuda: route: %d experts need %d bytes of shared memory, the device has %d", e, shared, be.info.SharedOptin)
 		}
-		return be.launch("route", drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, shared, routeArgs(a, t, e, k)...)
+		return be.launch(kRoute, drv.Dim3{X: (t + warps - 1) / warps}, drv.Dim3{X: 32 * warps}, shared, routeArgs(a, t, e, k)...)
 	})
 }
 
@@ -505,7 +437,7 @@ func routeArgs(a kernels.RouteArgs, t, e, k int) []any {
 
 // routePer returns how many scores a lane of route_r* keeps in registers
 // for e experts (1, 2, 4 or 8), or 0 past 256 experts, where route keeps
-// them in shared memory. Both give the same ids and weights (src/moe.cu).
+// them in shared memory. Both give the same ids and weights (src/gemm_stream.cu).
 func routePer(e int) int {
 	for per := 1; per <= 8; per *= 2 {
 		if e <= 32*per {
@@ -559,17 +491,13 @@ func (be *Backend) Dispatch(r kernels.RouteArgs, p kernels.PermuteArgs, q *kerne
 		}
 		args := append(routeArgs(r, t, e, k), be.errw, ptr(p.Offsets), ptr(p.Rows), ptr(p.Slots), qsrc, qpacked, qscales, qscale,
 			int32(qs.K), int32(qs.Kp), vec)
-		return be.launch(fmt.Sprintf("dispatch_r%d", per), drv.Dim3{X: 1 + qrows}, drv.Dim3{X: 1024}, permuteSmem(e), args...)
+		return be.launch(dispatchKernel{per}, drv.Dim3{X: 1 + qrows}, drv.Dim3{X: 1024}, permuteSmem(e), args...)
 	})
 }
 
 // permuteMaxExperts bounds E for the one-block counting sort, whose shared
 // memory holds 32 per-warp counters per expert (permuteSmem).
 const permuteMaxExperts = 1024
-
-// permuteSmem is the counting sort's shared memory (permute_block): 32
-// per-warp counters and an offset per expert, and one more offset.
-func permuteSmem(e int) int { return (32*e + e + 1) * 4 }
 
 // permuteFits checks e against permuteMaxExperts for op.
 func permuteFits(op string, e int) error {
@@ -590,7 +518,7 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 		return permuteFits("permute", e)
 	}
 	return be.issue("permute", a, validate, func(*drv.Ctx) error {
-		return be.launch("permute", drv.Dim3{X: 1}, drv.Dim3{X: 1024}, permuteSmem(e),
+		return be.launch(kPermute, drv.Dim3{X: 1}, drv.Dim3{X: 1024}, permuteSmem(e),
 			be.errw, ptr(a.IDs), ptr(a.Offsets), ptr(a.Rows), ptr(a.Slots), int32(t*k), int32(k), int32(e))
 	})
 }
@@ -618,7 +546,7 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 		}
 		vec := aligned16(a.Src, s.K)
 		if a.Mode == kernels.PerMatrix {
-			if err := be.launch("fill_u32", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
+			if err := be.launch(kFillU32, drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
 				ptr(a.Dst.Scale), int32(s.Mats), uint32(0)); err != nil {
 				return err
 			}
@@ -627,7 +555,7 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 			// A grid's y dimension stops at 65535: larger stacks take several launches.
 			for m0 := 0; m0 < s.Mats; m0 += 65535 {
 				n := min(65535, s.Mats-m0)
-				if err := be.launch("quant_amax", drv.Dim3{X: max(blocks, 1), Y: n}, drv.Dim3{X: 256}, 0,
+				if err := be.launch(kQuantAmax, drv.Dim3{X: max(blocks, 1), Y: n}, drv.Dim3{X: 256}, 0,
 					ptr(a.Src).Add(2*m0*per), ptr(a.Dst.Scale).Add(4*m0), int64(per), vec); err != nil {
 					return err
 				}
@@ -635,19 +563,19 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 			blocksPer := s.Rows * (s.Kp / 16)
 			for m0 := 0; m0 < s.Mats; m0 += 65535 {
 				n := min(65535, s.Mats-m0)
-				if err := be.launch("quant_blocks", drv.Dim3{X: min((blocksPer+quantBlocksPerThread*256-1)/(quantBlocksPerThread*256), 1<<20), Y: n}, drv.Dim3{X: 256}, 0,
+				if err := be.launch(kQuantBlocks, drv.Dim3{X: min((blocksPer+quantBlocksPerThread*256-1)/(quantBlocksPerThread*256), 1<<20), Y: n}, drv.Dim3{X: 256}, 0,
 					ptr(a.Src).Add(2*m0*per), ptr(a.Dst.Packed).Add(m0*s.Rows*s.Kp/2), ptr(a.Dst.Scales).Add(m0*s.Rows*s.Kp/16),
 					ptr(a.Dst.Scale).Add(4*m0), uint32(blocksPer), int32(s.Rows), int32(s.K), int32(s.Kp), vec); err != nil {
 					return err
 				}
 			}
-			return be.launch("quant_scales", drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
+			return be.launch(kQuantScales, drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
 				ptr(a.Dst.Scale), int32(s.Mats))
 		}
 		// A block per row, no wider than the row's 16-element blocks (the
 		// shape decides, never the batch).
 		threads := max(32, min(256, (s.Kp/16+31)/32*32))
-		return be.launch("quant_rows", drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
+		return be.launch(kQuantRows, drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
 			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int32(rows), int32(s.K), int32(s.Kp), vec)
 	})
 }
@@ -673,7 +601,7 @@ func (be *Backend) FinalizeScattered(out, acc *kernels.Buffer) error {
 		if n == 0 {
 			return nil
 		}
-		return be.launch("finalize_scattered", drv.Dim3{X: min((n+255)/256, 4096)}, drv.Dim3{X: 256}, 0, ptr(out), ptr(acc), int64(n))
+		return be.launch(kFinalizeScattered, drv.Dim3{X: min((n+255)/256, 4096)}, drv.Dim3{X: 256}, 0, ptr(out), ptr(acc), int64(n))
 	})
 }
 
@@ -689,7 +617,7 @@ func (be *Backend) Finalize(a kernels.FinalizeArgs) error {
 			return nil
 		}
 		threads := 256
-		return be.launch("finalize", drv.Dim3{X: t, Y: (h + 2*threads - 1) / (2 * threads)}, drv.Dim3{X: threads}, 0,
+		return be.launch(kFinalize, drv.Dim3{X: t, Y: (h + 2*threads - 1) / (2 * threads)}, drv.Dim3{X: threads}, 0,
 			be.errw, ptr(a.Out), ptr(a.Rows), ptr(a.Weights), ptr(a.Slots), int32(h), int32(k), int32(a.Rows.Dim(0)))
 	})
 }

@@ -19,7 +19,7 @@ import (
 // the bits it gets at M = 40, in FP32 and in BF16.
 func TestNarrowGemmRows(t *testing.T) {
 	be := gpu(t)
-	defer func(k string) { be.narrow8 = k }(be.narrow8)
+	defer func(k plainKernel) { be.narrow8 = k }(be.narrow8)
 	r := rand.New(rand.NewPCG(61, 62))
 	const N, maxM = 256, 40
 	for _, K := range []int{7168, 7168 + 3584 + 8} {
@@ -38,7 +38,7 @@ func TestNarrowGemmRows(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, dt := range []kernels.DType{kernels.F32, kernels.BF16} {
-			gemm := func(m int, narrow8 string) []byte {
+			gemm := func(m int, narrow8 plainKernel) []byte {
 				t.Helper()
 				be.narrow8 = narrow8
 				a := moetest.Alloc(t, be, kernels.BF16, m, K)
@@ -55,15 +55,15 @@ func TestNarrowGemmRows(t *testing.T) {
 				}
 				return got
 			}
-			want := gemm(maxM, gemmNarrow8)
+			want := gemm(maxM, kGemmNarrow8)
 			row := len(want) / maxM
 			for _, m := range []int{1, 2, 5, 8, 9, 16, 17, 31, 32} {
-				kerns := []string{gemmNarrow8}
+				kerns := []plainKernel{kGemmNarrow8}
 				if m <= gemmNarrow8M {
-					kerns = []string{"gemm_narrow8", "gemm_narrow"}
+					kerns = []plainKernel{kGemmNarrow8, kGemmNarrow}
 				}
 				for _, k := range kerns {
-					t.Run(fmt.Sprintf("K%d_%v_M%d_%s", K, dt, m, k), func(t *testing.T) {
+					t.Run(fmt.Sprintf("K%d_%v_M%d_%s", K, dt, m, be.kernels[k].spec.name), func(t *testing.T) {
 						if got := gemm(m, k); !bytes.Equal(got, want[:m*row]) {
 							for i := range m {
 								if !bytes.Equal(got[i*row:(i+1)*row], want[i*row:(i+1)*row]) {

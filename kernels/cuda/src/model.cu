@@ -6,13 +6,16 @@
 // float64 stays float64, and every reduction is a fixed tree per row, so a
 // row's result never depends on the rest of the batch. A bad index read
 // from a buffer skips its row (nothing is written for it) and is reported
-// through the device error word (report, common.cuh).
+// through the device error word (report, errors.cuh).
 //
-// Concatenated after common.cuh and moe.cu: file-local names start with
-// model_.
+// Compile unit: the model ops. Names start with model_.
+#include "numerics.cuh"
+#include "reduce.cuh"
+#include "errors.cuh"
 
-#define MODEL_FULL 0xffffffffu
-#define MODEL_INF __int_as_float(0x7f800000)
+namespace rw {
+
+constexpr unsigned MODEL_FULL = 0xffffffffu;
 
 struct model_OpMin {
     template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return b < a ? b : a; }
@@ -32,7 +35,7 @@ __device__ __forceinline__ void model_copy_row(bf16_t *dst, const bf16_t *src, i
 
 // ---- Embed: one block per token. ----
 
-extern "C" __global__ void model_embed(int *err, bf16_t *out, const bf16_t *table, const int *ids, int h, int v) {
+__global__ void model_embed(int *err, bf16_t *out, const bf16_t *table, const int *ids, int h, int v) {
     const int t = blockIdx.x;
     const int id = ids[t];
     if (id < 0 || id >= v) {
@@ -48,7 +51,7 @@ extern "C" __global__ void model_embed(int *err, bf16_t *out, const bf16_t *tabl
 // the reduction's __syncthreads orders those reads before any write, and in
 // the second pass each element is read by the thread that then writes it.
 // So neither pointer is __restrict__.
-extern "C" __global__ void model_rmsnorm(bf16_t *out, const bf16_t *src, const bf16_t *w, int d, float eps) {
+__global__ void model_rmsnorm(bf16_t *out, const bf16_t *src, const bf16_t *w, int d, float eps) {
     __shared__ float scratch[32];
     const bf16_t *x = src + (size_t)blockIdx.x * d;
     bf16_t *o = out + (size_t)blockIdx.x * d;
@@ -79,7 +82,7 @@ __device__ __forceinline__ unsigned model_add2(unsigned a, unsigned b) {
     return lo | (hi << 16);
 }
 
-extern "C" __global__ void model_add(bf16_t *out, const bf16_t *a, const bf16_t *b, long long n) {
+__global__ void model_add(bf16_t *out, const bf16_t *a, const bf16_t *b, long long n) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if ((n & 7) == 0 && (((unsigned long long)out | (unsigned long long)a | (unsigned long long)b) & 15) == 0) {
@@ -101,7 +104,7 @@ extern "C" __global__ void model_add(bf16_t *out, const bf16_t *a, const bf16_t 
 
 // ---- RoPE: one block per token, in place, rotate-half layout. ----
 
-extern "C" __global__ void model_rope(int *err, bf16_t *x, const int *positions, const bf16_t *cosT, const bf16_t *sinT,
+__global__ void model_rope(int *err, bf16_t *x, const int *positions, const bf16_t *cosT, const bf16_t *sinT,
                                       int heads, int d, int maxPos) {
     const int t = blockIdx.x;
     const int p = positions[t];
@@ -129,7 +132,7 @@ extern "C" __global__ void model_rope(int *err, bf16_t *x, const int *positions,
 // slot break the contract; the device cannot detect it cheaply (it would
 // need a pass over all tokens per token, or a scratch map), so their writes
 // race and the slot holds one of them, possibly mixed per 16-byte chunk.
-extern "C" __global__ void model_kv_write(int *err, bf16_t *ck, bf16_t *cv, const bf16_t *k, const bf16_t *v,
+__global__ void model_kv_write(int *err, bf16_t *ck, bf16_t *cv, const bf16_t *k, const bf16_t *v,
                                           const int *slots, int row, long long nslots) {
     const int t = blockIdx.x;
     const int s = slots[t];
@@ -154,13 +157,12 @@ extern "C" __global__ void model_kv_write(int *err, bf16_t *ck, bf16_t *cv, cons
 // element owned by one thread and summed in position order. Every order is
 // fixed by the row's own length and the head geometry, so the result is
 // bitwise the same alone or in any batch.
-#define MODEL_ATT_TILE 64
-#define MODEL_ATT_THREADS 256
-
+constexpr int MODEL_ATT_TILE = 64;
+constexpr int MODEL_ATT_THREADS = 256;
 __device__ __forceinline__ float model_bf_lo(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float model_bf_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
-extern "C" __global__ void __launch_bounds__(MODEL_ATT_THREADS)
+__global__ void __launch_bounds__(MODEL_ATT_THREADS)
 model_attention(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *cv, const int *pageTable,
                 const int *seqLens, const int *queryStart, int tq, int qHeads, int kvHeads, int d, int pageSize,
                 int pages, int nseq, int maxPages, float scale) {
@@ -241,7 +243,7 @@ model_attention(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const 
         accS[k] = 0.0f;
     }
     for (int g = tid; g < group; g += blockDim.x) {
-        mS[g] = -MODEL_INF;
+        mS[g] = -inf_f32();
         lS[g] = 0.0f;
     }
     const bool vec = (d & 7) == 0 && (((unsigned long long)ck | (unsigned long long)cv) & 15) == 0;
@@ -304,7 +306,7 @@ model_attention(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const 
         // shuffle trees; scores become exp(score - running max).
         for (int g = warp; g < group; g += nwarps) {
             float *sg = sS + g * MODEL_ATT_TILE;
-            float tmax = -MODEL_INF;
+            float tmax = -inf_f32();
             for (int j = lane; j < n; j += 32) tmax = fmaxf(tmax, sg[j]);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(MODEL_FULL, tmax, o));
@@ -458,9 +460,7 @@ __device__ __forceinline__ void model_select_bin(const unsigned long long *hist,
     }
 }
 
-#define MODEL_SAMPLE_THREADS 1024
-
-// model_scaled is a sampled row's scaled logit, as kernels.SampleArgs
+constexpr int MODEL_SAMPLE_THREADS = 1024; // model_scaled is a sampled row's scaled logit, as kernels.SampleArgs
 // defines it: (l - lmax) / T, each operation rounded to FP32 (the CPU
 // backend's scaled). With lmax 0 and T 1 it is l itself.
 __device__ __forceinline__ float model_scaled(float l, float lmax, float T) { return __fdiv_rn(__fsub_rn(l, lmax), T); }
@@ -491,7 +491,7 @@ __device__ __forceinline__ float model_scaled(float l, float lmax, float T) { re
 // Ordering by the key rather than by the rounded float64 probability only
 // differs where two different scaled logits round to the same float64
 // probability; there the key keeps the exact order.
-extern "C" __global__ void __launch_bounds__(MODEL_SAMPLE_THREADS)
+__global__ void __launch_bounds__(MODEL_SAMPLE_THREADS)
 model_sample(int *err, const float *logits, const float *temperature, const int *topK, const float *topP,
              const int *seeds, const int *sampleIDs, const int *positions, int *tokens, float *logprobs, int V) {
     __shared__ double scrD[33];
@@ -510,7 +510,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     const float temp = temperature[r];
     const float tp = topP[r];
     const int tk = topK[r];
-    if (!(temp >= 0.0f) || temp == MODEL_INF) {
+    if (!(temp >= 0.0f) || temp == inf_f32()) {
         if (tid == 0) report(err, E_SAMPLE_TEMP, r, __float_as_int(temp), 0);
         return;
     }
@@ -527,11 +527,11 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     // Pass 1: validity, the largest logit, and the greedy argmax (largest
     // key, then lowest id: the low word holds ~id).
     int bad = 0;
-    float lmax = -MODEL_INF;
+    float lmax = -inf_f32();
     unsigned long long best = 0;
     for (int i = tid; i < V; i += blockDim.x) {
         const float l = row[i];
-        if (l != l || l == MODEL_INF) {
+        if (l != l || l == inf_f32()) {
             bad = 1;
             continue;
         }
@@ -542,7 +542,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     bad = block_reduce(bad, scrI, OpMax());
     best = block_reduce(best, scrU, OpMax());
     lmax = block_reduce(lmax, scrF, OpMax());
-    if (bad || lmax == -MODEL_INF) {
+    if (bad || lmax == -inf_f32()) {
         if (tid == 0) {
             tokens[r] = -1;
             logprobs[r] = __int_as_float(0x7fc00000); // NaN
@@ -721,10 +721,8 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     }
 }
 
-#define MODEL_LOGPROBS_THREADS 512
-
-// model_logprobs: log softmax(logits)[token] in float64, one block per row.
-extern "C" __global__ void __launch_bounds__(MODEL_LOGPROBS_THREADS)
+constexpr int MODEL_LOGPROBS_THREADS = 512; // model_logprobs: log softmax(logits)[token] in float64, one block per row.
+__global__ void __launch_bounds__(MODEL_LOGPROBS_THREADS)
 model_logprobs(int *err, const float *logits, const int *tokens, float *logprobs, int V) {
     __shared__ double scrD[32];
     __shared__ int scrI[32];
@@ -736,10 +734,10 @@ model_logprobs(int *err, const float *logits, const int *tokens, float *logprobs
         return;
     }
     int badIdx = V;
-    float lmax = -MODEL_INF;
+    float lmax = -inf_f32();
     for (int i = tid; i < V; i += blockDim.x) {
         const float l = row[i];
-        if (l != l || l == MODEL_INF) badIdx = min(badIdx, i);
+        if (l != l || l == inf_f32()) badIdx = min(badIdx, i);
         else lmax = fmaxf(lmax, l);
     }
     badIdx = block_reduce(badIdx, scrI, model_OpMin());
@@ -748,7 +746,7 @@ model_logprobs(int *err, const float *logits, const int *tokens, float *logprobs
         if (tid == 0) report(err, E_LOGPROBS_LOGIT, r, badIdx, __float_as_int(row[badIdx]));
         return;
     }
-    if (m == -(double)MODEL_INF) {
+    if (m == -(double)inf_f32()) {
         if (tid == 0) report(err, E_LOGPROBS_ALLNEG, r, 0, 0);
         return;
     }
@@ -757,3 +755,5 @@ model_logprobs(int *err, const float *logits, const int *tokens, float *logprobs
     z = block_reduce(z, scrD, OpAdd());
     if (tid == 0) logprobs[r] = (float)((double)row[tok] - (m + log(z)));
 }
+
+} // namespace rw

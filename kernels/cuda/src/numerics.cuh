@@ -1,51 +1,19 @@
-// Shared device code of the CUDA backend: BF16 and NVFP4 conversions and the
-// device error word. Every arithmetic step of the NVFP4 codec is one IEEE
-// binary32 operation rounded to nearest-even (__fmul_rn, __fdiv_rn), so it
-// matches internal/nvfp4 bit for bit; nothing here may use fast math.
+// BF16 and NVFP4 numerics shared by every compile unit: BF16 conversions,
+// the E2M1 and E4M3 codecs and the NVFP4 scale math. Every arithmetic step
+// of the NVFP4 codec is one IEEE binary32 operation rounded to nearest-even
+// (__fmul_rn, __fdiv_rn), so it matches internal/nvfp4 bit for bit;
+// nothing here may use fast math.
+#ifndef RW_NUMERICS_CUH
+#define RW_NUMERICS_CUH
+
 #include <cuda_bf16.h>
 
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-#ifndef NAN
-#define NAN __int_as_float(0x7fc00000)
-#endif
+namespace rw {
 
 typedef unsigned short bf16_t; // BF16 bit pattern, as stored in buffers
 
-// Error codes of the device error word (kernels/cuda/errors.go formats them).
-#define E_PERMUTE_EXPERT 1
-#define E_GG_OFFSETS 2
-#define E_GG_GATHER 3
-#define E_GG_DECREASE 4
-#define E_FIN_SLOT 5
-#define E_EMBED_ID 6
-#define E_ROPE_POS 7
-#define E_KV_SLOT 8
-#define E_ATT_QSTART 9
-#define E_ATT_QUERIES 10
-#define E_ATT_LEN 11
-#define E_ATT_PAGE 12
-#define E_SAMPLE_TEMP 13
-#define E_SAMPLE_TOPP 14
-#define E_SAMPLE_TOPK 15
-#define E_LOGPROBS_TOKEN 19
-#define E_LOGPROBS_LOGIT 20
-#define E_LOGPROBS_ALLNEG 21
-#define E_ATT_DECREASE 22
-#define E_SCATTER_TOKEN 23
-#define E_SCATTER_SLOT 24
-
-// report records the first error since the last Sync: err[0] = code, then
-// three values. Later errors are dropped.
-__device__ __forceinline__ void report(int *err, int code, int a, int b, int c) {
-    if (atomicCAS(err, 0, code) == 0) {
-        err[1] = a;
-        err[2] = b;
-        err[3] = c;
-        __threadfence();
-    }
-}
+// inf_f32 is +Inf (NVRTC has no math.h).
+__device__ __forceinline__ float inf_f32() { return __int_as_float(0x7f800000); }
 
 __device__ __forceinline__ float bf2f(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
 
@@ -61,9 +29,9 @@ __device__ __forceinline__ float bfround(float x) { return bf2f(f2bf(x)); }
 
 // ---- NVFP4 (shared/NVFP4.md) ----
 
-#define NVFP4_G 2688.0f
-#define NVFP4_INV6 __uint_as_float(0x3E2AAAABu)
-#define FLT_MAX_F __uint_as_float(0x7f7fffffu)
+constexpr float NVFP4_G = 2688.0f;
+constexpr float NVFP4_INV6 = 0x1.555556p-3f; // RN(1/6): bits 0x3E2AAAAB
+constexpr float FLT_MAX_F = 0x1.fffffep+127f; // bits 0x7F7FFFFF
 
 // min32 keeps a when a is NaN (like internal/nvfp4's min32).
 __device__ __forceinline__ float min32(float a, float b) { return b < a ? b : a; }
@@ -199,62 +167,6 @@ __device__ __forceinline__ unsigned quant_block(const unsigned w[8], float senci
     return sf;
 }
 
-// Block-wide reductions over blockDim.x threads (a multiple of 32, at most
-// 1024) in a fixed tree, so the result never depends on timing. scratch
-// holds 32 values. Every thread gets the result.
-template <typename T, typename Op>
-__device__ __forceinline__ T block_reduce(T v, T *scratch, Op op) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads(); // scratch may still be read by a previous reduction
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        T acc = scratch[0];
-        for (int i = 1; i < nw; i++) acc = op(acc, scratch[i]);
-        scratch[0] = acc;
-    }
-    __syncthreads();
-    return scratch[0];
-}
+} // namespace rw
 
-// warp_scan returns the inclusive prefix sum of v over the lanes of a full
-// warp, in lane order, by a fixed shuffle tree (deterministic for floating
-// point too).
-template <typename T> __device__ __forceinline__ T warp_scan(T v) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const T t = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v = v + t;
-    }
-    return v;
-}
-
-struct OpAdd {
-    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
-};
-struct OpMax {
-    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; }
-};
-
-// Programmatic dependent launch (kernels/cuda pdlKernel). pdl_wait holds
-// the calling thread until every kernel before this one on the stream has
-// finished and its writes are visible (at once where the launch had no
-// programmatic dependency): a kernel touches global memory only after it.
-// pdl_trigger lets the next such kernel on the stream launch its blocks
-// once every block of this one has triggered or exited; they run up to
-// their own pdl_wait, so what overlaps is the launch, the block start-up
-// and any work before the wait that reads no global memory.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-
-// pdl_enter begins the layer's short kernels: wait first, then trigger, so
-// the next kernel's blocks arrive only once all before this one have
-// finished. (Triggering first, wip/pdl, let the whole chain's blocks become
-// resident while the first kernel ran: 19% slower at one token.)
-__device__ __forceinline__ void pdl_enter() {
-    pdl_wait();
-    pdl_trigger();
-}
+#endif // RW_NUMERICS_CUH

@@ -1,0 +1,354 @@
+package cuda
+
+import (
+	"fmt"
+
+	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
+)
+
+// The kernel registry: the one place on the host where a kernel's name,
+// compile unit, template arguments, block and cluster shape, dynamic shared
+// memory and minimum architecture are written. Launches name a kernel by
+// its key (a plainKernel constant or a family's key struct), and launch
+// checks the launch against the kernel's entry.
+
+// kernelSpec is one kernel variant.
+type kernelSpec struct {
+	key  any    // plainKernel or a family key (routeKernel, streamKernel, ...)
+	name string // host name: logs, errors, tests
+	unit string // compile unit, a file of src/
+	expr string // NVRTC name expression of the entry point
+	// threads is the block size; 0: chosen per launch, up to maxThreads.
+	threads, maxThreads int
+	clusterZ            int // blocks a cluster along z (0: no cluster)
+	// smem is the dynamic shared memory; smemPerLaunch: chosen per launch
+	// (by a function below), up to the device's opt-in limit.
+	smem    int
+	minArch string // "" or archWGMMA
+	// pdl: the kernel reads global memory only after pdl_wait (ptx.cuh),
+	// so it is launched with programmatic stream serialization.
+	pdl bool
+}
+
+// smemPerLaunch marks a kernelSpec whose dynamic shared memory depends on
+// the launch.
+const smemPerLaunch = -1
+
+// archWGMMA is the one target with wgmma (gemm_ws.cu).
+const archWGMMA = "sm_90a"
+
+// plainKernel names the kernels that have one variant.
+type plainKernel int
+
+const (
+	kFillU32 plainKernel = iota
+	kQuantAmax
+	kQuantScales
+	kQuantRows
+	kQuantBlocks
+	kRoute
+	kPermute
+	kFinalize
+	kFinalizeScattered
+	kGroupedGemm
+	kGemmNarrow
+	kGemmNarrow8
+	kGemmNarrowWide
+	kEmbed
+	kRMSNorm
+	kAdd
+	kRoPE
+	kKVWrite
+	kAttention
+	kSample
+	kLogProbs
+)
+
+// routeKernel is route_r<per>: per scores a lane in registers.
+type routeKernel struct{ per int }
+
+// dispatchKernel is dispatch_r<per>: route_r<per>, permute and quant_rows
+// in one launch.
+type dispatchKernel struct{ per int }
+
+// stagedKernel is gemm_staged<bm, swiglu>, the staged NVFP4 grouped GEMM.
+type stagedKernel struct {
+	bm     int
+	swiglu bool
+}
+
+// streamKernel is a streamed grouped GEMM: bm-row tiles (16, 32, 64), j n8
+// tiles a warp, NVFP4 or BF16 operands, K split over a cluster pair (ks2).
+type streamKernel struct {
+	fp4         bool
+	bm, j       int
+	swiglu, ks2 bool
+}
+
+// tileKernel is the tiled NVFP4 grouped GEMM of warps warps (16 or 8).
+type tileKernel struct {
+	warps       int
+	swiglu, ks2 bool
+}
+
+// wsKernel is the warp-specialised wgmma NVFP4 grouped GEMM of rows-row
+// tiles (128 or 192).
+type wsKernel struct {
+	rows        int
+	swiglu, ks2 bool
+}
+
+// Shared memory and block sizes the registry's entries use.
+const (
+	gemmThreads = 128 // grouped_gemm, gemm_staged: 4 warps
+	// g4LD is gemm_staged's shared tile row stride in BF16 elements.
+	g4LD = 128 + 8
+	// gemmWideSmem is gemm_narrow_wide's: the 16 warps' partial sums of the
+	// 32 x 32 tile (rows padded to 33).
+	gemmWideSmem = 16 * 32 * 33 * 4
+	// streamTileSmem: each 16-row tile of activations takes 4 KB of shared
+	// memory per K chunk, double buffered.
+	streamTileSmem = 2 * 4096
+	// streamDepth16 is g5_depth for NVFP4 16-row tiles (gemm_stream.cu): 5
+	// chunks, so that four blocks share an SM (TestStreamSmemFits).
+	streamDepth16 = 5
+	// tileSmem is the tiled kernel's: two shared buffers of 2 x 2048
+	// 16-byte items.
+	tileSmem = 2 * 2 * 2048 * 16
+	// wsSmem and wsSmem192 are the warp-specialised kernel's (gemm_ws.cu
+	// gw_gemm, MT = 2, 3): 2 stages of the tile's activation rows and 128
+	// weight rows, 128 K of BF16 each (256 bytes a row), 4 (2) chunks of
+	// the producers' raw codes and scales (256 threads x 4 (5) rows x 20
+	// bytes), and 1 KB to align the stages to 1024 bytes for the 128-byte
+	// swizzle.
+	wsSmem    = 2*(128+128)*256 + 4*256*4*20 + 1024
+	wsSmem192 = 2*(192+128)*256 + 2*256*5*20 + 1024
+	// Model kernels' block sizes (model.go).
+	copyThreads     = 128  // embed, kv write, rope: one block per token
+	normMaxThreads  = 256  // rmsnorm: one block per row
+	addThreads      = 256  // add: grid-stride
+	attTile         = 64   // attention: positions per shared-memory tile (model.cu MODEL_ATT_TILE)
+	attThreads      = 256  // attention: threads per (query row, kv head) (MODEL_ATT_THREADS)
+	sampleThreads   = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
+	logprobsThreads = 512  // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
+	routeWarps      = 4    // route, route_r: a warp per token
+)
+
+// streamSmem is the dynamic shared memory of a streamed kernel of bm-row
+// tiles and j n8 tiles a warp: the activation buffers and each warp's ring
+// of weight chunks (g5_depth deep): for NVFP4 16 B of codes per lane and
+// tile and half a lane pair's scale word per chunk, for BF16 4 chunks of
+// 64 B.
+func streamSmem(fp4 bool, bm, j int) int {
+	ring := 4 * 64 // bytes per lane and tile: 4 chunks of 64 B
+	if fp4 {
+		depth := 8
+		switch {
+		case bm == 16:
+			depth = streamDepth16
+		case j == 4:
+			depth = 4
+		}
+		ring = depth * (16 + 2) // per chunk: 16 B of codes, half a lane pair's scale word
+	}
+	return bm/16*streamTileSmem + 8*j*32*ring
+}
+
+// stagedSmem is gemm_staged's: bm activation rows and the weight rows (64,
+// or 128 for SwiGLU) of g4LD BF16 elements.
+func stagedSmem(bm int, swiglu bool) int {
+	wRows := 64
+	if swiglu {
+		wRows = 128
+	}
+	return (bm + wRows) * g4LD * 2
+}
+
+// routeSmem is route's: each warp's scores, chosen scores and taken flags.
+func routeSmem(e, k int) int { return routeWarps * (e*5 + k*4) }
+
+// permuteSmem is the counting sort's shared memory (permute, dispatch_r):
+// 32 per-warp counters and an offset per expert, and one more offset.
+func permuteSmem(e int) int { return (32*e + e + 1) * 4 }
+
+// attentionShared is the dynamic shared memory of model_attention for a
+// group of query heads per KV head and head dim d: the K and V tiles (rows
+// padded by 8 elements), the tile's row offsets, then FP32 q, accumulators,
+// scores and three per-head values.
+func attentionShared(group, d int) int {
+	return 2*attTile*(d+8)*2 + attTile*8 + (2*group*d+group*attTile+3*group)*4
+}
+
+// name is the streamed kernel's host name, e.g. gemm_fp4_stream_m16_ks2_j1.
+func (k streamKernel) name() string {
+	n := "gemm_bf16_stream"
+	if k.fp4 {
+		n = "gemm_fp4_stream"
+	}
+	n += fmt.Sprintf("_m%d", k.bm)
+	if k.swiglu {
+		n += "_swiglu"
+	}
+	if k.ks2 {
+		n += "_ks2"
+	}
+	if k.j != 2 {
+		n += fmt.Sprintf("_j%d", k.j)
+	}
+	return n
+}
+
+// streamVariants are the streamed kernels the host launches (streamPlan):
+// NVFP4 16-row tiles with one or two n8 tiles a warp (one only without
+// SwiGLU), 32-row tiles with four, 64-row tiles with two, each with and
+// without the K split; BF16 likewise with two n8 tiles a warp at every
+// tile size and no K split.
+func streamVariants() []streamKernel {
+	var ks []streamKernel
+	for _, ks2 := range []bool{false, true} {
+		for _, v := range []streamKernel{{bm: 16, j: 2}, {bm: 16, j: 1}, {bm: 16, j: 2, swiglu: true}, {bm: 32, j: 4},
+			{bm: 32, j: 4, swiglu: true}, {bm: 64, j: 2}, {bm: 64, j: 2, swiglu: true}} {
+			v.fp4, v.ks2 = true, ks2
+			ks = append(ks, v)
+		}
+	}
+	for _, v := range []streamKernel{{bm: 16, j: 2}, {bm: 16, j: 1}, {bm: 16, j: 2, swiglu: true}, {bm: 32, j: 2},
+		{bm: 32, j: 2, swiglu: true}, {bm: 64, j: 2}, {bm: 64, j: 2, swiglu: true}} {
+		ks = append(ks, v)
+	}
+	return ks
+}
+
+// cppBool writes b as a C++ template argument.
+func cppBool(b bool) string {
+	if b {
+		return "true"
+	}
+	return "false"
+}
+
+// ks2Entry returns a family's entry point with the K split's suffix.
+func ks2Entry(base string, ks2 bool) string {
+	if ks2 {
+		return base + "_ks2"
+	}
+	return base
+}
+
+// clusterOf is the cluster size along z of a K-split kernel.
+func clusterOf(ks2 bool) int {
+	if ks2 {
+		return 2
+	}
+	return 0
+}
+
+// kernelRegistry returns every kernel variant, built afresh.
+func kernelRegistry() []kernelSpec {
+	plain := func(key plainKernel, name, unit string, threads, smem int, pdl bool) kernelSpec {
+		return kernelSpec{key: key, name: name, unit: unit, expr: "rw::" + name, threads: threads, smem: smem, pdl: pdl}
+	}
+	perLaunch := func(s kernelSpec, maxThreads int) kernelSpec {
+		s.threads, s.maxThreads = 0, maxThreads
+		return s
+	}
+	ks := []kernelSpec{
+		plain(kFillU32, "fill_u32", "quantize.cu", 256, 0, false),
+		plain(kQuantAmax, "quant_amax", "quantize.cu", 256, 0, false),
+		plain(kQuantScales, "quant_scales", "quantize.cu", 256, 0, false),
+		perLaunch(plain(kQuantRows, "quant_rows", "quantize.cu", 0, 0, true), 256),
+		plain(kQuantBlocks, "quant_blocks", "quantize.cu", 256, 0, false),
+		plain(kRoute, "route", "dispatch.cu", 32*routeWarps, smemPerLaunch, false),
+		plain(kPermute, "permute", "dispatch.cu", 1024, smemPerLaunch, false),
+		plain(kFinalize, "finalize", "dispatch.cu", 256, 0, true),
+		plain(kFinalizeScattered, "finalize_scattered", "dispatch.cu", 256, 0, false),
+		plain(kGroupedGemm, "grouped_gemm", "gemm_generic.cu", gemmThreads, 0, false),
+		plain(kGemmNarrow, "gemm_narrow", "gemm_narrow.cu", 512, 0, true),
+		plain(kGemmNarrow8, "gemm_narrow8", "gemm_narrow.cu", 512, 0, true),
+		plain(kGemmNarrowWide, "gemm_narrow_wide", "gemm_narrow.cu", 512, gemmWideSmem, true),
+		plain(kEmbed, "model_embed", "model.cu", copyThreads, 0, false),
+		perLaunch(plain(kRMSNorm, "model_rmsnorm", "model.cu", 0, 0, false), normMaxThreads),
+		plain(kAdd, "model_add", "model.cu", addThreads, 0, false),
+		plain(kRoPE, "model_rope", "model.cu", copyThreads, 0, false),
+		plain(kKVWrite, "model_kv_write", "model.cu", copyThreads, 0, false),
+		plain(kAttention, "model_attention", "model.cu", attThreads, smemPerLaunch, false),
+		plain(kSample, "model_sample", "model.cu", sampleThreads, 0, false),
+		plain(kLogProbs, "model_logprobs", "model.cu", logprobsThreads, 0, false),
+	}
+	for _, per := range []int{1, 2, 4, 8} {
+		ks = append(ks,
+			kernelSpec{key: routeKernel{per}, name: fmt.Sprintf("route_r%d", per), unit: "dispatch.cu",
+				expr: fmt.Sprintf("rw::route_r<%d>", per), threads: 32 * routeWarps},
+			kernelSpec{key: dispatchKernel{per}, name: fmt.Sprintf("dispatch_r%d", per), unit: "dispatch.cu",
+				expr: fmt.Sprintf("rw::dispatch_r<%d>", per), threads: 1024, smem: smemPerLaunch, pdl: true})
+	}
+	for _, bm := range []int{64, 16} {
+		for _, swiglu := range []bool{false, true} {
+			name := fmt.Sprintf("grouped_gemm_fp4_m%d", bm)
+			if swiglu {
+				name += "_swiglu"
+			}
+			ks = append(ks, kernelSpec{key: stagedKernel{bm, swiglu}, name: name, unit: "gemm_generic.cu",
+				expr: fmt.Sprintf("rw::gemm_staged<%d, %s>", bm, cppBool(swiglu)), threads: gemmThreads, smem: stagedSmem(bm, swiglu)})
+		}
+	}
+	for _, v := range streamVariants() {
+		ks = append(ks, kernelSpec{key: v, name: v.name(), unit: "gemm_stream.cu",
+			expr: fmt.Sprintf("rw::%s<rw::StreamTile<%d, %d, %s, %s>>", ks2Entry("gemm_stream", v.ks2), v.bm/16, v.j,
+				cppBool(v.swiglu), cppBool(v.fp4)),
+			threads: 256, clusterZ: clusterOf(v.ks2), smem: streamSmem(v.fp4, v.bm, v.j), pdl: true})
+	}
+	for _, ks2 := range []bool{false, true} {
+		for _, warps := range []int{16, 8} {
+			for _, swiglu := range []bool{false, true} {
+				name := "gemm_fp4_tile"
+				if warps == 8 {
+					name += "_w8"
+				}
+				if swiglu {
+					name += "_swiglu"
+				}
+				ks = append(ks, kernelSpec{key: tileKernel{warps, swiglu, ks2}, name: ks2Entry(name, ks2), unit: "gemm_tile.cu",
+					expr:    fmt.Sprintf("rw::%s<rw::TileShape<%d, %s>>", ks2Entry("gemm_tile", ks2), warps, cppBool(swiglu)),
+					threads: 32 * warps, clusterZ: clusterOf(ks2), smem: tileSmem})
+			}
+		}
+		for _, rows := range []int{128, 192} {
+			for _, swiglu := range []bool{false, true} {
+				name, smem := "gemm_fp4_ws", wsSmem
+				if rows == 192 {
+					name, smem = "gemm_fp4_ws192", wsSmem192
+				}
+				if swiglu {
+					name += "_swiglu"
+				}
+				mt := rows / 64
+				ks = append(ks, kernelSpec{key: wsKernel{rows, swiglu, ks2}, name: ks2Entry(name, ks2), unit: "gemm_ws.cu",
+					expr:    fmt.Sprintf("rw::%s<rw::WsTile<%d, %s>>", ks2Entry("gemm_ws", ks2), mt, cppBool(swiglu)),
+					threads: 256 + 128*mt, clusterZ: clusterOf(ks2), smem: smem, minArch: archWGMMA})
+			}
+		}
+	}
+	return ks
+}
+
+// check reports a launch that does not match the kernel's entry: the block
+// size, the cluster shape, the dynamic shared memory or the architecture.
+func (k *kernelSpec) check(arch string, grid, block drv.Dim3, shared, sharedOptin int) error {
+	threads := block.X * max(block.Y, 1) * max(block.Z, 1)
+	switch {
+	case k.threads != 0 && threads != k.threads:
+		return fmt.Errorf("cuda: launch %s: block of %d threads, the kernel is built for %d", k.name, threads, k.threads)
+	case k.threads == 0 && (threads < 1 || threads > k.maxThreads):
+		return fmt.Errorf("cuda: launch %s: block of %d threads, the kernel takes 1 to %d", k.name, threads, k.maxThreads)
+	case k.clusterZ > 1 && max(grid.Z, 1)%k.clusterZ != 0:
+		return fmt.Errorf("cuda: launch %s: grid z %d is not a multiple of its cluster's %d blocks", k.name, grid.Z, k.clusterZ)
+	case k.smem == smemPerLaunch && (shared < 0 || shared > sharedOptin):
+		return fmt.Errorf("cuda: launch %s: %d bytes of dynamic shared memory, the device allows %d", k.name, shared, sharedOptin)
+	case k.smem != smemPerLaunch && shared != k.smem:
+		return fmt.Errorf("cuda: launch %s: %d bytes of dynamic shared memory, the kernel is built for %d", k.name, shared, k.smem)
+	case k.minArch != "" && arch != k.minArch:
+		return fmt.Errorf("cuda: launch %s: the kernel needs %s, the device is %s", k.name, k.minArch, arch)
+	}
+	return nil
+}
