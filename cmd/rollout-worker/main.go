@@ -44,6 +44,7 @@ var commands = []command{
 	{"generate", "request rollouts from the workers of a model and print them as JSON", runGenerate},
 	{"score", "score token sequences with a model (teacher-forced logprobs)", runScore},
 	{"publish", "publish a weight version (all or some BF16 tensors) to the workers over NATS", runPublish},
+	{"kernels", "kernels warm: compile the CUDA kernels into the cubin cache (for a container image)", runKernels},
 }
 
 func lookup(name string) *command {
