@@ -35,9 +35,9 @@
 // address); pinned host memory from Ctx.HostAlloc is a []byte outside the
 // Go heap, valid until FreeHost or Close.
 //
-// Compilation needs no context: Device.Compile and Compiler.Compile may be
-// called from any goroutine, and the resulting cubin is loaded with
-// Ctx.LoadModule inside Do.
+// Compilation needs no context: Device.Compile, Compiler.Compile and
+// CompileAll (several programs at once) may be called from any goroutine,
+// and each resulting cubin is loaded with Ctx.LoadModule inside Do.
 //
 // Close stops the owner goroutine after the request in progress, frees the
 // pinned host memory, destroys the device's stream and releases the primary
@@ -72,7 +72,12 @@
 //
 // Compiler compiles CUDA C++ with NVRTC for one arch (ArchFor gives
 // "sm_90a" on H100/H200) with CompileOptions (C++17, -I include directory,
-// IEEE float math) and caches cubins on disk under CacheKey, a sha256 of the
-// source, options, arch and NVRTC version; cache files are written
-// atomically (temporary file, then rename).
+// IEEE float math) and caches cubins on disk under ProgramKey, a sha256 of
+// the source, the headers the program is given, its name expressions,
+// options, arch and NVRTC version. A program's kernels are found by name
+// (extern "C") or by NVRTC name expressions, whose lowered names
+// Compiled.Lowered holds and the cache keeps beside the cubin (key.names).
+// Cache files are written atomically (temporary file, then rename).
+// CompileAll compiles several programs concurrently (NVRTC is thread-safe
+// across programs), each under its own key.
 package cuda

@@ -1,9 +1,17 @@
 // Package cuda is the CUDA implementation of the kernels op set.
 //
-// The kernels are CUDA C++ embedded from src/ (go:embed), compiled by NVRTC
-// at New for the device's architecture (sm_90a on Hopper) and cached on disk
-// by source, options, architecture and NVRTC version (internal/cuda). No
-// cgo: the driver and NVRTC are loaded at run time, so the package builds
+// The kernels are CUDA C++ embedded from src/ (go:embed): shared headers
+// (.cuh) and one compile unit (.cu) per kernel family, in namespace rw.
+// registry.go is the one host table of kernel variants (entry point, unit,
+// template arguments as an NVRTC name expression, block and cluster shape,
+// dynamic shared memory, minimum arch); every launch names its kernel by a
+// registry key and is checked against the entry. New compiles the units for
+// the device's architecture (sm_90a on Hopper; the wgmma unit only there)
+// as separate NVRTC programs, concurrently, one per unit or, for the
+// template-only GEMM units, one per kernel variant, each cached on disk
+// under its own key (internal/cuda); "rollout-worker kernels warm" fills
+// the cache ahead of time. The device error codes are written once, in
+// errors.go, which generates the kernels' errors.cuh. No cgo: the driver and NVRTC are loaded at run time, so the package builds
 // with CGO_ENABLED=0 everywhere and New returns an error matching
 // internal/cuda.ErrNoDevice where there is no GPU.
 //

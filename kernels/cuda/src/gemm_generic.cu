@@ -205,7 +205,9 @@ grouped_gemm(int *err, int aFmt, const bf16_t *A, const unsigned char *aPacked, 
 // table of E2M1 pairs and one packed BF16 multiply by the block scale:
 // e2m1 * E4M3 has at most 5 significant bits, so the product is exact.
 constexpr int G4_BK = 128;
-constexpr int G4_LD = (G4_BK + 8); // A piece is 64 elements of one row: 32 packed bytes and 4 block scales.
+constexpr int G4_LD = (G4_BK + 8);
+
+// A piece is 64 elements of one row: 32 packed bytes and 4 block scales.
 struct G4Piece {
     uint2 q[4];
     unsigned sf; // the 4 scale bytes, block j in byte j

@@ -460,7 +460,9 @@ __device__ __forceinline__ void model_select_bin(const unsigned long long *hist,
     }
 }
 
-constexpr int MODEL_SAMPLE_THREADS = 1024; // model_scaled is a sampled row's scaled logit, as kernels.SampleArgs
+constexpr int MODEL_SAMPLE_THREADS = 1024;
+
+// model_scaled is a sampled row's scaled logit, as kernels.SampleArgs
 // defines it: (l - lmax) / T, each operation rounded to FP32 (the CPU
 // backend's scaled). With lmax 0 and T 1 it is l itself.
 __device__ __forceinline__ float model_scaled(float l, float lmax, float T) { return __fdiv_rn(__fsub_rn(l, lmax), T); }
@@ -721,7 +723,9 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     }
 }
 
-constexpr int MODEL_LOGPROBS_THREADS = 512; // model_logprobs: log softmax(logits)[token] in float64, one block per row.
+constexpr int MODEL_LOGPROBS_THREADS = 512;
+
+// model_logprobs: log softmax(logits)[token] in float64, one block per row.
 __global__ void __launch_bounds__(MODEL_LOGPROBS_THREADS)
 model_logprobs(int *err, const float *logits, const int *tokens, float *logprobs, int V) {
     __shared__ double scrD[32];
