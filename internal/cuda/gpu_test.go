@@ -671,3 +671,73 @@ func TestGPUOwnership(t *testing.T) {
 	}
 	do(t, d, func(c *Ctx) error { return c.Synchronize() }) // still usable
 }
+
+// TestGPUHeadersAndNameExpressions compiles programs that include a header
+// by name and define templated kernels in a namespace, found by their name
+// expressions: several at once (CompileAll), from the cache the second
+// time with the same lowered names, and launched.
+func TestGPUHeadersAndNameExpressions(t *testing.T) {
+	d := device(t)
+	dir := filepath.Join(t.TempDir(), "cubin")
+	comp := compiler(t, d, dir)
+	hdr := Header{Name: "scale.cuh", Source: "namespace ns { template <int S> struct Scale { static constexpr int V = S; }; }\n"}
+	src := `#include "scale.cuh"
+namespace ns {
+template <class T> __global__ void scale(int *p, int n) {
+	int i = blockIdx.x * blockDim.x + threadIdx.x;
+	if (i < n) p[i] *= T::V;
+}
+}
+`
+	exprs := []string{"ns::scale<ns::Scale<2>>", "ns::scale<ns::Scale<3>>"}
+	progs := []Program{
+		{Name: "scale.cu", Source: src, Headers: []Header{hdr}, NameExpressions: exprs[:1]},
+		{Name: "scale.cu", Source: src, Headers: []Header{hdr}, NameExpressions: exprs[1:]},
+	}
+	first, err := comp.CompileAll(progs, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := comp.CompileAll(progs, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range progs {
+		e := progs[i].NameExpressions[0]
+		if first[i].Cached || !again[i].Cached || first[i].Key == first[1-i].Key || again[i].Lowered[e] != first[i].Lowered[e] || first[i].Lowered[e] == "" {
+			t.Fatalf("program %d: cached %v then %v, lowered %q then %q", i, first[i].Cached, again[i].Cached, first[i].Lowered[e], again[i].Lowered[e])
+		}
+	}
+	do(t, d, func(c *Ctx) error {
+		p, err := c.Alloc(4)
+		if err != nil {
+			return err
+		}
+		defer c.Free(p)
+		if err := c.HtoD(p, []byte{1, 0, 0, 0}); err != nil {
+			return err
+		}
+		for i, out := range again {
+			m, err := c.LoadModule(out.Cubin)
+			if err != nil {
+				return err
+			}
+			defer m.Unload()
+			f, err := m.Function(out.Lowered[progs[i].NameExpressions[0]])
+			if err != nil {
+				return err
+			}
+			if err := f.Launch(Dim3{X: 1}, Dim3{X: 32}, 0, nil, p, int32(1)); err != nil {
+				return err
+			}
+		}
+		got := make([]byte, 4)
+		if err := c.DtoH(got, p); err != nil {
+			return err
+		}
+		if got[0] != 6 {
+			return fmt.Errorf("1 * 2 * 3 = %d", got[0])
+		}
+		return nil
+	})
+}
