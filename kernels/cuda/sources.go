@@ -24,16 +24,19 @@ type unitSpec struct {
 	perKernel bool
 }
 
-// compileUnits lists the units, the slowest to compile first (CompileAll
-// starts them in this order).
+// compileUnits lists the units in the order CompileAll starts their
+// programs: the longest first, so that the last to finish starts early.
+// The units of many kernels in one program (dispatch, model, generic) are
+// each longer than one GEMM variant; then the GEMM variants, heaviest
+// family first.
 func compileUnits() []unitSpec {
 	return []unitSpec{
+		{file: "dispatch.cu"},
+		{file: "model.cu"},
+		{file: "gemm_generic.cu"},
 		{file: "gemm_ws.cu", minArch: archWGMMA, perKernel: true},
 		{file: "gemm_stream.cu", perKernel: true},
 		{file: "gemm_tile.cu", perKernel: true},
-		{file: "gemm_generic.cu"},
-		{file: "model.cu"},
-		{file: "dispatch.cu"},
 		{file: "gemm_narrow.cu"},
 		{file: "quantize.cu"},
 	}

@@ -240,7 +240,7 @@ func TestStreamSmemFits(t *testing.T) {
 		t.Errorf("NVFP4 16-row tile: four blocks take %d bytes of shared memory, more than an SM's %d", got, perSM)
 	}
 	// The NVFP4 32-row kernels with four n8 tiles a warp: two blocks an SM
-	// (G5_MINB).
+	// (g5_minb, src/gemm_stream.cu).
 	if got := 2 * (streamSmem(true, 32, 4) + static16 + reserved); got > perSM {
 		t.Errorf("NVFP4 32-row tile, four n8 tiles a warp: two blocks take %d bytes of shared memory, more than an SM's %d", got, perSM)
 	}
@@ -270,7 +270,7 @@ func TestGroupedGemmInvariance(t *testing.T) {
 	const E, N = 4, 256
 	// 2096: rows of half 16-byte units; 8256: a block's half of K (33
 	// chunks) is past G5_ROWCH (32), so one row per expert takes the
-	// 8-row staging instead of the ROW path (src/moe.cu g5_gemm).
+	// 8-row staging instead of the ROW path (src/gemm_stream.cu g5_gemm).
 	for _, K := range []int{2048, 2048 + 48, 2048 + 64, 4096, 7168 + 32, 7168 + 64, 8192 + 64} {
 		if splitK(K) != (K >= 4096) {
 			t.Fatalf("K %d: splitK %v, the cases assume a split from 4096", K, splitK(K))
