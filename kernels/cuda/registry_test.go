@@ -90,9 +90,9 @@ func TestPrograms(t *testing.T) {
 			for _, h := range p.prog.Headers {
 				hs[h.Name] = true
 			}
-			for _, m := range includeRE.FindAllStringSubmatch(p.prog.Source, -1) {
-				if !hs[m[1]] {
-					t.Errorf("%s: includes %s, which it is not given", p.label, m[1])
+			for _, name := range includes(p.prog.Source) {
+				if !hs[name] {
+					t.Errorf("%s: includes %s, which it is not given", p.label, name)
 				}
 			}
 			if len(p.prog.NameExpressions) != len(p.kernels) {

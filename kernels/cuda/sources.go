@@ -45,7 +45,14 @@ func compileUnits() []unitSpec {
 // errorsHeaderName is the header errorsHeader generates.
 const errorsHeaderName = "errors.cuh"
 
-var includeRE = regexp.MustCompile(`(?m)^#include "([^"]+)"`)
+// includes returns the names text includes with #include "name".
+func includes(text string) []string {
+	var names []string
+	for _, m := range regexp.MustCompile(`(?m)^#include "([^"]+)"`).FindAllStringSubmatch(text, -1) {
+		names = append(names, m[1])
+	}
+	return names
+}
 
 // headerText returns header name's content: errors.cuh from the error
 // table, the others from src/.
@@ -67,8 +74,7 @@ func unitHeaders(source string) ([]drv.Header, error) {
 	var hs []drv.Header
 	var walk func(text string) error
 	walk = func(text string) error {
-		for _, m := range includeRE.FindAllStringSubmatch(text, -1) {
-			name := m[1]
+		for _, name := range includes(text) {
 			if seen[name] {
 				continue
 			}
