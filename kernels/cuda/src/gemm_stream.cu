@@ -22,7 +22,6 @@
 // bits depend on K alone, never on MI, the tile or the batch (batch
 // invariance by construction).
 //
-//
 // Compile unit: the streamed grouped GEMM (gemm_stream, gemm_stream_ks2).
 #include "numerics.cuh"
 #include "ptx.cuh"
