@@ -554,12 +554,12 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     // Greedy works on the raw logits (s = logit, max lmax); sampling on
     // model_scaled, whose maximum is exactly 0.
     const float T = greedy ? 1.0f : temp;
-    const float shift = greedy ? 0.0f : lmax;
+    const float lshift = greedy ? 0.0f : lmax;
     const double m = greedy ? (double)lmax : 0.0;
 
     // Pass 2: z = sum exp(s - max), float64, fixed order.
     double z = 0.0;
-    for (int i = tid; i < V; i += blockDim.x) z += exp((double)model_scaled(row[i], shift, T) - m);
+    for (int i = tid; i < V; i += blockDim.x) z += exp((double)model_scaled(row[i], lshift, T) - m);
     z = block_reduce(z, scrD, OpAdd());
     const double logZ = log(z);
 
@@ -590,7 +590,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
             for (int base = 0; base < V; base += blockDim.x) { // uniform trip count: whole warps reach the match
                 const int i = base + tid;
                 const bool valid = i < V;
-                const unsigned key = valid ? model_key(model_scaled(row[i], shift, T)) : 0u;
+                const unsigned key = valid ? model_key(model_scaled(row[i], lshift, T)) : 0u;
                 const bool match = valid && model_prefix_match(key, prefix, shift);
                 const unsigned bin = match ? ((key >> shift) & 255u) : 256u;
                 const unsigned mask = __match_any_sync(MODEL_FULL, bin);
@@ -614,7 +614,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     int tieBase = 0, tieTotal = 0;
     auto countTies = [&]() {
         int mine = 0;
-        for (int i = b0; i < b1; i++) mine += model_key(model_scaled(row[i], shift, T)) == kF;
+        for (int i = b0; i < b1; i++) mine += model_key(model_scaled(row[i], lshift, T)) == kF;
         tieBase = model_block_exscan(mine, scrI, &tieTotal);
     };
 
@@ -633,7 +633,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
             for (int j = 0; j < seg; j++) { // uniform trip count: whole warps reach the match
                 const int i = b0 + j;
                 const bool valid = i < b1;
-                const float s = valid ? model_scaled(row[i], shift, T) : 0.0f;
+                const float s = valid ? model_scaled(row[i], lshift, T) : 0.0f;
                 const unsigned key = model_key(s);
                 const bool kept = valid && (key > kF || (key == kF && tieBase + seen < nF));
                 if (valid && key == kF) seen++;
@@ -678,7 +678,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     {
         int seen = 0;
         for (int i = b0; i < b1; i++) {
-            const float s = model_scaled(row[i], shift, T);
+            const float s = model_scaled(row[i], lshift, T);
             const unsigned key = model_key(s);
             const bool kept = key > kF || (key == kF && tieBase + seen < nF);
             if (key == kF) seen++;
@@ -701,7 +701,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
         int seen = 0;
         double cum = start;
         for (int i = b0; i < b1; i++) {
-            const float s = model_scaled(row[i], shift, T);
+            const float s = model_scaled(row[i], lshift, T);
             const unsigned key = model_key(s);
             const bool kept = key > kF || (key == kF && tieBase + seen < nF);
             if (key == kF) seen++;
@@ -719,7 +719,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     if (tid == 0) {
         const int tok = pick < V ? pick : lastKept; // rounding left no crossing: the last kept token
         tokens[r] = tok;
-        logprobs[r] = (float)((double)model_scaled(row[tok], shift, T) - logZ); // the CPU's form (m is 0)
+        logprobs[r] = (float)((double)model_scaled(row[tok], lshift, T) - logZ); // the CPU's form (m is 0)
     }
 }
 
