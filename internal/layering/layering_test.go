@@ -38,7 +38,7 @@ var layers = []layer{
 	{"policy", []string{"policy/..."}},
 	{"refit and rollout", []string{"refit/...", "rollout/..."}},
 	{"worker (the composition root)", []string{"worker/..."}},
-	{"commands", []string{"cmd/..."}},
+	{"commands and tools", []string{"cmd/...", "tools/..."}},
 }
 
 // rule forbids the packages matching from to depend, directly or through
