@@ -23,9 +23,9 @@
 // size, the *kernels.Buffer). Replay first checks, when the backend
 // implements kernels.Liveness, that every one of them is still allocated as
 // it was; if not, it returns an error wrapping ErrStale that names the
-// buffer, and launches nothing. Memory is planned once (DESIGN.md section
-// 3), so a stale buffer is a bug in the caller, never a reason to recapture
-// silently.
+// buffer, and launches nothing. Memory is planned once (every buffer is
+// allocated at start: docs/MOE.md, "Buffers and ops"), so a stale buffer
+// is a bug in the caller, never a reason to recapture silently.
 //
 // # Buckets
 //

@@ -315,7 +315,7 @@ type GroupedGemmArgs struct {
 // FinalizeScattered then rounds Acc to BF16 and clears it. It writes and
 // reads no expert rows; the deterministic finalize (GroupedGemm, then
 // Finalize) is measured against it (on the H200 it is not faster:
-// docs/MOE.md).
+// docs/PERF.md, "det/atomic").
 type Scatter struct {
 	Acc     *Buffer // F32 [T, N] (N/2 for SwiGLU), zero before the first GEMM of a forward
 	Tokens  *Buffer // I32 [R]: the token of each sorted row (Permute's Rows)

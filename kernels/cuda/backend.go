@@ -65,8 +65,8 @@ type Backend struct {
 	// fp4WS192Rows is the average rows per expert above which that kernel
 	// takes 192-row tiles (defaultWS192Rows on sm_90a; tests force either).
 	fp4WS192Rows int
-	// pdl: launch the kernels pdlKernel names with programmatic stream
-	// serialization (always, but for TestPDLSameBits).
+	// pdl: launch the kernels the registry marks pdl with programmatic
+	// stream serialization (always, but for TestPDLSameBits).
 	pdl bool
 	// streamJ is the n8 tiles a warp of a streamed 16-row-tile kernel
 	// multiplies: 0 picks by the launch's size (streamFewBlocks), 1 or 2

@@ -187,19 +187,20 @@ func (be *Backend) GroupedGemm(a kernels.GroupedGemmArgs) error {
 func streamFits(ta, k int) bool { return int64(ta)*int64(k) < 1<<31 }
 
 // splitK reports whether the NVFP4 streamed GEMM splits K over a cluster
-// of two blocks: for rows of 4096 elements or more (the seed's FC1, K =
-// 7168). Measured on the H200 (docs/MOE.md): FC1 at 1 token 74.6 -> 43.6
-// us, at 2-4 rows per expert 182 -> 149 us; FC2 (K = 2048) and the BF16
-// kernels only lost (more blocks, each too short to fill its pipeline).
+// of two blocks: for rows of 4096 elements or more (FC1 of the DeepSeek-V3
+// MoE layer, hidden 7168, intermediate 2048, 256 experts, top-8: K =
+// 7168). Measured on the H200: FC1 at 1 token 74.6 -> 43.6 us, at 2-4 rows
+// per expert 182 -> 149 us; FC2 (K = 2048) and the BF16 kernels only lost
+// (more blocks, each too short to fill its pipeline).
 // K alone decides, never the batch: batch invariance holds.
 func splitK(k int) bool { return k >= 4096 }
 
 // streamFewBlocks: a streamed launch of 16-row tiles (not SwiGLU) with
 // fewer blocks than this many an SM runs the _j1 kernels, one n8 tile a
-// warp, so twice the blocks. At the seed's shapes on an H200 (132 SMs)
-// that is the one-token layer (8 experts' tiles: 128 to 448 blocks); from 8
-// tokens on the launches have 1088 blocks or more.
-// Measured on the H200 (docs/MOE.md, tenth session, ncu at one token):
+// warp, so twice the blocks. At the DeepSeek-V3 layer shapes on an H200
+// (132 SMs) that is the one-token layer (8 experts' tiles: 128 to 448
+// blocks); from 8 tokens on the launches have 1088 blocks or more.
+// Measured on the H200 (ncu at one token):
 // NVFP4 FC1 46.3-48.0 -> 41.1-42.5 us, FC2 44.9-45.8 -> 41.6-43.0; BF16
 // FC2 135.5-137.5 -> 126.8-131.2, FC1 unchanged; the layer 109.7 -> 100.0
 // us. Four is the NVFP4 kernel's residency an SM.
@@ -260,8 +261,8 @@ func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sm
 		// Four n8 tiles a warp (twice the columns a block): each A
 		// fragment read from shared memory feeds four MMAs instead of two,
 		// and the block's activation staging serves twice the columns.
-		// H200, 512 tokens (docs/MOE.md, fourteenth session): 2812 -> 2345
-		// us. Same bits (src/gemm_stream.cu g5_gemm).
+		// Measured on the H200 (bench moe, the layer at 512 tokens): 2812
+		// -> 2345 us. Same bits (src/gemm_stream.cu g5_gemm).
 		k.j, grid.Y = 4, (s.OutN+2*cols-1)/(2*cols)
 	}
 	return streamLaunchPlan{kernel: k, grid: grid, smem: streamSmem(fp4, k.bm, k.j)}
@@ -279,39 +280,41 @@ func scatterArgs(a kernels.GroupedGemmArgs, args []any) []any {
 // defaultTileRows is the average rows per expert above which the NVFP4
 // grouped GEMMs take the tiled kernel instead of the streamed one: where
 // the streamed kernel would take 64-row tiles. Measured on the H200
-// (TestStreamedGemm, FC1 at the seed's shapes): 24 rows per expert,
-// streamed 232 us, tiled 283; 32 rows, streamed 447, tiled 289. Both give
-// every output the same bits (src/gemm_stream.cu), so the choice keeps batch
-// invariance.
+// (TestStreamedGemm, FC1 at the DeepSeek-V3 layer shapes): 24 rows per
+// expert, streamed 232 us, tiled 283; 32 rows, streamed 447, tiled 289.
+// Both give every output the same bits (src/gemm_stream.cu), so the choice
+// keeps batch invariance.
 const defaultTileRows = 24
 
 // defaultTile8Rows is the average rows per expert above which the tiled
 // kernel runs with 8 warps of 64 x 32 instead of 16 of 32 x 32: measured on
-// the H200 (TestStreamedGemm, FC1 at the seed's shapes), 16 warps win at
-// 16-64 rows per expert (64: 356 against 380 us), 8 at 128 (539 against
-// 578 us). Both give the same bits. On sm_90a gemm_fp4_ws takes over
-// from defaultWSRows, so this applies to other targets.
+// the H200 (TestStreamedGemm, FC1 at the DeepSeek-V3 layer shapes), 16
+// warps win at 16-64 rows per expert (64: 356 against 380 us), 8 at 128
+// (539 against 578 us). Both give the same bits. On sm_90a gemm_fp4_ws
+// takes over from defaultWSRows, so this applies to other targets.
 const defaultTile8Rows = 96
 
 // defaultWSRows is the average rows per expert above which the tiled
 // GEMM is the warp-specialised wgmma kernel (gemm_fp4_ws) on sm_90a.
-// Measured on the H200 (TestStreamedGemm, FC1 / FC2 at the seed's shapes,
-// 32 experts): 64 rows, ws 313.0 / 345.9 us against 350.2 / 382.2 for the
-// 16-warp tile; 128 rows, 421.3 / 496.1 against 537.6 / 602.9 for the
-// 8-warp one. At 32 rows only an earlier version of it was measured (and
-// lost: 364 against 295 us), so the line sits between 32 and 64.
+// Measured on the H200 (TestStreamedGemm, FC1 / FC2 at the DeepSeek-V3
+// layer shapes, 32 experts): 64 rows, ws 313.0 / 345.9 us against 350.2 /
+// 382.2 for the 16-warp tile; 128 rows, 421.3 / 496.1 against 537.6 /
+// 602.9 for the 8-warp one. At 32 rows only an earlier form of the kernel
+// was measured (it lost: 364 against 295 us), so the line sits between 32
+// and 64.
 const defaultWSRows = 48
 
 // defaultWS192Rows is the average rows per expert above which gemm_fp4_ws
 // takes 192-row tiles (gemm_fp4_ws192): at 4096 tokens (128 +- 11 rows an
 // expert) each expert is then one tile instead of a full one and one of
 // about 10 rows, which dequantizes every weight row all the same: the
-// layer 12-13% faster there (sixteenth session, run1). Below, the 128-row
-// tile wins: 512 threads leave it up to 128 registers a thread against
-// 96, and few experts pass 128 rows. Measured on the H200 (run2, each
-// kernel everywhere above 48 rows): at 104 rows (3328 tokens) the
-// 128-row tile 1.2% / 0.7% faster (squared ReLU / SwiGLU), at 112 (3584
-// tokens) the 192-row one 1.2% / 1.8%, hence the line at 104.
+// layer 12-13% faster there (measured on the H200 with bench moe). Below,
+// the 128-row tile wins: 512 threads leave it up to 128 registers a thread
+// against 96, and few experts pass 128 rows. Measured on the H200 (bench
+// moe at 3328 and 3584 tokens, each kernel forced everywhere above 48
+// rows): at 104 rows (3328 tokens) the 128-row tile 1.2% / 0.7% faster
+// (squared ReLU / SwiGLU), at 112 (3584 tokens) the 192-row one 1.2% /
+// 1.8%, hence the line at 104.
 const defaultWS192Rows = 104
 
 // tileLaunch launches the tiled kernel (gemm_tile.cu) or the

@@ -13,9 +13,9 @@ import (
 )
 
 // TestStreamedGemm times the grouped GEMM kernels the host picks from
-// (streamed, and for NVFP4 tiled) side by side on the seed's expert shapes
-// (hidden 7168, intermediate 2048) and checks that each agrees with the
-// streamed one. Each case spreads its rows over
+// (streamed, and for NVFP4 tiled) side by side on the expert shapes of the
+// DeepSeek-V3 MoE layer (hidden 7168, intermediate 2048) and checks that
+// each agrees with the streamed one. Each case spreads its rows over
 // `touched` experts of 32 resident ones and rotates between 4 disjoint
 // expert sets where 32 allow it, so the weights come from memory, not from
 // the 60 MB L2. The bandwidth printed counts the weight and activation
@@ -223,8 +223,8 @@ func TestStreamSmemFits(t *testing.T) {
 		t.Errorf("tiled kernel: %d bytes of shared memory, more than %d", got, optin)
 	}
 	// gemm_fp4_ws and gemm_fp4_ws192: ptxas reports 4096 bytes of static
-	// arrays for both (the 1024-byte alignment of the dynamic ring pads
-	// them; H200, sixteenth session).
+	// arrays for both on sm_90a (the 1024-byte alignment of the dynamic
+	// ring pads them).
 	const staticWS = 4096
 	if got := wsSmem + staticWS; got > optin {
 		t.Errorf("warp-specialised tiled kernel: %d bytes of shared memory, more than %d", got, optin)
@@ -253,9 +253,10 @@ func TestStreamSmemFits(t *testing.T) {
 // or both m16 tiles), 80 (streamed, 64-row tiles) and 160 (tiled, two 128-row tiles,
 // the second partial, with 16 and with 8 warps, and on sm_90a warp-specialised
 // on wgmma), and with the tiled kernels forced at 1 row per expert; its
-// output must not change by a bit. K 2048 (FC2's at the seed's shapes)
-// and 4096 take the warp-specialised tiles' cp.async path (K a multiple
-// of 128), without and with the K split; the others their register path.
+// output must not change by a bit. K 2048 (FC2's at the DeepSeek-V3 layer
+// shapes) and 4096 take the warp-specialised tiles' cp.async path (K a
+// multiple of 128), without and with the K split; the others their
+// register path.
 // K 2048, 2096 and 2112 run in one block, 4096, 7200 and 7232 split over a cluster
 // (splitK); all but 2048 and 4096 end in a partial chunk. 2096 and 7200 (K not a
 // multiple of 64) read the weights' block scales from global memory where
@@ -373,10 +374,10 @@ func TestGroupedGemmInvariance(t *testing.T) {
 }
 
 // TestStreamPlan checks, without a GPU, which streamed kernel and grid the
-// host picks at the seed's shapes (hidden 7168, intermediate 2048, 256
-// experts, top-8) on an H200's 132 SMs: one n8 tile a warp (_j1) only for
-// the one-token layer's non-SwiGLU GEMMs, and that every kernel it names
-// is in the registry.
+// host picks at the DeepSeek-V3 MoE layer shapes (hidden 7168,
+// intermediate 2048, 256 experts, top-8) on an H200's 132 SMs: one n8 tile
+// a warp (_j1) only for the one-token layer's non-SwiGLU GEMMs, and that
+// every kernel it names is in the registry.
 func TestStreamPlan(t *testing.T) {
 	reg := kernelRegistry()
 	const H, I, E, K, sms = 7168, 2048, 256, 8, 132

@@ -8,9 +8,9 @@ import (
 	"github.com/rollout-worker/rollout-worker/moe"
 )
 
-// seedShape is the DeepSeek-V3 MoE layer of docs/PERF.md (hidden 7168,
+// deepSeekV3 is the DeepSeek-V3 MoE layer of docs/PERF.md (hidden 7168,
 // intermediate 2048, 256 experts, top-8, squared ReLU).
-var seedShape = moe.Config{Hidden: 7168, Intermediate: 2048, Experts: 256, TopK: 8, Activation: moe.ReLU2, Scoring: moe.Softmax}
+var deepSeekV3 = moe.Config{Hidden: 7168, Intermediate: 2048, Experts: 256, TopK: 8, Activation: moe.ReLU2, Scoring: moe.Softmax}
 
 // TestForwardFloorMatchesTargets checks the floor arithmetic against the
 // floor table of docs/PERF.md, which quotes whole microseconds (and whole
@@ -29,12 +29,12 @@ func TestForwardFloorMatchesTargets(t *testing.T) {
 		{512, 256, 987, false},
 		{4096, 256, 2436, true},
 	} {
-		f := ForwardFloor(seedShape, tc.tokens)
+		f := ForwardFloor(deepSeekV3, tc.tokens)
 		if math.Abs(f.Touched-tc.touched) > 0.5 {
-			t.Errorf("%d tokens: %.2f experts touched, TARGETS.md says %.0f", tc.tokens, f.Touched, tc.touched)
+			t.Errorf("%d tokens: %.2f experts touched, docs/PERF.md says %.0f", tc.tokens, f.Touched, tc.touched)
 		}
 		if got := us(f.Time); math.Abs(got-tc.floorUS) > 0.6+tc.floorUS*1e-3 {
-			t.Errorf("%d tokens: floor %.2f us, TARGETS.md says %.0f", tc.tokens, got, tc.floorUS)
+			t.Errorf("%d tokens: floor %.2f us, docs/PERF.md says %.0f", tc.tokens, got, tc.floorUS)
 		}
 		if f.Compute != tc.compute {
 			t.Errorf("%d tokens: compute bound %v, want %v", tc.tokens, f.Compute, tc.compute)
@@ -44,7 +44,7 @@ func TestForwardFloorMatchesTargets(t *testing.T) {
 
 func TestForwardFloorTerms(t *testing.T) {
 	t.Run("SwiGLUDoublesFC1", func(t *testing.T) {
-		relu, swiglu := seedShape, seedShape
+		relu, swiglu := deepSeekV3, deepSeekV3
 		swiglu.Activation = moe.SwiGLU
 		r, s := ForwardFloor(relu, 1), ForwardFloor(swiglu, 1)
 		// FC1 and FC2 are the same size for relu2; SwiGLU adds one more.
@@ -80,9 +80,9 @@ func TestForwardFloorTerms(t *testing.T) {
 func TestRequantizeFloorMatchesTargets(t *testing.T) {
 	read, written, floor := RequantizeFloor(moe.Config{Hidden: 2688, Intermediate: 1856, Experts: 32, Activation: moe.ReLU2})
 	if math.Round(read/1e6) != 639 || math.Round(written/1e6) != 180 {
-		t.Errorf("read %.1f MB, written %.1f MB; TARGETS.md says 639 and 180", read/1e6, written/1e6)
+		t.Errorf("read %.1f MB, written %.1f MB; docs/PERF.md says 639 and 180", read/1e6, written/1e6)
 	}
 	if floor < 185*time.Microsecond || floor > 195*time.Microsecond {
-		t.Errorf("floor %v, TARGETS.md says about 0.19 ms", floor)
+		t.Errorf("floor %v, docs/PERF.md says about 0.19 ms", floor)
 	}
 }

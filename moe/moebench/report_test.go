@@ -21,7 +21,7 @@ var update = flag.Bool("update", false, "rewrite the golden files under testdata
 func sampleResults() []Result {
 	var out []Result
 	for i, T := range []int{1, 8, 32, 128, 512, 4096} {
-		f := ForwardFloor(seedShape, T)
+		f := ForwardFloor(deepSeekV3, T)
 		nv := time.Duration(float64(f.Time) * (1.1 + 0.05*float64(i)))
 		out = append(out,
 			Result{Tokens: T, Recipe: moe.RecipePerToken, Mean: nv, CosMean: 0.981 - 0.0001*float64(i), CosMin: 0.962 + 0.001*float64(i), Floor: f, Timing: "graphs+events"},
@@ -120,7 +120,7 @@ func TestSVGWellFormed(t *testing.T) {
 		results []Result
 		lines   int // polylines: recipes plus the floor
 	}{
-		{"seed", sampleResults(), 3},
+		{"sample results", sampleResults(), 3},
 		{"one batch size", sampleResults()[:2], 3},
 		{"bf16 only", []Result{{Tokens: 4, Recipe: moe.RecipeBF16, Mean: time.Millisecond, Floor: Floor{Time: time.Microsecond}}}, 2},
 	} {

@@ -129,7 +129,7 @@ func download(t testing.TB, be kernels.Backend, b *kernels.Buffer) []byte {
 	return out
 }
 
-// testNVFP4MatchesBF16 is the seed's accuracy check: the NVFP4 recipes stay
+// testNVFP4MatchesBF16 is the layer's accuracy check: the NVFP4 recipes stay
 // within NVFP4's expected error of the BF16 recipe on the same weights
 // (per-token cosine mean > 0.97, minimum > 0.95), for both activations and
 // both scoring functions, on non-aligned shapes (padding inside the layer).
@@ -169,9 +169,10 @@ func testNVFP4MatchesBF16(t *testing.T, be kernels.Backend) {
 	}
 }
 
-// testBatchInvariance is the seed's test: a token's output is bitwise the
-// same alone and inside batches of 193 and 1024 tokens whose other tokens
-// are 100x larger and routed to the same experts.
+// testBatchInvariance is the layer's batch-invariance check: a token's
+// output is bitwise the same alone and inside batches of 193 and 1024
+// tokens whose other tokens are 100x larger and routed to the same
+// experts.
 func testBatchInvariance(t *testing.T, be kernels.Backend) {
 	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16, moe.RecipeWeightOnly} {
 		for _, act := range []moe.Activation{moe.ReLU2, moe.SwiGLU} {

@@ -133,8 +133,8 @@ __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, co
 // a warp's 14 double slices of a 7168-long K (the router at one token) in
 // flight at once, one round of loads instead of 4. The same bits. ptxas
 // gives it 24 bytes of spills at 128 registers; measured on the H200 it
-// was still 0.7 us faster at one token than 7 slices in flight without
-// spills (docs/MOE.md).
+// is still 0.7 us faster at one token than 7 slices in flight without
+// spills.
 __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow8(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
                                                                          int K, int outFmt) {
     __shared__ float part[GN_WARPS * 16 * 9];

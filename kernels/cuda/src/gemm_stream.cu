@@ -1,10 +1,10 @@
 // ---- Grouped GEMM, weights streamed into MMA fragments ----
 //
 // The expert GEMMs of both recipes: NVFP4 x NVFP4 (per_token) up to 24
-// rows per expert (gt_gemm, below, takes more) and BF16 x BF16 (bf16) at
-// every batch size. A block of 8 warps computes
-// BM = 16*MI sorted rows of one expert by 128 output columns (64 for
-// SwiGLU, whose warps also take the matching "up" rows). The activations
+// rows per expert (the tiled kernels of gemm_tile.cu and gemm_ws.cu take
+// more) and BF16 x BF16 (bf16) at every batch size. A block of 8 warps
+// computes BM = 16*MI sorted rows of one expert by 128 output columns (64
+// for SwiGLU, whose warps also take the matching "up" rows). The activations
 // are the MMA's A operand: each 128-wide K chunk of the block's rows is
 // staged once in shared memory (dequantized to BF16 for NVFP4), laid out
 // so that one LDS.128 gives a lane its whole A fragment, double buffered,
@@ -34,7 +34,7 @@ namespace rw {
 // in shared memory by cp.async (16 B per lane and tile for NVFP4, 64 B for
 // BF16), and so do the NVFP4 block scales (a word per lane pair and tile).
 // NVFP4 16-row tiles keep 5 chunks, so that four blocks fit in an SM's
-// shared memory (kernels/cuda/moe.go streamSmem) and registers (g5_minb):
+// shared memory (kernels/cuda/registry.go streamSmem) and registers (g5_minb):
 // at 8-128 tokens 1-2% faster than three blocks of 7 chunks. The 32-row
 // kernels with four n8 tiles a warp (_j4) keep 4, the bytes in flight of
 // two tiles and 8 chunks, so that two blocks fit an SM.
@@ -466,7 +466,7 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
         // activation buffers as 256-byte chunks (G5_ROWCH): the ROW path of
         // g5_tail. Not in the J = 2 kernels: with a ROW path ptxas spilled
         // 48-64 bytes in each of them (64 registers for four blocks an SM)
-        // and they ran 0.7-8% slower at 8-128 tokens (session 12, run2).
+        // and they ran 0.7-8% slower at 8-128 tokens (measured on the H200).
         if constexpr (FP4 && J == 1) {
             const int nch = (K + G5_KC - 1) / G5_KC;
             if (row1 - row0 == 1 && (KS == 2 ? (nch + 1) / 2 : nch) <= G5_ROWCH) {
@@ -532,9 +532,9 @@ __device__ __forceinline__ void stream_body(int *err, const void *A, const unsig
 // gemm_stream<T> and gemm_stream_ks2<T> (K split over a cluster of two
 // blocks along z, grid z = 2; NVFP4 only). The host's registry names the
 // variants it launches (kernels/cuda/registry.go): the NVFP4 32-row tiles
-// run only with four n8 tiles a warp, since with two each A fragment fed
-// two MMAs and the kernels were bound by shared memory (docs/MOE.md,
-// fourteenth session).
+// run only with four n8 tiles a warp, since with two each A fragment feeds
+// two MMAs and the kernels are bound by shared memory (ncu on the H200 at
+// 512 tokens).
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, T::MINB) gemm_stream(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K, const int *gather, int Ta, const void *W,
     const unsigned char *wSF, const float *wScale, int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN,

@@ -1,12 +1,12 @@
 // ---- Grouped GEMM, NVFP4 x NVFP4, many rows per expert: warp-specialised wgmma ----
 //
-// gt_gemm (above) is latency-bound at one block of 8 warps an SM: every
-// warp dequantizes its share of a chunk, waits at the block barrier, then
-// reads its fragments and issues its MMAs, so the tensor cores idle while
-// the dequantization runs and the other way round (docs/MOE.md: no eligible
-// warp 68.6% of the cycles, tensor pipe 32% active). gw_gemm computes a
-// 64 MT x 128 tile (MT = 2: the same 128 x 128 tile) with the work split
-// by role:
+// gt_gemm (gemm_tile.cu) is latency-bound at one block of 8 warps an SM:
+// every warp dequantizes its share of a chunk, waits at the block barrier,
+// then reads its fragments and issues its MMAs, so the tensor cores idle
+// while the dequantization runs and the other way round (ncu on the H200:
+// no eligible warp 68.6% of the cycles, tensor pipe 32% active). gw_gemm
+// computes a 64 MT x 128 tile (MT = 2: the same 128 x 128 tile) with the
+// work split by role:
 //  - warps 0-7 (producers) copy each 128-K chunk's raw NVFP4 codes and
 //    block scales gw_raw(MT) chunks ahead into their own slots of shared
 //    memory with cp.async, and dequantize them into a ring of GW_STAGES
@@ -34,8 +34,8 @@
 // 16-byte unit j of row r sits at unit j ^ (r % 8). A k16 step's 16 K
 // slots hold the values g5_slice4 gives the mma.sync fragments of the same
 // slice (slot 2q + h: quarter q's lo pair, 8 + 2q + h: its hi pair), and
-// wgmma adds a k16 step's products as mma.sync m16n8k16 does (found with
-// the fifth session's wgmma kernel, 61d8543: TestGroupedGemmInvariance), so
+// wgmma adds a k16 step's products as mma.sync m16n8k16 does
+// (TestGroupedGemmInvariance checks it bit for bit), so
 // with the same slices in order, the same K split (ks2_add) and the same
 // epilogue every output has gt_gemm's and g5_gemm's bits.
 // MT is the tile's rows in 64-row bands, one consumer warpgroup each: 2

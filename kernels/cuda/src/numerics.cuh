@@ -27,7 +27,7 @@ __device__ __forceinline__ bf16_t f2bf(float f) {
 // bfround is bf2f(f2bf(x)).
 __device__ __forceinline__ float bfround(float x) { return bf2f(f2bf(x)); }
 
-// ---- NVFP4 (shared/NVFP4.md) ----
+// ---- NVFP4 (docs/NVFP4.md) ----
 
 constexpr float NVFP4_G = 2688.0f;
 constexpr float NVFP4_INV6 = 0x1.555556p-3f; // RN(1/6): bits 0x3E2AAAAB
