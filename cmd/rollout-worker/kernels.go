@@ -19,10 +19,11 @@ that serve on the same architecture, NVRTC version and cache directory
 starts without compiling: for baking the cache into a container image.
 Prints each program's compile time and whether it was already cached.
 
-The cache directory is serve's: --cache-dir, else $` + drv.EnvCacheDir + `, else
-the user cache directory's rollout-worker/cubin. --arch compiles for an
-architecture without a GPU (NVRTC and the CUDA headers are still needed);
-by default the present device's.
+The cache directory is --cache-dir, else $` + drv.EnvCacheDir + `, else the
+user cache directory's rollout-worker/cubin; serve reads $` + drv.EnvCacheDir + `
+(else the same default), so give it the directory warmed here. --arch
+compiles for an architecture without a GPU (NVRTC and the CUDA headers are
+still needed); by default the present device's.
 
 Flags:
 `

@@ -38,7 +38,7 @@ type command struct {
 var commands = []command{
 	{"demo", "the whole loop in one process: NATS, a worker, a trainer refitting it, a driver (the README's main command)", runDemo},
 	{"quantize", "quantize BF16 tensors of a safetensors file to NVFP4", runQuantize},
-	{"bench", "benchmark the MoE layer: NVFP4 recipes against BF16, side by side", runBench},
+	{"bench", "benchmarks: the MoE layer (NVFP4 recipes against BF16), requantization, generation", runBench},
 	{"init-model", "write a model directory with seeded random weights (presets tiny, small, ...)", runInitModel},
 	{"serve", "run a rollout worker: engine, refit receiver and rollout service over NATS", runServe},
 	{"generate", "request rollouts from the workers of a model and print them as JSON", runGenerate},

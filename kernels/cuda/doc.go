@@ -11,8 +11,11 @@
 // template-only GEMM units, one per kernel variant, each cached on disk
 // under its own key (internal/cuda); "rollout-worker kernels warm" fills
 // the cache ahead of time. The device error codes are written once, in
-// errors.go, which generates the kernels' errors.cuh. No cgo: the driver and NVRTC are loaded at run time, so the package builds
-// with CGO_ENABLED=0 everywhere and New returns an error matching
+// errors.go, which generates the kernels' errors.cuh. docs/CUDA.md
+// ("Source layout") lists the headers and units.
+//
+// No cgo: the driver and NVRTC are loaded at run time, so the package
+// builds with CGO_ENABLED=0 everywhere and New returns an error matching
 // internal/cuda.ErrNoDevice where there is no GPU.
 //
 // Numerics follow the op contracts of package kernels: the NVFP4 quantizers
