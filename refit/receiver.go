@@ -6,10 +6,12 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -289,8 +291,12 @@ func (r *Receiver) Run(ctx context.Context) error {
 			continue // a replay (after a reconnect, say) of an entry already handled
 		}
 		r.revs[e.Key()] = e.Revision()
-		a, ok, complete, auth := r.announcement(e)
-		if !ok || a.Model != r.cfg.Model {
+		a, ok, complete, auth, bad := r.announcement(e)
+		if bad != nil {
+			r.rejectMalformed(e.Key(), e.Value(), bad)
+			continue
+		}
+		if !ok {
 			continue
 		}
 		if err := r.handle(ctx, kv, a, !complete, auth); errors.Is(err, errFatal) {
@@ -304,27 +310,102 @@ func (r *Receiver) Run(ctx context.Context) error {
 // announcement was missed, during a reconnect say). complete says the
 // version is wholly in the stream already (a manifest): its chunks are
 // read from there, not waited for live. auth is why the entry's signature
-// is not accepted (nil without Trust).
-func (r *Receiver) announcement(e jetstream.KeyValueEntry) (a Announce, ok, complete bool, auth error) {
+// is not accepted (nil without Trust). bad is why the entry is malformed
+// (it does not parse, or names another model): see rejectMalformed.
+func (r *Receiver) announcement(e jetstream.KeyValueEntry) (a Announce, ok, complete bool, auth, bad error) {
 	switch e.Key() {
 	case KeyAnnounce:
-		a, err := ParseAnnounce(e.Value())
+		a, err := r.parseAnnounce(e.Value())
 		if err != nil {
-			r.log.Warn("refit: bad announcement", zap.Error(err))
-			return a, false, false, nil
+			return a, false, false, nil, err
 		}
-		return a, true, false, r.authAnnounce(a)
+		return a, true, false, r.authAnnounce(a), nil
 	case KeyManifest:
-		m, err := ParseManifest(e.Value())
+		m, err := r.parseManifest(e.Value())
 		if err != nil {
-			r.log.Warn("refit: bad manifest", zap.Error(err))
-			return Announce{}, false, false, nil
+			return Announce{}, false, false, nil, err
 		}
 		// A manifest counts only for a version whose announcement was
 		// missed; at or below the current version it is old news.
-		return m.Announce, !r.seen[m.Version] && m.Version > r.current, true, r.authManifest(m)
+		return m.Announce, !r.seen[m.Version] && m.Version > r.current, true, r.authManifest(m), nil
 	}
-	return Announce{}, false, false, nil
+	return Announce{}, false, false, nil, nil
+}
+
+// parseAnnounce is ParseAnnounce, and the announcement must be of this
+// receiver's model.
+func (r *Receiver) parseAnnounce(b []byte) (Announce, error) {
+	a, err := ParseAnnounce(b)
+	if err == nil && a.Model != r.cfg.Model {
+		err = fmt.Errorf("%w: announce: model %q in the bucket of model %q", ErrProtocol, a.Model, r.cfg.Model)
+	}
+	return a, err
+}
+
+// parseManifest is ParseManifest, and the manifest must be of this
+// receiver's model.
+func (r *Receiver) parseManifest(b []byte) (Manifest, error) {
+	m, err := ParseManifest(b)
+	if err == nil && m.Model != r.cfg.Model {
+		err = fmt.Errorf("%w: manifest: model %q in the bucket of model %q", ErrProtocol, m.Model, r.cfg.Model)
+	}
+	return m, err
+}
+
+// rejectMalformed answers a malformed announcement or manifest (one that
+// does not parse, or names another model) with a rejected status for the
+// version it names, the parse error as the reason (PROTOCOL.md, "Status"),
+// unless that version was handled already or is not newer than the one
+// served. One from which no version number can be read gets no status
+// (there is no version to report on): it is logged.
+//
+// Without Trust the number then counts as seen: the version is rejected
+// whole, and a later entry of that number is a duplicate. With Trust it
+// does not, as for an unsigned version: anyone may have written the entry.
+func (r *Receiver) rejectMalformed(key string, value []byte, perr error) {
+	v, protocol, ok := probeVersion(value)
+	switch {
+	case !ok:
+		r.log.Warn("refit: a malformed "+key+" that names no version; no status to send", zap.Error(perr))
+		return
+	case v <= r.current || r.seen[v]:
+		r.log.Warn("refit: a malformed "+key+" of a version already handled", zap.Uint64("version", v), zap.Error(perr))
+		return
+	}
+	if r.cfg.Trust == nil && v-r.current <= r.cfg.MaxVersionStep {
+		r.seen[v] = true
+	}
+	r.report(Status{Protocol: protocol, Worker: r.cfg.Worker, Version: v}, fmt.Errorf("version %d: malformed %s: %w", v, key, perr))
+}
+
+// namesVersion reports whether a malformed announcement or manifest names
+// version v (see probeVersion).
+func namesVersion(b []byte, v uint64) bool {
+	pv, _, ok := probeVersion(b)
+	return ok && pv == v
+}
+
+// probeVersion reads the version number and protocol of a malformed
+// announcement or manifest, as far as they can be read: ok is false when
+// no positive integer "version" can. An unknown protocol reads as the
+// newest.
+func probeVersion(b []byte) (v uint64, protocol int, ok bool) {
+	var p struct {
+		Protocol json.RawMessage `json:"protocol"`
+		Version  json.RawMessage `json:"version"`
+	}
+	if json.Unmarshal(b, &p) != nil {
+		return 0, 0, false
+	}
+	v, err := strconv.ParseUint(string(p.Version), 10, 64)
+	if err != nil || v == 0 {
+		return 0, 0, false
+	}
+	protocol = ProtocolVersion
+	if string(p.Protocol) == "1" {
+		protocol = Protocol1
+	}
+	return v, protocol, true
 }
 
 // authAnnounce checks an announcement's signature; nil without Trust.
@@ -372,16 +453,21 @@ func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial [
 	var m *Manifest
 	var ann *Announce
 	for _, e := range initial {
+		if e.Operation() != jetstream.KeyValuePut {
+			continue
+		}
 		switch e.Key() {
 		case KeyManifest:
-			if x, err := ParseManifest(e.Value()); err == nil {
+			if x, err := r.parseManifest(e.Value()); err == nil {
 				m = &x
 			} else {
-				r.log.Warn("refit: bad manifest", zap.Error(err))
+				r.rejectMalformed(e.Key(), e.Value(), err)
 			}
 		case KeyAnnounce:
-			if x, err := ParseAnnounce(e.Value()); err == nil {
+			if x, err := r.parseAnnounce(e.Value()); err == nil {
 				ann = &x
+			} else {
+				r.rejectMalformed(e.Key(), e.Value(), err)
 			}
 		}
 	}
@@ -394,12 +480,12 @@ func (r *Receiver) catchUp(ctx context.Context, kv jetstream.KeyValue, initial [
 		}
 		m = r.newestTrusted(ctx, kv)
 	}
-	if m != nil && m.Version > r.current && m.Model == r.cfg.Model {
+	if m != nil && m.Version > r.current {
 		if err := r.catchUpTo(ctx, kv, *m); err != nil {
 			return err
 		}
 	}
-	if ann != nil && ann.Version > r.current && !r.seen[ann.Version] && ann.Model == r.cfg.Model {
+	if ann != nil && ann.Version > r.current && !r.seen[ann.Version] {
 		// Live first: chunks published before this worker subscribed show
 		// as a gap, which sends it to the stream at once.
 		if err := r.handle(ctx, kv, *ann, true, r.authAnnounce(*ann)); errors.Is(err, errFatal) {
@@ -774,6 +860,9 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	if m.Protocol != a.Protocol {
 		return fmt.Errorf("version %d: announced in protocol %d, the manifest is protocol %d", a.Version, a.Protocol, m.Protocol)
 	}
+	if m.ChunkBytes != a.ChunkBytes {
+		return fmt.Errorf("version %d: %w: manifest chunk_bytes %d, announced %d", a.Version, ErrProtocol, m.ChunkBytes, a.ChunkBytes)
+	}
 	field, sum := "chunk table sha256", table.Sum()
 	streamSum, wantStream := "", ""
 	switch {
@@ -792,6 +881,13 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 			return fmt.Errorf("%w: %w", errLiveDigest, err)
 		}
 		return err
+	}
+	// The manifest's account of the stream must be the stream's.
+	switch {
+	case m.HeaderBytes != int(hdr.Len):
+		return fmt.Errorf("version %d: %w: manifest header_bytes %d, the stream's header is %d bytes", a.Version, ErrProtocol, m.HeaderBytes, hdr.Len)
+	case m.Tensors != len(hdr.Tensors):
+		return fmt.Errorf("version %d: %w: manifest tensors %d, the stream's header holds %d", a.Version, ErrProtocol, m.Tensors, len(hdr.Tensors))
 	}
 	st.Bytes = total
 	receiveDone := time.Now()
@@ -907,12 +1003,20 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw 
 		if err == nil {
 			m, perr := ParseManifest(e.Value())
 			switch {
-			case perr != nil && r.cfg.Trust != nil:
-				if authErr == nil {
+			case perr != nil && r.cfg.Trust == nil && namesVersion(e.Value(), v):
+				return m, fmt.Errorf("version %d: %w", v, perr)
+			case perr != nil:
+				// Another version's (a stale one, or one the watch loop
+				// answers later), or one that names none: not this
+				// version's manifest, which may be in the history. With
+				// Trust, a malformed manifest is passed over whatever it
+				// names.
+				if r.cfg.Trust != nil && authErr == nil {
 					authErr = perr
 				}
-			case perr != nil:
-				return m, fmt.Errorf("version %d: %w", v, perr)
+				if old, ok := r.oldManifest(ctx, kv, v); ok {
+					return old, nil
+				}
 			case !accepted(m):
 				// Written over this version's manifest, perhaps: look in
 				// the history.

@@ -403,11 +403,23 @@ func rawPublishProtocol(t *testing.T, protocol int, url string, v uint64, stream
 		}
 	}
 	m := Manifest{Announce: a, ChunkTableSHA256: table.Sum(), PublishedAt: time.Now()}
+	m.HeaderBytes, m.Tensors = headerCounts(t, stream)
 	if protocol == Protocol1 {
 		sum := sha256.Sum256(stream)
 		m.ChunkTableSHA256, m.SHA256 = "", hex.EncodeToString(sum[:])
 	}
 	put(KeyManifest, m)
+}
+
+// headerCounts returns the manifest's header_bytes and tensors for stream.
+func headerCounts(t testing.TB, stream []byte) (headerBytes, tensors int) {
+	t.Helper()
+	n := int(binary.LittleEndian.Uint64(stream))
+	h, err := ParseHeader(stream[8:8+n], int64(len(stream)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n, len(h.Tensors)
 }
 
 // servesA checks the worker still generates exactly what model dir A does.

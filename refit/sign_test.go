@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nkeys"
 )
@@ -22,7 +23,8 @@ func sgExample() (Announce, Manifest) {
 		HeaderSHA256: "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"}
 	m := Manifest{Announce: a, HeaderBytes: 20480, Tensors: 579,
 		ChunkTableSHA256: "7bfacf0a6878da970aa6dde1edd631418ad06b1c3263972f04e6a606274abe7e",
-		StreamSHA256:     "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"}
+		StreamSHA256:     "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824",
+		PublishedAt:      time.Date(2026, 12, 5, 16, 0, 0, 0, time.UTC)} // not signed
 	return a, m
 }
 

@@ -70,6 +70,7 @@ func rawPublishSigned(t *testing.T, url string, s *Signer, v uint64, stream, sen
 	}
 	sum := sha256.Sum256(stream)
 	m := Manifest{Announce: a, ChunkTableSHA256: table.Sum(), StreamSHA256: hex.EncodeToString(sum[:]), PublishedAt: time.Now()}
+	m.HeaderBytes, m.Tensors = headerCounts(t, stream)
 	if err := s.SignAnnounce(&a); err != nil {
 		t.Fatal(err)
 	}

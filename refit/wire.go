@@ -176,7 +176,8 @@ type Announce struct {
 	Full     bool   `json:"full"`
 	// Base is the version a partial version is a delta on: the newest
 	// version published before it (0: the weights workers load at start).
-	// Ignored for a full version.
+	// A partial version must carry it; a full version carries 0 or omits
+	// it (PROTOCOL.md, "Announcement").
 	Base       uint64 `json:"base"`
 	Subject    string `json:"subject"`
 	TotalBytes int64  `json:"total_bytes"`
@@ -198,8 +199,12 @@ type Announce struct {
 // Manifest is the bucket's "manifest" value: the newest complete version.
 type Manifest struct {
 	Announce
+	// HeaderBytes is the length of the stream's JSON header in bytes, the
+	// value of its first 8 bytes (padding included, the 8 bytes not).
 	HeaderBytes int `json:"header_bytes"`
-	Tensors     int `json:"tensors"`
+	// Tensors is the number of tensors in the header (__metadata__ not
+	// counted).
+	Tensors int `json:"tensors"`
 	// ChunkTableSHA256 is the hex SHA-256 of the version's chunk table
 	// (ChunkTable): protocol 2.
 	ChunkTableSHA256 string `json:"chunk_table_sha256,omitempty"`
@@ -209,8 +214,10 @@ type Manifest struct {
 	// protocol-2 manifest: what binds the signature to the bytes (a chunk
 	// table binds them only by CRC-32C, which is no defence against
 	// forgery).
-	StreamSHA256 string    `json:"stream_sha256,omitempty"`
-	PublishedAt  time.Time `json:"published_at"`
+	StreamSHA256 string `json:"stream_sha256,omitempty"`
+	// PublishedAt is when the publisher wrote the manifest, RFC 3339:
+	// required, not checked against any clock, not signed.
+	PublishedAt time.Time `json:"published_at"`
 	// SignedBy and Signature sign the manifest (SignedBytes).
 	SignedBy  string `json:"signed_by,omitempty"`
 	Signature string `json:"signature,omitempty"`
@@ -235,6 +242,8 @@ func (a Announce) check(what string) error {
 		return fmt.Errorf("%w: %s: version 0", ErrProtocol, what)
 	case !a.Full && a.Base >= a.Version:
 		return fmt.Errorf("%w: %s: partial version %d on base %d", ErrProtocol, what, a.Version, a.Base)
+	case a.Full && a.Base != 0:
+		return fmt.Errorf("%w: %s: base %d in a full version: want 0 (or no base)", ErrProtocol, what, a.Base)
 	case a.Subject != VersionSubject(a.Model, a.Version):
 		return fmt.Errorf("%w: %s: subject %q, want %q", ErrProtocol, what, a.Subject, VersionSubject(a.Model, a.Version))
 	case a.TotalBytes <= 8 || a.TotalBytes > MaxStreamBytes:
@@ -249,11 +258,41 @@ func (a Announce) check(what string) error {
 	return nil
 }
 
+// requireFields checks that the JSON object b has the named keys, spelled
+// exactly so and not null: encoding/json would take a missing one as its
+// zero value (a missing "full" as a partial version, a missing "base" as
+// base 0) and match keys regardless of case.
+func requireFields(keys map[string]json.RawMessage, what string, names ...string) error {
+	for _, n := range names {
+		if v, ok := keys[n]; !ok || string(v) == "null" {
+			return fmt.Errorf("%w: %s: no %q field", ErrProtocol, what, n)
+		}
+	}
+	return nil
+}
+
+// announceRequired returns the fields an announcement (or a manifest)
+// must carry: all of them but base, which only a partial version needs.
+func announceRequired(full bool) []string {
+	f := []string{"protocol", "model", "version", "full", "subject", "total_bytes", "chunk_bytes", "chunks"}
+	if !full {
+		f = append(f, "base")
+	}
+	return f
+}
+
 // ParseAnnounce decodes and checks an announcement.
 func ParseAnnounce(b []byte) (Announce, error) {
 	var a Announce
+	var keys map[string]json.RawMessage
+	if err := json.Unmarshal(b, &keys); err != nil {
+		return a, fmt.Errorf("%w: announce: %v", ErrProtocol, err)
+	}
 	if err := json.Unmarshal(b, &a); err != nil {
 		return a, fmt.Errorf("%w: announce: %v", ErrProtocol, err)
+	}
+	if err := requireFields(keys, "announce", announceRequired(a.Full)...); err != nil {
+		return a, err
 	}
 	return a, a.check("announce")
 }
@@ -261,11 +300,33 @@ func ParseAnnounce(b []byte) (Announce, error) {
 // ParseManifest decodes and checks a manifest.
 func ParseManifest(b []byte) (Manifest, error) {
 	var m Manifest
+	var keys map[string]json.RawMessage
+	if err := json.Unmarshal(b, &keys); err != nil {
+		return m, fmt.Errorf("%w: manifest: %v", ErrProtocol, err)
+	}
+	if raw, ok := keys["published_at"]; ok {
+		// Checked on its own, so that the error names the field.
+		var at time.Time
+		if err := json.Unmarshal(raw, &at); err != nil {
+			return m, fmt.Errorf("%w: manifest: published_at %.40s: want an RFC 3339 time, a JSON string (%v)", ErrProtocol, raw, err)
+		}
+	}
 	if err := json.Unmarshal(b, &m); err != nil {
 		return m, fmt.Errorf("%w: manifest: %v", ErrProtocol, err)
 	}
+	if err := requireFields(keys, "manifest", append(announceRequired(m.Full), "header_bytes", "tensors", "published_at")...); err != nil {
+		return m, err
+	}
 	if err := m.check("manifest"); err != nil {
 		return m, err
+	}
+	switch {
+	case m.HeaderBytes < 2 || m.HeaderBytes > MaxHeaderBytes:
+		return m, fmt.Errorf("%w: manifest: header_bytes %d: want 2 to %d", ErrProtocol, m.HeaderBytes, MaxHeaderBytes)
+	case m.Tensors < 0 || m.Tensors > MaxTensors:
+		return m, fmt.Errorf("%w: manifest: tensors %d: want 0 to %d", ErrProtocol, m.Tensors, MaxTensors)
+	case m.PublishedAt.IsZero():
+		return m, fmt.Errorf("%w: manifest: published_at %s: want the time the manifest was written", ErrProtocol, m.PublishedAt.Format(time.RFC3339))
 	}
 	field, other := "chunk_table_sha256", "sha256"
 	if m.Protocol == Protocol1 {

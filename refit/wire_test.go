@@ -15,11 +15,11 @@ const (
 	wtAnnounce = `{"protocol":2,"model":"m-1","version":7,"full":true,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3}`
 	wtSHA      = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
-	wtManifest = `{"protocol":2,"model":"m-1","version":7,"full":false,"subject":"refit.m-1.v.7",` +
+	wtManifest = `{"protocol":2,"model":"m-1","version":7,"full":false,"base":6,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
 		`"chunk_table_sha256":"` + wtSHA + `","published_at":"2026-12-02T16:00:00Z"}`
 	// wtManifest1 is a protocol-1 manifest: the whole stream's SHA-256.
-	wtManifest1 = `{"protocol":1,"model":"m-1","version":7,"full":false,"subject":"refit.m-1.v.7",` +
+	wtManifest1 = `{"protocol":1,"model":"m-1","version":7,"full":false,"base":6,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
 		`"sha256":"` + wtSHA + `","published_at":"2026-12-02T16:00:00Z"}`
 	wtStatus = `{"protocol":1,"worker":"w-1","version":7,"state":"applied","current_version":7,"bytes":10000,` +

@@ -1,0 +1,354 @@
+package refit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/refit/refittest"
+)
+
+// Tests of the protocol's definitions (PROTOCOL.md) as a publisher written
+// from the page alone meets them: the fields of the announcement and the
+// manifest, statuses for malformed ones.
+
+// jsonEdit is a change to a JSON object: the value of a field, or its
+// removal (delete).
+type jsonEdit struct {
+	field  string
+	value  any
+	delete bool
+}
+
+// editJSON applies edits to the JSON encoding of v.
+func editJSON(t testing.TB, v any, edits []jsonEdit) []byte {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(edits) == 0 {
+		return b
+	}
+	var obj map[string]any
+	if err := json.Unmarshal(b, &obj); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range edits {
+		if e.delete {
+			delete(obj, e.field)
+		} else {
+			obj[e.field] = e.value
+		}
+	}
+	if b, err = json.Marshal(obj); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// rawPublishEdited publishes version v as rawPublish does (a partial
+// version on base; chunks of chunk bytes, stopping after stopAfter chunks
+// when >= 0), its announcement and manifest as JSON changed by the edits.
+// A nil edit list of the manifest writes it as is; manifest false writes
+// none.
+func rawPublishEdited(t *testing.T, url string, v uint64, stream []byte, full bool, base uint64, chunk int, announce, manifest []jsonEdit, writeManifest bool) {
+	t.Helper()
+	ctx := context.Background()
+	p := newPublisher(t, url)
+	_, kv, err := p.ensure(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chunks := (len(stream) + chunk - 1) / chunk
+	a := Announce{Protocol: ProtocolVersion, Model: testModel, Version: v, Full: full, Subject: VersionSubject(testModel, v),
+		TotalBytes: int64(len(stream)), ChunkBytes: chunk, Chunks: chunks}
+	if !full {
+		a.Base = base
+	}
+	if _, err := kv.Put(ctx, KeyAnnounce, editJSON(t, a, announce)); err != nil {
+		t.Fatal(err)
+	}
+	js, _ := jetstream.New(p.nc)
+	table := NewChunkTable()
+	for seq := range chunks {
+		data := stream[seq*chunk : min((seq+1)*chunk, len(stream))]
+		c := Chunk{Version: v, Seq: seq, Offset: int64(seq * chunk), Total: int64(len(stream)), Chunks: chunks, CRC: CRC32C(data)}
+		table.Add(c.Offset, len(data), c.CRC)
+		if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: a.Subject, Header: c.Header(), Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !writeManifest {
+		return
+	}
+	m := Manifest{Announce: a, ChunkTableSHA256: table.Sum(), PublishedAt: time.Now().UTC()}
+	m.HeaderBytes, m.Tensors = headerCounts(t, stream)
+	if _, err := kv.Put(ctx, KeyManifest, editJSON(t, m, manifest)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestParseManifestFields: the fields PROTOCOL.md defines for the
+// announcement and the manifest are checked as it says, each rejection
+// naming its field.
+func TestParseManifestFields(t *testing.T) {
+	var valid map[string]any
+	if err := json.Unmarshal([]byte(wtManifest), &valid); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		edits []jsonEdit
+		want  string // "" for a manifest that parses
+	}{
+		{"as is", nil, ""},
+		{"header_bytes missing", []jsonEdit{{field: "header_bytes", delete: true}}, `no "header_bytes" field`},
+		{"header_bytes null", []jsonEdit{{field: "header_bytes", value: nil}}, `no "header_bytes" field`},
+		{"header_bytes 0", []jsonEdit{{field: "header_bytes", value: 0}}, "header_bytes 0"},
+		{"header_bytes 1", []jsonEdit{{field: "header_bytes", value: 1}}, "header_bytes 1"},
+		{"header_bytes past the limit", []jsonEdit{{field: "header_bytes", value: MaxHeaderBytes + 1}}, "header_bytes 67108865"},
+		{"header_bytes a string", []jsonEdit{{field: "header_bytes", value: "120"}}, "header_bytes"},
+		{"header_bytes fractional", []jsonEdit{{field: "header_bytes", value: 120.5}}, "header_bytes"},
+		{"tensors missing", []jsonEdit{{field: "tensors", delete: true}}, `no "tensors" field`},
+		{"tensors negative", []jsonEdit{{field: "tensors", value: -1}}, "tensors -1"},
+		{"tensors 0", []jsonEdit{{field: "tensors", value: 0}}, ""},
+		{"published_at missing", []jsonEdit{{field: "published_at", delete: true}}, `no "published_at" field`},
+		{"published_at zero", []jsonEdit{{field: "published_at", value: "0001-01-01T00:00:00Z"}}, "published_at"},
+		{"published_at not RFC 3339", []jsonEdit{{field: "published_at", value: "2026-12-02 16:00:00"}}, "published_at"},
+		{"published_at a number", []jsonEdit{{field: "published_at", value: 1796227200}}, "published_at"},
+		{"published_at with an offset", []jsonEdit{{field: "published_at", value: "2026-12-02T17:30:00.25+01:30"}}, ""},
+		{"partial without base", []jsonEdit{{field: "base", delete: true}}, `no "base" field`},
+		{"partial on a later base", []jsonEdit{{field: "base", value: 7}}, "partial version 7 on base 7"},
+		{"partial on base 0", []jsonEdit{{field: "base", value: 0}}, ""},
+		{"full on base 0", []jsonEdit{{field: "full", value: true}, {field: "base", value: 0}}, ""},
+		{"full without base", []jsonEdit{{field: "full", value: true}, {field: "base", delete: true}}, ""},
+		{"full on base 6", []jsonEdit{{field: "full", value: true}}, "base 6 in a full version"},
+		{"full missing", []jsonEdit{{field: "full", delete: true}}, `no "full" field`},
+		{"full spelled Full", []jsonEdit{{field: "full", delete: true}, {field: "Full", value: true}, {field: "base", value: 0}}, `no "full" field`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := editJSON(t, valid, tc.edits)
+			_, err := ParseManifest(b)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("%s: %v", b, err)
+			case tc.want != "" && (!errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("%s: got %v, want an ErrProtocol naming %q", b, err, tc.want)
+			}
+		})
+	}
+	// The announcement's full and base follow the same rules.
+	var ann map[string]any
+	if err := json.Unmarshal([]byte(wtAnnounce), &ann); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		edits []jsonEdit
+		want  string
+	}{
+		{"full, no base", nil, ""},
+		{"full on base 0", []jsonEdit{{field: "base", value: 0}}, ""},
+		{"full on base 3", []jsonEdit{{field: "base", value: 3}}, "base 3 in a full version"},
+		{"partial without base", []jsonEdit{{field: "full", value: false}}, `no "base" field`},
+		{"partial on base 6", []jsonEdit{{field: "full", value: false}, {field: "base", value: 6}}, ""},
+		{"full missing", []jsonEdit{{field: "full", delete: true}, {field: "base", value: 6}}, `no "full" field`},
+	} {
+		t.Run("announce/"+tc.name, func(t *testing.T) {
+			b := editJSON(t, ann, tc.edits)
+			_, err := ParseAnnounce(b)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("%s: %v", b, err)
+			case tc.want != "" && (!errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("%s: got %v, want an ErrProtocol naming %q", b, err, tc.want)
+			}
+		})
+	}
+}
+
+// TestRefitManifestFields: a worker checks header_bytes, tensors,
+// published_at and a full version's base, and rejects a version whose
+// manifest or announcement gets one wrong with a status naming the field;
+// the same version with the fields right is applied.
+func TestRefitManifestFields(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 60), modelDir(t, 61)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipeBF16, nil) // bf16: everything staged, a rejection leaves nothing dirty
+	stream := subset(t, b, nil)
+	hb, tensors := headerCounts(t, stream)
+	v := uint64(0)
+	for _, tc := range []struct {
+		name               string
+		announce, manifest []jsonEdit
+		want               string
+	}{
+		{"header_bytes one more", nil, []jsonEdit{{field: "header_bytes", value: hb + 1}}, "header_bytes"},
+		{"header_bytes with the 8-byte length", nil, []jsonEdit{{field: "header_bytes", value: hb + 8}}, "header_bytes"},
+		{"tensors one more", nil, []jsonEdit{{field: "tensors", value: tensors + 1}}, "manifest tensors"},
+		{"tensors counting __metadata__", nil, []jsonEdit{{field: "tensors", value: tensors - 1}}, "manifest tensors"},
+		{"published_at missing", nil, []jsonEdit{{field: "published_at", delete: true}}, "published_at"},
+		{"published_at not a time", nil, []jsonEdit{{field: "published_at", value: "yesterday"}}, "published_at"},
+		{"full on base 3, in the manifest", nil, []jsonEdit{{field: "base", value: 3}}, "base 3 in a full version"},
+		{"full on base 3, in both", []jsonEdit{{field: "base", value: 3}}, []jsonEdit{{field: "base", value: 3}}, "base 3 in a full version"},
+		{"chunk_bytes other than announced", nil, []jsonEdit{{field: "chunk_bytes", value: 8192}, {field: "chunks", value: (len(stream) + 8191) / 8192}}, "chunk_bytes"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			v++
+			rawPublishEdited(t, srv.URL(), v, stream, true, 0, 4096, tc.announce, tc.manifest, true)
+			st := w.waitStatus(t, v)
+			if st.State != StateRejected || !strings.Contains(st.Reason, tc.want) {
+				t.Fatalf("status %+v, want a rejection naming %q", st, tc.want)
+			}
+			if w.r.CurrentVersion() != 0 {
+				t.Fatalf("serving %d after a rejection", w.r.CurrentVersion())
+			}
+		})
+	}
+	// Right, the same stream is applied: a full version without base too.
+	v++
+	rawPublishEdited(t, srv.URL(), v, stream, true, 0, 4096, []jsonEdit{{field: "base", delete: true}}, []jsonEdit{{field: "base", delete: true}}, true)
+	if st := w.waitStatus(t, v); st.State != StateApplied {
+		t.Fatalf("version %d with its fields right: %+v", v, st)
+	}
+}
+
+// TestRefitMalformedStatus: an announcement or manifest that does not parse
+// is answered with a rejected status for the version it names, the reason
+// naming what is malformed, whether the worker meets it live, as the
+// manifest of a version whose announcement it did not see, or at start.
+func TestRefitMalformedStatus(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 62), modelDir(t, 63)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipeBF16, nil)
+	stream := subset(t, b, nil)
+	ctx := context.Background()
+	_, kv, err := newPublisher(t, srv.URL()).ensure(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	statuses := watchStatuses(t, srv.URL())
+	expectRejected := func(w *worker, v uint64, want ...string) {
+		t.Helper()
+		st := statuses.wait(t, w.r.cfg.Worker, v)
+		if st.State != StateRejected {
+			t.Fatalf("version %d: %+v, want rejected", v, st)
+		}
+		for _, s := range want {
+			if !strings.Contains(st.Reason, s) {
+				t.Fatalf("version %d: reason %q does not name %q", v, st.Reason, s)
+			}
+		}
+	}
+
+	// A malformed announcement: the version is rejected at once, and its
+	// (valid) manifest later does not bring it back.
+	rawPublishEdited(t, srv.URL(), 1, stream, true, 0, 4096, []jsonEdit{{field: "full", delete: true}, {field: "base", value: 0}}, nil, true)
+	expectRejected(w, 1, "malformed announce", `no "full" field`)
+	// An announcement of another model.
+	rawPublishEdited(t, srv.URL(), 2, stream, true, 0, 4096, []jsonEdit{{field: "model", value: "other"}, {field: "subject", value: VersionSubject("other", 2)}}, nil, false)
+	expectRejected(w, 2, "malformed announce", `model "other"`)
+	// A manifest alone (its announcement missed), malformed.
+	m := Manifest{Announce: Announce{Protocol: ProtocolVersion, Model: testModel, Version: 3, Full: true, Subject: VersionSubject(testModel, 3),
+		TotalBytes: int64(len(stream)), ChunkBytes: 4096, Chunks: (len(stream) + 4095) / 4096},
+		HeaderBytes: 0, Tensors: 3, ChunkTableSHA256: wtSHA, PublishedAt: time.Now()}
+	if _, err := kv.Put(ctx, KeyManifest, editJSON(t, m, nil)); err != nil {
+		t.Fatal(err)
+	}
+	expectRejected(w, 3, "malformed manifest", "header_bytes 0")
+	// A manifest whose digest is malformed, after its announcement: the
+	// version being received is rejected naming it.
+	rawPublishEdited(t, srv.URL(), 4, stream, true, 0, 4096, nil, []jsonEdit{{field: "chunk_table_sha256", value: "XYZ"}}, true)
+	expectRejected(w, 4, "chunk_table_sha256")
+	// No version number to read: nothing to report on.
+	n := w.r.reports.Load()
+	if _, err := kv.Put(ctx, KeyManifest, []byte(`{"protocol":2,"model":"tiny","version":"five"`)); err != nil {
+		t.Fatal(err)
+	}
+	// ...and a version after it is received as usual.
+	rawPublishEdited(t, srv.URL(), 5, stream, true, 0, 4096, nil, nil, true)
+	if st := statuses.wait(t, "w", 5); st.State != StateApplied {
+		t.Fatalf("version 5: %+v", st)
+	}
+	for deadline := time.Now().Add(time.Second); w.r.reports.Load()-n < 1 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	if got := w.r.reports.Load() - n; got != 1 {
+		t.Fatalf("%d statuses for a garbled manifest and version 5, want 1 (version 5's)", got)
+	}
+
+	// A worker that starts with a malformed manifest in the bucket.
+	m.Version, m.Subject, m.HeaderBytes = 6, VersionSubject(testModel, 6), 20
+	if _, err := kv.Put(ctx, KeyManifest, editJSON(t, m, []jsonEdit{{field: "published_at", delete: true}})); err != nil {
+		t.Fatal(err)
+	}
+	late := startWorker(t, srv.URL(), a, "late", moe.RecipeBF16, nil)
+	expectRejected(late, 6, "malformed manifest", "published_at")
+	// It then receives version 5, still announced, whose manifest is in
+	// the bucket's history.
+	if st := statuses.wait(t, "late", 5); st.State != StateApplied {
+		t.Fatalf("late worker, version 5: %+v", st)
+	}
+}
+
+// statusLog collects every status published on the model's status subject.
+type statusLog struct {
+	mu  sync.Mutex
+	got []Status
+}
+
+// watchStatuses starts collecting statuses; it returns once the server has
+// the subscription.
+func watchStatuses(t testing.TB, url string) *statusLog {
+	t.Helper()
+	l := &statusLog{}
+	nc := refittest.Connect(t, url)
+	if _, err := nc.Subscribe(StatusSubject(testModel), func(msg *nats.Msg) {
+		if s, err := ParseStatus(msg.Data); err == nil {
+			l.mu.Lock()
+			l.got = append(l.got, s)
+			l.mu.Unlock()
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// find returns the first status of worker on version v.
+func (l *statusLog) find(worker string, v uint64) (Status, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, s := range l.got {
+		if s.Worker == worker && s.Version == v {
+			return s, true
+		}
+	}
+	return Status{}, false
+}
+
+// wait waits up to 20 s for a status of worker on version v.
+func (l *statusLog) wait(t testing.TB, worker string, v uint64) Status {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+		if s, ok := l.find(worker, v); ok {
+			return s
+		}
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	t.Fatalf("no status of worker %s on version %d; statuses: %+v", worker, v, l.got)
+	return Status{}
+}
