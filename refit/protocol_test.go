@@ -2,8 +2,10 @@ package refit
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -351,4 +353,141 @@ func (l *statusLog) wait(t testing.TB, worker string, v uint64) Status {
 	defer l.mu.Unlock()
 	t.Fatalf("no status of worker %s on version %d; statuses: %+v", worker, v, l.got)
 	return Status{}
+}
+
+// TestParseHeaderForm: the header rules of PROTOCOL.md ("The safetensors
+// stream"): keys in any order, entry keys in any order, any padding of
+// spaces and JSON whitespace between tokens are accepted; a name or key
+// given twice, other keys, other padding, a header not starting with {,
+// non-string metadata and malformed offsets are refused.
+func TestParseHeaderForm(t *testing.T) {
+	const (
+		a    = `"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]}`
+		b    = `"b":{"dtype":"BF16","shape":[2],"data_offsets":[8,12]}`
+		meta = `"__metadata__":{"format":"pt"}`
+	)
+	obj := func(members ...string) string { return "{" + strings.Join(members, ",") + "}" }
+	for _, tc := range []struct {
+		name, js string
+		want     string // "" for accepted
+	}{
+		{"data order", obj(a, b), ""},
+		{"reverse data order", obj(b, a), ""},
+		{"metadata first", obj(meta, b, a), ""},
+		{"metadata between", obj(b, meta, a), ""},
+		{"metadata last", obj(a, b, meta), ""},
+		{"empty metadata", obj(`"__metadata__":{}`, a, b), ""},
+		{"entry keys in another order", obj(`"a":{"data_offsets":[0,8],"dtype":"BF16","shape":[2,2]}`, `"b":{"shape":[2],"data_offsets":[8,12],"dtype":"BF16"}`), ""},
+		{"padded to 8", obj(a, b) + strings.Repeat(" ", 8-(8+len(obj(a, b)))%8), ""},
+		{"padded by 13 spaces", obj(a, b) + strings.Repeat(" ", 13), ""},
+		{"whitespace between tokens", "{\n\t\"a\" : {\r\n \"dtype\": \"BF16\",\n \"shape\": [ 2 , 2 ],\n \"data_offsets\": [0, 8]\n},\n" + b + "\n}  ", ""},
+		{"escaped names and keys", obj(`"\u0061":{"d\u0074ype":"BF16","shape":[2,2],"data_offsets":[0,8]}`, b), ""},
+
+		{"a leading space", " " + obj(a, b), "starts with"},
+		{"a leading newline", "\n" + obj(a, b), "starts with"},
+		{"padded by a newline", obj(a, b) + "\n", "only spaces"},
+		{"padded by a tab", obj(a, b) + "  \t", "only spaces"},
+		{"padded by NULs", obj(a, b) + "\x00\x00", "safetensors header"},
+		{"not UTF-8", obj(`"__metadata__":{"format":"p`+"\xff"+`"}`, a, b), "not UTF-8"},
+		{"a name twice", obj(a, b, b), "appears twice"},
+		{"a name twice, once escaped", obj(a, b, `"\u0062":{"dtype":"BF16","shape":[2],"data_offsets":[8,12]}`), "appears twice"},
+		{"metadata twice", obj(meta, a, b, meta), "__metadata__ appears twice"},
+		{"metadata of numbers", obj(`"__metadata__":{"step":7}`, a, b), "not a string"},
+		{"metadata a string", obj(`"__metadata__":"pt"`, a, b), "__metadata__ is not an object"},
+		{"metadata null", obj(`"__metadata__":null`, a, b), "__metadata__ is not an object"},
+		{"an entry key twice", obj(`"a":{"dtype":"BF16","dtype":"BF16","shape":[2,2],"data_offsets":[0,8]}`, b), "appears twice"},
+		{"an entry key in capitals", obj(`"a":{"DTYPE":"BF16","shape":[2,2],"data_offsets":[0,8]}`, b), "want only dtype, shape and data_offsets"},
+		{"another entry key", obj(`"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8],"note":"x"}`, b), "want only dtype"},
+		{"no dtype", obj(`"a":{"shape":[2,2],"data_offsets":[0,8]}`, b), "want the keys dtype, shape and data_offsets"},
+		{"no shape", obj(`"a":{"dtype":"BF16","data_offsets":[0,8]}`, b), "want the keys"},
+		{"shape null", obj(`"a":{"dtype":"BF16","shape":null,"data_offsets":[0,8]}`, b), "an array of integers"},
+		{"a null in the shape", obj(`"a":{"dtype":"BF16","shape":[null,4],"data_offsets":[0,8]}`, b), "an array of integers"},
+		{"one data offset", obj(`"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0]}`, b), "two integers"},
+		{"three data offsets", obj(`"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8,12]}`, b), "two integers"},
+		{"a tensor not an object", obj(a, `"b":[8,12]`), `tensor "b"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, err := ParseHeader([]byte(tc.js), 8+int64(len(tc.js))+12)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("%q: %v", tc.js, err)
+			case tc.want == "" && (len(h.Tensors) != 2 || h.Tensors[0].Name != "a" || h.Tensors[1].Name != "b"):
+				t.Fatalf("%q: tensors %+v, want a then b", tc.js, h.Tensors)
+			case tc.want != "" && (!errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("%q: got %v, want an ErrProtocol naming %q", tc.js, err, tc.want)
+			}
+		})
+	}
+}
+
+// rewriteHeader returns stream with its header replaced by what build
+// makes of its tensors (in data order); the data section is unchanged.
+func rewriteHeader(t testing.TB, stream []byte, build func(ts []TensorInfo) string) []byte {
+	t.Helper()
+	n := binary.LittleEndian.Uint64(stream)
+	h, err := ParseHeader(stream[8:8+n], int64(len(stream)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	js := build(h.Tensors)
+	out := binary.LittleEndian.AppendUint64(nil, uint64(len(js)))
+	out = append(out, js...)
+	return append(out, stream[8+n:]...)
+}
+
+// entryJSON is a tensor's header entry, its keys in data_offsets, dtype,
+// shape order.
+func entryJSON(ti TensorInfo) string {
+	shape, _ := json.Marshal(ti.Shape)
+	name, _ := json.Marshal(ti.Name)
+	return fmt.Sprintf("%s: {\"data_offsets\": [%d, %d], \"dtype\": %q, \"shape\": %s}", name, ti.Begin, ti.End, ti.DType, shape)
+}
+
+// TestRefitHeaderForms: a worker applies a version whose header lists the
+// tensors against data order, __metadata__ among them, entry keys in
+// another order, on several lines and padded to no multiple of 8, byte for
+// byte; and rejects one that names a tensor twice before writing anything.
+func TestRefitHeaderForms(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 64), modelDir(t, 65)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	stream := subset(t, b, nil)
+	shuffled := rewriteHeader(t, stream, func(ts []TensorInfo) string {
+		var members []string
+		for i := len(ts) - 1; i >= 0; i-- {
+			members = append(members, entryJSON(ts[i]))
+			if i == len(ts)/2 {
+				members = append(members, `"__metadata__": {"format": "pt", "step": "12"}`)
+			}
+		}
+		js := "{\n" + strings.Join(members, ",\n") + "\n}"
+		for (8+len(js))%8 != 3 {
+			js += " "
+		}
+		return js
+	})
+	rawPublish(t, srv.URL(), 1, shuffled, true, 0, 4096, -1, nil)
+	if st := w.waitStatus(t, 1); st.State != StateApplied {
+		t.Fatalf("a shuffled, padded header: %+v", st)
+	}
+	residentEquals(t, "after a version with a shuffled header", w.m, b)
+
+	// The same name twice: rejected before any byte is written (nothing
+	// dirty), whatever the second entry says.
+	twice := rewriteHeader(t, subset(t, a, experts), func(ts []TensorInfo) string {
+		var members []string
+		for _, ti := range ts {
+			members = append(members, entryJSON(ti))
+		}
+		members = append(members, entryJSON(ts[0]))
+		return "{" + strings.Join(members, ",") + "}"
+	})
+	rawPublish(t, srv.URL(), 2, twice, false, 1, 4096, -1, nil)
+	if st := w.waitStatus(t, 2); st.State != StateRejected || !strings.Contains(st.Reason, "appears twice") {
+		t.Fatalf("a name twice: %+v", st)
+	}
+	if len(w.r.dirty) != 0 {
+		t.Fatalf("%d ranges dirty after a header refused", len(w.r.dirty))
+	}
+	residentEquals(t, "after a refused header", w.m, b)
 }

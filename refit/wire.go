@@ -1,6 +1,7 @@
 package refit
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -15,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/nats-io/nats.go"
 )
@@ -457,14 +459,34 @@ func HeaderLen(prefix []byte) (n int64, ok bool, err error) {
 }
 
 // ParseHeader decodes the JSON header of a stream of total bytes and checks
-// it: every entry has a known dtype, a shape whose size matches its byte range
-// (for BF16: 2 bytes an element), and the data ranges tile the data section
-// exactly, without gaps or overlaps. Tensors are returned in data order.
+// it (PROTOCOL.md, "The safetensors stream"): its form (checkHeaderForm: an
+// object from the first byte, spaces after it, no key twice, tensor entries
+// of exactly dtype, shape and data_offsets, string metadata), every entry
+// has a known dtype, a shape whose size matches its byte range (for BF16: 2
+// bytes an element), and the data ranges tile the data section exactly,
+// without gaps or overlaps, whatever the order of the keys. Tensors are
+// returned in data order.
 func ParseHeader(js []byte, total int64) (Header, error) {
 	h := Header{Len: int64(len(js))}
 	entries, err := headerEntries(js)
 	if err != nil {
 		return h, err
+	}
+	keys, meta, err := checkHeaderForm(js)
+	if err != nil {
+		return h, err
+	}
+	// A name given twice decodes as one entry (the last): JSON parsers
+	// disagree on which, so the protocol refuses it.
+	names := len(entries)
+	if _, ok := entries["__metadata__"]; ok {
+		names--
+	}
+	if meta {
+		keys--
+	}
+	if names != keys {
+		return h, fmt.Errorf("%w: safetensors header: %d tensor entries for %d distinct names: a name appears twice", ErrProtocol, keys, names)
 	}
 	for name, e := range entries {
 		if name == "__metadata__" {
@@ -506,6 +528,226 @@ func ParseHeader(js []byte, total int64) (Header, error) {
 		return h, fmt.Errorf("%w: tensors cover %d data bytes, the stream has %d", ErrProtocol, at, want)
 	}
 	return h, nil
+}
+
+// checkHeaderForm checks the form of a safetensors JSON header that
+// encoding/json has accepted (so it is one valid JSON value), as
+// PROTOCOL.md has it: UTF-8; an object from the first byte, followed by
+// nothing but spaces (the padding); __metadata__ at most once, an object of
+// strings; every other value an object with exactly the keys dtype (a
+// string), shape (an array of integers) and data_offsets (an array of two
+// integers), each once, in any order. It returns the number of top-level
+// keys and whether __metadata__ is one of them: the caller compares the
+// count with the distinct names decoded, to refuse a name given twice.
+// One pass over the bytes, no allocation but for an error or an escaped
+// key.
+func checkHeaderForm(js []byte) (keys int, meta bool, err error) {
+	bad := func(format string, args ...any) (int, bool, error) {
+		return 0, false, fmt.Errorf("%w: safetensors header: %s", ErrProtocol, fmt.Sprintf(format, args...))
+	}
+	if !utf8.Valid(js) {
+		return bad("not UTF-8")
+	}
+	if len(js) == 0 || js[0] != '{' {
+		return bad("starts with %q: want {", js[:min(len(js), 1)])
+	}
+	s := &hdrScan{b: js}
+	err = s.object(func(key []byte) error {
+		keys++
+		if keyIs(key, "__metadata__") {
+			if meta {
+				return fmt.Errorf("__metadata__ appears twice")
+			}
+			meta = true
+			if s.b[s.i] != '{' {
+				return fmt.Errorf("__metadata__ is not an object")
+			}
+			return s.object(func(k []byte) error {
+				if s.b[s.i] != '"' {
+					return fmt.Errorf("__metadata__ %s: the value is not a string", k)
+				}
+				s.skip()
+				return nil
+			})
+		}
+		if s.b[s.i] != '{' {
+			return fmt.Errorf("tensor %s is not an object", key)
+		}
+		var have uint8
+		err := s.object(func(k []byte) error {
+			var bit uint8
+			var ok bool
+			var want string
+			switch {
+			case keyIs(k, "dtype"):
+				bit, ok, want = 1, s.b[s.i] == '"', "a string"
+				s.skip()
+			case keyIs(k, "shape"):
+				bit, want = 2, "an array of integers"
+				_, ok = s.ints()
+			case keyIs(k, "data_offsets"):
+				var n int
+				bit, want = 4, "an array of two integers [begin, end]"
+				n, ok = s.ints()
+				ok = ok && n == 2
+			default:
+				return fmt.Errorf("tensor %s: key %s: want only dtype, shape and data_offsets", key, k)
+			}
+			if !ok {
+				return fmt.Errorf("tensor %s: %s: want %s", key, k, want)
+			}
+			if have&bit != 0 {
+				return fmt.Errorf("tensor %s: key %s appears twice", key, k)
+			}
+			have |= bit
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if have != 7 {
+			return fmt.Errorf("tensor %s: want the keys dtype, shape and data_offsets, each once", key)
+		}
+		return nil
+	})
+	if err != nil {
+		return bad("%v", err)
+	}
+	for i := s.i; i < len(js); i++ {
+		if js[i] != ' ' {
+			return bad("byte %d, %q, after the object: only spaces (0x20) may follow it", i, js[i])
+		}
+	}
+	return keys, meta, nil
+}
+
+// hdrScan walks JSON text that encoding/json has already accepted: it
+// does not check the grammar, only reads it.
+type hdrScan struct {
+	b []byte
+	i int
+}
+
+// ws skips JSON whitespace.
+func (s *hdrScan) ws() {
+	for s.i < len(s.b) {
+		switch s.b[s.i] {
+		case ' ', '\t', '\n', '\r':
+			s.i++
+		default:
+			return
+		}
+	}
+}
+
+// str reads the string at s.i and returns its JSON text, quotes included.
+func (s *hdrScan) str() []byte {
+	start := s.i
+	for s.i++; s.b[s.i] != '"'; s.i++ {
+		if s.b[s.i] == '\\' {
+			s.i++
+		}
+	}
+	s.i++
+	return s.b[start:s.i]
+}
+
+// skip skips the value at s.i.
+func (s *hdrScan) skip() {
+	switch s.b[s.i] {
+	case '"':
+		s.str()
+	case '{', '[':
+		for depth := 0; ; {
+			switch s.b[s.i] {
+			case '"':
+				s.str()
+				continue
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+			}
+			s.i++
+			if depth == 0 {
+				return
+			}
+		}
+	default: // a number, true, false or null
+		for ; s.i < len(s.b); s.i++ {
+			switch s.b[s.i] {
+			case ',', '}', ']', ' ', '\t', '\n', '\r':
+				return
+			}
+		}
+	}
+}
+
+// object reads the object at s.i, calling member with each key's JSON
+// text and s.i at its value, which member must read.
+func (s *hdrScan) object(member func(key []byte) error) error {
+	s.i++ // {
+	s.ws()
+	if s.b[s.i] == '}' {
+		s.i++
+		return nil
+	}
+	for {
+		s.ws()
+		key := s.str()
+		s.ws()
+		s.i++ // :
+		s.ws()
+		if err := member(key); err != nil {
+			return err
+		}
+		s.ws()
+		c := s.b[s.i]
+		s.i++
+		if c == '}' {
+			return nil
+		}
+	}
+}
+
+// ints reads the array at s.i; ok says it is one of numbers (whose being
+// integers encoding/json checks), n how many.
+func (s *hdrScan) ints() (n int, ok bool) {
+	if s.b[s.i] != '[' {
+		s.skip()
+		return 0, false
+	}
+	s.i++
+	ok = true
+	s.ws()
+	if s.b[s.i] == ']' {
+		s.i++
+		return 0, true
+	}
+	for {
+		s.ws()
+		if c := s.b[s.i]; c != '-' && (c < '0' || c > '9') {
+			ok = false
+		}
+		s.skip()
+		n++
+		s.ws()
+		c := s.b[s.i]
+		s.i++
+		if c == ']' {
+			return n, ok
+		}
+	}
+}
+
+// keyIs reports whether the JSON string text raw stands for name, without
+// allocating unless raw holds an escape.
+func keyIs(raw []byte, name string) bool {
+	if bytes.IndexByte(raw, '\\') < 0 {
+		return string(raw[1:len(raw)-1]) == name
+	}
+	var k string
+	return json.Unmarshal(raw, &k) == nil && k == name
 }
 
 // headerEntry is one entry of a safetensors header.
