@@ -6,6 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -490,4 +493,188 @@ func TestRefitHeaderForms(t *testing.T) {
 		t.Fatalf("%d ranges dirty after a header refused", len(w.r.dirty))
 	}
 	residentEquals(t, "after a refused header", w.m, b)
+}
+
+// protocolDoc is the protocol's page.
+const protocolDoc = "PROTOCOL.md"
+
+// docSection returns the text of a "## " section of PROTOCOL.md.
+func docSection(t *testing.T, title string) string {
+	t.Helper()
+	doc, err := os.ReadFile(protocolDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(doc), "\n## "+title+"\n")
+	if !ok {
+		t.Fatalf("%s: no section %q", protocolDoc, title)
+	}
+	if i := strings.Index(rest, "\n## "); i >= 0 {
+		rest = rest[:i]
+	}
+	return rest
+}
+
+// docJSONBlocks returns the ```json blocks of a text.
+func docJSONBlocks(text string) []string {
+	var out []string
+	for {
+		_, rest, ok := strings.Cut(text, "```json\n")
+		if !ok {
+			return out
+		}
+		block, after, _ := strings.Cut(rest, "```")
+		out = append(out, block)
+		text = after
+	}
+}
+
+// jsonShape describes a decoded JSON value by its structure: the keys of
+// objects (recursively), the element shape of arrays (all elements must
+// share it) and the type of everything else.
+func jsonShape(t *testing.T, v any) string {
+	t.Helper()
+	switch x := v.(type) {
+	case map[string]any:
+		var parts []string
+		for _, k := range slices.Sorted(maps.Keys(x)) {
+			parts = append(parts, k+":"+jsonShape(t, x[k]))
+		}
+		return "{" + strings.Join(parts, ",") + "}"
+	case []any:
+		shape := ""
+		for i, e := range x {
+			s := jsonShape(t, e)
+			if i > 0 && s != shape {
+				t.Fatalf("array elements of two shapes: %s and %s", shape, s)
+			}
+			shape = s
+		}
+		return "[" + shape + "]"
+	case float64:
+		return "number"
+	case string:
+		return "string"
+	case bool:
+		return "bool"
+	case nil:
+		return "null"
+	}
+	t.Fatalf("JSON value %T", v)
+	return ""
+}
+
+// TestStatusExamples: the status examples of PROTOCOL.md ("Status") are
+// what workers send: one per state, each with exactly the fields (and
+// nested fields, and their types) of a status a real worker sent in that
+// state, valid for ParseStatus, and the applied one's layers start with
+// layer -1 as real ones do.
+func TestStatusExamples(t *testing.T) {
+	examples := map[string]map[string]any{}
+	for _, block := range docJSONBlocks(docSection(t, "Status")) {
+		var v map[string]any
+		if err := json.Unmarshal([]byte(block), &v); err != nil {
+			t.Fatalf("a status example of %s is not JSON: %v\n%s", protocolDoc, err, block)
+		}
+		if _, err := ParseStatus([]byte(block)); err != nil {
+			t.Fatalf("a status example does not parse: %v\n%s", err, block)
+		}
+		state, _ := v["state"].(string)
+		if examples[state] != nil {
+			t.Fatalf("two examples of state %q", state)
+		}
+		examples[state] = v
+	}
+
+	// Real statuses: applied (a full version), rejected (a corrupted
+	// chunk), needs_full (a partial version on the rejected one).
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 70), modelDir(t, 71)
+	raw := map[string][]byte{}
+	var mu sync.Mutex
+	nc := refittest.Connect(t, srv.URL())
+	if _, err := nc.Subscribe(StatusSubject(testModel), func(msg *nats.Msg) {
+		var v struct{ State string }
+		if json.Unmarshal(msg.Data, &v) == nil {
+			mu.Lock()
+			raw[v.State] = msg.Data
+			mu.Unlock()
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	w := startWorker(t, srv.URL(), a, "w-1", moe.RecipePerToken, nil)
+	rawPublish(t, srv.URL(), 7, subset(t, b, nil), true, 0, 4096, -1, nil)
+	w.waitStatus(t, 7)
+	rawPublish(t, srv.URL(), 8, subset(t, b, experts), false, 7, 4096, -1, func(seq int, h nats.Header, d []byte) []byte {
+		if seq == 3 {
+			d[100] ^= 0x40
+		}
+		return d
+	})
+	w.waitStatus(t, 8)
+	rawPublish(t, srv.URL(), 9, subset(t, b, experts), false, 8, 4096, -1, nil)
+	w.waitStatus(t, 9)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		mu.Lock()
+		n := len(raw)
+		mu.Unlock()
+		if n == 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("statuses seen: %q", raw)
+		}
+	}
+
+	for _, state := range []string{StateApplied, StateRejected, StateNeedsFull} {
+		var real map[string]any
+		if err := json.Unmarshal(raw[state], &real); err != nil {
+			t.Fatal(err)
+		}
+		doc := examples[state]
+		if doc == nil {
+			t.Errorf("%s has no status example of state %q; a real one: %s", protocolDoc, state, raw[state])
+			continue
+		}
+		if got, want := jsonShape(t, doc), jsonShape(t, real); got != want {
+			t.Errorf("state %s: the example of %s has the fields\n%s\na real status\n%s\n(%s)", state, protocolDoc, got, want, raw[state])
+		}
+		if state == StateApplied {
+			first := func(v map[string]any) any { return v["layers"].([]any)[0].(map[string]any)["layer"] }
+			if first(doc) != first(real) || first(real) != -1.0 {
+				t.Errorf("applied: the example's first layer is %v, a real status's %v", first(doc), first(real))
+			}
+		}
+	}
+	if len(examples) != 3 {
+		t.Errorf("status examples of states %v, want applied, rejected and needs_full", slices.Sorted(maps.Keys(examples)))
+	}
+}
+
+// TestProtocolDocLayout: PROTOCOL.md states the protocol first and keeps
+// its history in a Changes section at the end.
+func TestProtocolDocLayout(t *testing.T) {
+	doc, err := os.ReadFile(protocolDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var titles []string
+	for _, line := range strings.Split(string(doc), "\n") {
+		if title, ok := strings.CutPrefix(line, "## "); ok {
+			titles = append(titles, title)
+		}
+	}
+	if len(titles) < 2 || titles[0] != "JetStream objects" || titles[len(titles)-1] != "Changes" {
+		t.Fatalf("sections %q: want the specification first (JetStream objects) and Changes last", titles)
+	}
+	before, _, _ := strings.Cut(string(doc), "\n## Changes\n")
+	for _, history := range []string{"Changed on", "(since 2026-"} {
+		if strings.Contains(before, history) {
+			t.Errorf("%s: %q before the Changes section", protocolDoc, history)
+		}
+	}
 }

@@ -571,6 +571,11 @@ func (r *Receiver) report(st Status, err error) {
 	default:
 		st.State, st.Reason = StateRejected, err.Error()
 	}
+	if err != nil {
+		// As PROTOCOL.md ("Status") has it: bytes, phases and layers are
+		// an applied version's.
+		st.Bytes, st.PhasesMS, st.Layers = 0, nil, nil
+	}
 	r.metrics.versions.WithLabelValues(st.State).Inc()
 	r.mu.Lock()
 	r.last = st
