@@ -1,12 +1,14 @@
 package refit
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"os"
 	"slices"
 	"strings"
@@ -677,4 +679,100 @@ func TestProtocolDocLayout(t *testing.T) {
 			t.Errorf("%s: %q before the Changes section", protocolDoc, history)
 		}
 	}
+}
+
+// TestNextVersion: a publisher numbers a version one above the highest of
+// the bucket's announcements and manifests and the stream's subjects
+// (PROTOCOL.md, "Version numbers"): after versions it published, after an
+// attempt that died (announced, some chunks or none), after a malformed
+// announcement, after chunks left on a subject; a restarted publisher gets
+// the same number, its version is applied, and the number of an unfinished
+// attempt is refused.
+func TestNextVersion(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b := modelDir(t, 72), modelDir(t, 73)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	ctx := ptContext(t, 30*time.Second)
+	p := newPublisher(t, srv.URL())
+	next := func(p *Publisher, want uint64) {
+		t.Helper()
+		got, err := p.NextVersion(ctx)
+		if err != nil || got != want {
+			t.Fatalf("NextVersion: %d, %v; want %d", got, err, want)
+		}
+	}
+	next(p, 1) // nothing yet: not even a stream or a bucket
+	full := subset(t, b, nil)
+	publish(t, p, 3, full, true)
+	next(p, 4)
+
+	// The publisher dies in the middle of version 4: announced, some
+	// chunks stored, no manifest. A new one (a restart) takes 5.
+	dying, cancel := context.WithCancel(ctx)
+	p.onInflight = func(int64) { cancel() }
+	if _, err := p.Publish(dying, 4, bytes.NewReader(full), int64(len(full)), true); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled publish: %v", err)
+	}
+	restarted := newPublisher(t, srv.URL())
+	next(restarted, 5)
+	if _, err := restarted.Publish(ctx, 4, bytes.NewReader(full), int64(len(full)), true); err == nil ||
+		!strings.Contains(err.Error(), "already holds") && !strings.Contains(err.Error(), "announced already") {
+		t.Fatalf("the number of the attempt that died: %v", err)
+	}
+	publish(t, restarted, 5, full, true)
+	if st := w.waitStatus(t, 5); st.State != StateApplied {
+		t.Fatalf("version 5 after an attempt that died: %+v", st)
+	}
+	next(restarted, 6)
+
+	// Announced, no chunk: the number is used all the same.
+	rawPublishEdited(t, srv.URL(), 6, full, true, 0, 4096, nil, nil, false) // chunks, no manifest...
+	js, _ := jetstream.New(restarted.nc)
+	stream, err := js.Stream(ctx, StreamName(testModel))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Purge(ctx, jetstream.WithPurgeSubject(VersionSubject(testModel, 6))); err != nil { // ...nor chunks
+		t.Fatal(err)
+	}
+	next(restarted, 7)
+	if _, err := restarted.Publish(ctx, 6, bytes.NewReader(full), int64(len(full)), true); err == nil || !strings.Contains(err.Error(), "announced already") {
+		t.Fatalf("version 6, announced and nothing more: %v", err)
+	}
+	// A malformed announcement counts by the number it names.
+	_, kv, err := restarted.ensure(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(ctx, KeyAnnounce, []byte(`{"protocol":2,"model":"tiny","version":9}`)); err != nil {
+		t.Fatal(err)
+	}
+	next(restarted, 10)
+	// Chunks left on a subject count too.
+	if _, err := js.Publish(ctx, VersionSubject(testModel, 12), []byte("left over")); err != nil {
+		t.Fatal(err)
+	}
+	next(restarted, 13)
+
+	// A signing publisher counts only its own announcements and manifests,
+	// not bogus ones, but every subject.
+	srv2 := refittest.StartServer(t)
+	signed := signedPublisher(t, srv2.URL(), sgSigner(t))
+	next(signed, 1)
+	publish(t, signed, 1, full, true)
+	next(signed, 2)
+	rawPublish(t, srv2.URL(), math.MaxUint64-1, full, true, 0, 4096, -1, nil) // unsigned, and its subject...
+	js2, _ := jetstream.New(signed.nc)
+	stream2, err := js2.Stream(ctx, StreamName(testModel))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream2.Purge(ctx, jetstream.WithPurgeSubject(VersionSubject(testModel, math.MaxUint64-1))); err != nil {
+		t.Fatal(err) // ...purged
+	}
+	next(signed, 2)
+	if _, err := js2.Publish(ctx, VersionSubject(testModel, 4), []byte("left over")); err != nil {
+		t.Fatal(err)
+	}
+	next(signed, 5)
 }

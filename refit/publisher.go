@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -231,6 +232,10 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	if version <= prev {
 		return Manifest{}, fmt.Errorf("not newer than version %d, the newest published", prev)
 	}
+	announced, err := p.lastAnnounced(ctx, kv)
+	if err != nil {
+		return Manifest{}, err
+	}
 	if !full {
 		if p.cfg.Signer != nil && prev == 0 && unsignedPrev {
 			return Manifest{}, fmt.Errorf("the bucket holds no manifest signed by %s to base a partial version on: publish a full version", p.cfg.Signer.PublicKey())
@@ -243,6 +248,9 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	}
 	if n := subjects[m.Subject]; n > 0 {
 		return Manifest{}, fmt.Errorf("subject %s already holds %d chunks (an earlier attempt?): publish a newer version", m.Subject, n)
+	}
+	if version == announced {
+		return Manifest{}, fmt.Errorf("version %d was announced already (an attempt that did not finish?): workers that saw it take the number as used; publish a newer version", version)
 	}
 
 	log := p.log.With(zap.Uint64("version", version))
@@ -463,6 +471,157 @@ func (p *Publisher) previous(ctx context.Context, kv jetstream.KeyValue) (prev u
 		return nil
 	})
 	return prev, false, err
+}
+
+// lastAnnounced returns the version of the bucket's announcement, 0 if
+// none. One that does not parse counts by the version it names, as
+// workers count it. A signing publisher counts only its own.
+func (p *Publisher) lastAnnounced(ctx context.Context, kv jetstream.KeyValue) (uint64, error) {
+	var v uint64
+	err := p.retry(ctx, "read the announcement", func(ctx context.Context) error {
+		v = 0
+		e, err := kv.Get(ctx, KeyAnnounce)
+		if errors.Is(err, jetstream.ErrKeyNotFound) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		v, _ = p.versionOf(e)
+		return nil
+	})
+	return v, err
+}
+
+// versionOf returns the version an announce or manifest entry counts for
+// in this publisher's numbering (PROTOCOL.md, "Version numbers"): its
+// version; for one that does not parse, the version it names if any; for a
+// signing publisher, only one signed by its own key. own says the entry
+// was signed by this publisher's key.
+func (p *Publisher) versionOf(e jetstream.KeyValueEntry) (v uint64, own bool) {
+	if e.Operation() != jetstream.KeyValuePut {
+		return 0, false
+	}
+	var auth error
+	var a Announce
+	var err error
+	switch e.Key() {
+	case KeyAnnounce:
+		a, err = ParseAnnounce(e.Value())
+		if err == nil && p.cfg.Signer != nil {
+			auth = p.ownTrust().VerifyAnnounce(a)
+		}
+	case KeyManifest:
+		var m Manifest
+		m, err = ParseManifest(e.Value())
+		a = m.Announce
+		if err == nil && p.cfg.Signer != nil {
+			auth = p.ownTrust().VerifyManifest(m)
+		}
+	default:
+		return 0, false
+	}
+	switch {
+	case err == nil && a.Model != p.cfg.Model:
+		return 0, false
+	case p.cfg.Signer != nil:
+		if err != nil || auth != nil {
+			return 0, false
+		}
+		return a.Version, true
+	case err != nil:
+		v, _, _ := probeVersion(e.Value())
+		return v, false
+	}
+	return a.Version, false
+}
+
+// ownTrust is a Trust of the publisher's own key.
+func (p *Publisher) ownTrust() *Trust {
+	t, err := NewTrust(p.cfg.Signer.PublicKey())
+	if err != nil {
+		panic(err) // a Signer's public key is a valid one
+	}
+	return t
+}
+
+// NextVersion returns the number the next version should carry
+// (PROTOCOL.md, "Version numbers"): one above the highest version of the
+// bucket's announcements and manifests (both keys' history) and of the
+// stream's subjects that hold messages; 1 when there is none. A signing
+// publisher counts only announcements and manifests signed by its own key
+// (the subjects, whoever published there: the NATS permissions decide who
+// may). It creates nothing; it fails when no number is left above the
+// highest.
+func (p *Publisher) NextVersion(ctx context.Context) (uint64, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	v, err := p.nextVersion(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("refit: next version of model %s: %w", p.cfg.Model, err)
+	}
+	return v, nil
+}
+
+func (p *Publisher) nextVersion(ctx context.Context) (uint64, error) {
+	model := p.cfg.Model
+	var subjects map[string]uint64
+	err := p.retry(ctx, "look up stream "+StreamName(model), func(ctx context.Context) error {
+		stream, err := p.js.Stream(ctx, StreamName(model))
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			subjects = nil
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(StreamSubjects(model)))
+		if err != nil {
+			return err
+		}
+		subjects = info.State.Subjects
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	var highest uint64
+	for _, key := range []string{KeyAnnounce, KeyManifest} {
+		err := p.retry(ctx, "read the history of "+key, func(ctx context.Context) error {
+			kv, err := p.js.KeyValue(ctx, BucketName(model))
+			if errors.Is(err, jetstream.ErrBucketNotFound) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			hist, err := kv.History(ctx, key)
+			if errors.Is(err, jetstream.ErrKeyNotFound) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			for _, e := range hist {
+				if v, _ := p.versionOf(e); v > highest {
+					highest = v
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return 0, err
+		}
+	}
+	for subj, n := range subjects {
+		if v, ok := versionOfSubject(model, subj); ok && n > 0 && v > highest {
+			highest = v
+		}
+	}
+	if highest == math.MaxUint64 {
+		return 0, fmt.Errorf("no version number left above %d", highest)
+	}
+	return highest + 1, nil
 }
 
 // previousSigned is previous for a signing publisher.

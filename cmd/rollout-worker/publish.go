@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
@@ -17,7 +19,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/refit"
 )
 
-const publishUsage = `Usage: rollout-worker publish --nats-url URL --model-id ID --version N
+const publishUsage = `Usage: rollout-worker publish --nats-url URL --model-id ID --version N|next
        --from DIR|FILE.safetensors [--only REGEX] [--wait-workers K --timeout D]
        [--sign-key SEEDFILE] [--nats-creds FILE | --nats-nkey FILE] [--tls-ca FILE ...]
 
@@ -32,7 +34,10 @@ must then be the whole model. With --only only the tensors whose names
 match REGEX (a Go regexp, unanchored) go out, as a partial version (full if
 REGEX happens to match every tensor); the workers keep the other tensors.
 
-N must be newer than the last published version. The manifest is printed
+N must be newer than the last published version, and not the number of an
+attempt that did not finish. --version next takes one above the highest
+version in the stream and the bucket (refit/PROTOCOL.md, "Version
+numbers"): what a publisher that restarts should use. The manifest is printed
 once JetStream has stored every chunk. With --wait-workers K the command
 then waits up to --timeout for K workers' statuses, prints them with
 per-layer timings, and fails unless every one applied the version.
@@ -56,7 +61,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	nf.registerAuth(fs)
 	signKey := fs.String("sign-key", "", "sign the version with the nkey seed in this `file` (as nk -gen user writes it, or a NATS credentials file)")
 	model := fs.String("model-id", "", "model `id`, [A-Za-z0-9_-]{1,64} (required)")
-	version := fs.Uint64("version", 0, "version `number`, > 0 and newer than the last published (required)")
+	var version versionFlag
+	fs.Var(&version, "version", "version `number`, > 0 and newer than the last published, or next: one above the highest in the stream and bucket (required)")
 	from := fs.String("from", "", "model `directory` or .safetensors file (required)")
 	only := fs.String("only", "", "publish only tensors whose name matches this Go `regexp` (a partial version)")
 	waitWorkers := fs.Int("wait-workers", 0, "after publishing, wait for this many workers' statuses")
@@ -74,8 +80,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--model-id is required")
 	case !refit.ValidModelID(*model):
 		return usageErrorf("--model-id %q: want 1 to 64 of [A-Za-z0-9_-]", *model)
-	case *version == 0:
-		return usageErrorf("--version is required and must be at least 1")
+	case !version.next && version.n == 0:
+		return usageErrorf("--version is required and must be at least 1 (or next)")
 	case *from == "":
 		return usageErrorf("--from is required")
 	case *waitWorkers < 0:
@@ -139,17 +145,23 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err != nil {
 		return err
 	}
+	v := version.n
+	if version.next {
+		if v, err = pub.NextVersion(ctx); err != nil {
+			return err
+		}
+	}
 	var statuses *refit.StatusCollector
 	if *waitWorkers > 0 {
 		// Statuses are not stored: listen before the version goes out.
-		if statuses, err = pub.Statuses(ctx, *version); err != nil {
+		if statuses, err = pub.Statuses(ctx, v); err != nil {
 			return err
 		}
 		defer statuses.Close()
 	}
 
 	start := time.Now()
-	m, err := pub.Publish(ctx, *version, src, src.Size(), src.Full())
+	m, err := pub.Publish(ctx, v, src, src.Size(), src.Full())
 	if err != nil {
 		return err
 	}
@@ -179,6 +191,36 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if len(failed) > 0 {
 		return fmt.Errorf("version %d: %d of %d workers did not apply it: %s", m.Version, len(failed), len(got), strings.Join(failed, ", "))
 	}
+	return nil
+}
+
+// versionFlag is --version: a number, or "next" for the publisher's next
+// version (refit.Publisher.NextVersion).
+type versionFlag struct {
+	n    uint64
+	next bool
+}
+
+func (f *versionFlag) String() string {
+	if f.next {
+		return "next"
+	}
+	if f.n == 0 {
+		return ""
+	}
+	return strconv.FormatUint(f.n, 10)
+}
+
+func (f *versionFlag) Set(s string) error {
+	if s == "next" {
+		f.n, f.next = 0, true
+		return nil
+	}
+	n, err := strconv.ParseUint(s, 10, 64)
+	if err != nil {
+		return errors.New("want a number from 1 to 18446744073709551615, or next")
+	}
+	f.n, f.next = n, false
 	return nil
 }
 

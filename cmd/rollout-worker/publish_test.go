@@ -486,3 +486,41 @@ func TestPublishSignedToServe(t *testing.T) {
 		t.Errorf("serve does not log its trusted key:\n%s", stderr.String())
 	}
 }
+
+// TestPublishCommandNextVersion: --version next numbers the version one
+// above the highest in the stream and the bucket, past an attempt that
+// died after its announcement (refit/PROTOCOL.md, "Version numbers").
+func TestPublishCommandNextVersion(t *testing.T) {
+	srv := refittest.StartServer(t)
+	dir, _ := pubtModel(t)
+	run := func(want string) {
+		t.Helper()
+		code, stdout, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "next", "--from", dir)
+		if code != 0 || !strings.Contains(stdout, want) {
+			t.Fatalf("exit %d, want %q\nstdout:\n%s\nstderr:\n%s", code, want, stdout, stderr)
+		}
+	}
+	run("published full version 1 of model tiny")
+	run("published full version 2 of model tiny")
+	// A publisher died after announcing version 3 and storing a chunk.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	js, _ := jetstream.New(refittest.Connect(t, srv.URL()))
+	kv, err := js.KeyValue(ctx, refit.BucketName("tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := json.Marshal(refit.Announce{Protocol: refit.ProtocolVersion, Model: "tiny", Version: 3, Full: true,
+		Subject: refit.VersionSubject("tiny", 3), TotalBytes: 100, ChunkBytes: 100, Chunks: 1})
+	if _, err := kv.Put(ctx, refit.KeyAnnounce, a); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(ctx, refit.VersionSubject("tiny", 3), make([]byte, 100)); err != nil {
+		t.Fatal(err)
+	}
+	run("published full version 4 of model tiny")
+	code, _, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "nxt", "--from", dir)
+	if code != 2 || !strings.Contains(stderr, `invalid value "nxt" for flag -version: want a number`) {
+		t.Errorf("--version nxt: exit %d, stderr:\n%s", code, stderr)
+	}
+}
