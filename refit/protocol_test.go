@@ -776,3 +776,94 @@ func TestNextVersion(t *testing.T) {
 	}
 	next(signed, 5)
 }
+
+// TestPublishFullAfterNotApplied: after a status other than applied on its
+// previous version, from any worker, a Publisher refuses a partial version
+// (ErrFullVersionNeeded, naming the worker and its state) and publishes a
+// full one; so does a Publisher after a version announced and never
+// completed. A worker that rejected a version is then served by the full
+// one.
+func TestPublishFullAfterNotApplied(t *testing.T) {
+	srv := refittest.StartServer(t)
+	a, b, c := modelDir(t, 74), modelDir(t, 75), modelDir(t, 76)
+	w := startWorker(t, srv.URL(), a, "w-1", moe.RecipePerToken, nil)
+	ctx := ptContext(t, 30*time.Second)
+	p := newPublisher(t, srv.URL())
+	needsFull := func(p *Publisher, want ...string) {
+		t.Helper()
+		err := p.FullVersionNeeded(ctx)
+		for deadline := time.Now().Add(5 * time.Second); err == nil && time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+			err = p.FullVersionNeeded(ctx) // the status may still be on its way
+		}
+		if !errors.Is(err, ErrFullVersionNeeded) {
+			t.Fatalf("FullVersionNeeded: %v, want ErrFullVersionNeeded", err)
+		}
+		for _, s := range want {
+			if !strings.Contains(err.Error(), s) {
+				t.Fatalf("FullVersionNeeded: %v: does not name %q", err, s)
+			}
+		}
+	}
+	expertsC := subset(t, c, experts)
+
+	// Version 1 holds a NaN: the worker rejects it.
+	publish(t, p, 1, setBF16(t, subset(t, b, nil), "model.layers.1.mlp.experts.2.up_proj.weight", 3, float32(math.NaN())), true)
+	if st := w.waitStatus(t, 1); st.State != StateRejected {
+		t.Fatalf("version 1: %+v", st)
+	}
+	needsFull(p, "version 1", "w-1 (rejected: ", "NaN or Inf")
+	_, err := p.Publish(ctx, 2, bytes.NewReader(expertsC), int64(len(expertsC)), false)
+	if !errors.Is(err, ErrFullVersionNeeded) || !strings.Contains(err.Error(), "w-1 (rejected") || !strings.Contains(err.Error(), "publish a full version") {
+		t.Fatalf("a partial version after a rejection: %v", err)
+	}
+	if got, err := p.NextVersion(ctx); err != nil || got != 2 {
+		t.Fatalf("the refused version used a number: next %d, %v", got, err)
+	}
+	// The full version is published and applied.
+	publish(t, p, 2, subset(t, b, nil), true)
+	if st := w.waitStatus(t, 2); st.State != StateApplied {
+		t.Fatalf("version 2: %+v", st)
+	}
+	residentEquals(t, "the full version after a rejection", w.m, b)
+	if err := p.FullVersionNeeded(ctx); err != nil {
+		t.Fatalf("after an applied version: %v", err)
+	}
+	publish(t, p, 3, expertsC, false)
+	if st := w.waitStatus(t, 3); st.State != StateApplied {
+		t.Fatalf("version 3: %+v", st)
+	}
+
+	// needs_full from another worker (one that missed version 3's base,
+	// say) counts as much.
+	nc := refittest.Connect(t, srv.URL())
+	for _, st := range []Status{
+		{Protocol: ProtocolVersion, Worker: "w-0", Version: 3, State: StateApplied, CurrentVersion: 3},
+		{Protocol: ProtocolVersion, Worker: "w-9", Version: 3, State: StateNeedsFull, Reason: "needs a full version", CurrentVersion: 1},
+	} {
+		b, _ := json.Marshal(st)
+		if err := nc.Publish(StatusSubject(testModel), b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	needsFull(p, "version 3", "1 of the 3 workers", "w-9 (needs_full")
+	if _, err := p.Publish(ctx, 4, bytes.NewReader(expertsC), int64(len(expertsC)), false); !errors.Is(err, ErrFullVersionNeeded) {
+		t.Fatalf("a partial version after needs_full: %v", err)
+	}
+
+	// A version announced and never completed (its publisher died): a
+	// restarted publisher, which saw no status, publishes a full version.
+	rawPublishEdited(t, srv.URL(), 4, subset(t, c, nil), true, 0, 4096, nil, nil, false)
+	restarted := newPublisher(t, srv.URL())
+	needsFull(restarted, "version 4 was announced and never completed")
+	if _, err := restarted.Publish(ctx, 5, bytes.NewReader(expertsC), int64(len(expertsC)), false); !errors.Is(err, ErrFullVersionNeeded) {
+		t.Fatalf("a partial version after an unfinished one: %v", err)
+	}
+	publish(t, restarted, 5, subset(t, c, nil), true)
+	if st := w.waitStatus(t, 5); st.State != StateApplied {
+		t.Fatalf("version 5: %+v", st)
+	}
+	residentEquals(t, "the full version after an unfinished one", w.m, c)
+	if err := restarted.FullVersionNeeded(ctx); err != nil {
+		t.Fatalf("after the full version: %v", err)
+	}
+}

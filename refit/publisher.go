@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"slices"
 	"strconv"
@@ -86,6 +87,14 @@ type Publisher struct {
 	mu   sync.Mutex // held by Publish
 	free [][]byte   // chunk buffers for reuse by the next Publish (under mu)
 
+	// The workers' statuses on the versions this Publisher announced, the
+	// last few of them, by version and worker (PROTOCOL.md, "After a
+	// status other than applied"): a partial version is refused while a
+	// worker's status on the previous version was not applied.
+	statusSub *nats.Subscription
+	statusMu  sync.Mutex
+	outcomes  map[uint64]map[string]Status
+
 	// onInflight, when set (by tests), sees the unacknowledged chunk bytes
 	// after every chunk is published.
 	onInflight func(bytes int64)
@@ -151,7 +160,125 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 	if err != nil {
 		return fail("jetstream: %v", err)
 	}
-	return &Publisher{nc: nc, js: js, cfg: cfg, log: log.With(zap.String("model", cfg.Model)), protocol: ProtocolVersion}, nil
+	p := &Publisher{nc: nc, js: js, cfg: cfg, log: log.With(zap.String("model", cfg.Model)), protocol: ProtocolVersion,
+		outcomes: map[uint64]map[string]Status{}}
+	// Statuses are not stored: listen from the start.
+	if p.statusSub, err = nc.Subscribe(StatusSubject(cfg.Model), p.noteStatus); err != nil {
+		return fail("subscribe to %s: %v", StatusSubject(cfg.Model), err)
+	}
+	return p, nil
+}
+
+// ErrFullVersionNeeded refuses a partial version where PROTOCOL.md ("After
+// a status other than applied") says the next version must be full.
+var ErrFullVersionNeeded = errors.New("a full version is needed")
+
+// keptOutcomes is how many of its versions a Publisher keeps statuses of.
+const keptOutcomes = 4
+
+// noteStatus records a worker's status on a version this Publisher
+// announced; it runs on the subscription's goroutine.
+func (p *Publisher) noteStatus(msg *nats.Msg) {
+	s, err := ParseStatus(msg.Data)
+	if err != nil {
+		return
+	}
+	p.statusMu.Lock()
+	defer p.statusMu.Unlock()
+	if m := p.outcomes[s.Version]; m != nil {
+		m[s.Worker] = s
+	}
+}
+
+// expectStatuses starts recording statuses on version, forgetting those of
+// all but the newest keptOutcomes versions.
+func (p *Publisher) expectStatuses(version uint64) {
+	p.statusMu.Lock()
+	defer p.statusMu.Unlock()
+	if p.outcomes[version] == nil {
+		p.outcomes[version] = map[string]Status{}
+	}
+	for len(p.outcomes) > keptOutcomes {
+		delete(p.outcomes, slices.Min(slices.Collect(maps.Keys(p.outcomes))))
+	}
+}
+
+// Close stops recording the workers' statuses. Publish still works, without
+// the check that needs them. It is idempotent; closing the connection does
+// as much.
+func (p *Publisher) Close() error {
+	if err := p.statusSub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrBadSubscription) && !errors.Is(err, nats.ErrConnectionClosed) {
+		return fmt.Errorf("refit: publisher of model %s: %w", p.cfg.Model, err)
+	}
+	return nil
+}
+
+// fullNeeded says why the version after prev (the newest manifest) must be
+// full, nil if a partial one will do (PROTOCOL.md, "After a status other
+// than applied"): announced, the bucket's announcement, is newer than prev
+// (an attempt that never completed, which workers that received part of it
+// rejected), or a worker's status on prev, seen by this Publisher, was not
+// applied.
+func (p *Publisher) fullNeeded(prev, announced uint64) error {
+	if announced > prev {
+		return fmt.Errorf("%w: version %d was announced and never completed (the newest manifest is version %d): "+
+			"the workers that received part of it rejected it", ErrFullVersionNeeded, announced, prev)
+	}
+	p.statusMu.Lock()
+	defer p.statusMu.Unlock()
+	got := p.outcomes[prev]
+	var bad []string
+	for _, w := range slices.Sorted(maps.Keys(got)) {
+		if s := got[w]; s.State != StateApplied {
+			why := s.State
+			if s.Reason != "" {
+				why += ": " + s.Reason
+			}
+			bad = append(bad, fmt.Sprintf("%s (%s)", w, why))
+		}
+	}
+	if len(bad) > 0 {
+		return fmt.Errorf("%w: version %d was not applied by %d of the %d workers that reported on it: %s",
+			ErrFullVersionNeeded, prev, len(bad), len(got), listSome(bad, 5))
+	}
+	return nil
+}
+
+// FullVersionNeeded returns an error wrapping ErrFullVersionNeeded, saying
+// why, when the next version must be full (PROTOCOL.md, "After a status
+// other than applied"): a trainer may call it before it builds a partial
+// version. It counts the statuses this Publisher saw on its own versions,
+// so wait for the workers' statuses first (Statuses). nil: a partial
+// version will do.
+func (p *Publisher) FullVersionNeeded(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var kv jetstream.KeyValue
+	err := p.retry(ctx, "look up bucket "+BucketName(p.cfg.Model), func(ctx context.Context) (err error) {
+		kv, err = p.js.KeyValue(ctx, BucketName(p.cfg.Model))
+		if errors.Is(err, jetstream.ErrBucketNotFound) {
+			kv, err = nil, nil
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("refit: model %s: %w", p.cfg.Model, err)
+	}
+	if kv == nil {
+		return nil // nothing published yet
+	}
+	prev, _, err := p.previous(ctx, kv)
+	if err != nil {
+		return fmt.Errorf("refit: model %s: %w", p.cfg.Model, err)
+	}
+	announced, err := p.lastAnnounced(ctx, kv)
+	if err != nil {
+		return fmt.Errorf("refit: model %s: %w", p.cfg.Model, err)
+	}
+	if err := p.fullNeeded(prev, announced); err != nil {
+		return fmt.Errorf("refit: model %s: %w", p.cfg.Model, err)
+	}
+	return nil
 }
 
 // Config returns the configuration with its defaults filled in.
@@ -166,8 +293,14 @@ func (p *Publisher) Config() PublisherConfig { return p.cfg }
 // every tensor of the model (see Source.Full).
 //
 // The stream's header is checked first (ParseHeader; every tensor BF16).
-// version must be newer than the bucket's manifest, and its subject must be
-// empty (a version number is used once: workers reject one they have seen).
+// version must be newer than the bucket's manifest, its subject must be
+// empty and it must not be the bucket's announcement (a version number is
+// used once: workers reject one they have seen; NextVersion gives the
+// number to use). A partial version is refused, with an error wrapping
+// ErrFullVersionNeeded, after a version announced and never completed, or
+// when a worker's last status on the previous version that this Publisher
+// published was not applied (PROTOCOL.md, "After a status other than
+// applied"; FullVersionNeeded says it beforehand).
 //
 // A chunk whose publish fails or times out is published again, with the
 // same Nats-Msg-Id, with backoff, until ctx ends, and so is everything
@@ -240,6 +373,9 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		if p.cfg.Signer != nil && prev == 0 && unsignedPrev {
 			return Manifest{}, fmt.Errorf("the bucket holds no manifest signed by %s to base a partial version on: publish a full version", p.cfg.Signer.PublicKey())
 		}
+		if err := p.fullNeeded(prev, announced); err != nil {
+			return Manifest{}, fmt.Errorf("%w: publish a full version", err)
+		}
 		m.Base = prev // a partial version is a delta on the newest one published
 	}
 	subjects, err := p.subjects(ctx, stream)
@@ -253,6 +389,7 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		return Manifest{}, fmt.Errorf("version %d was announced already (an attempt that did not finish?): workers that saw it take the number as used; publish a newer version", version)
 	}
 
+	p.expectStatuses(version)
 	log := p.log.With(zap.Uint64("version", version))
 	log.Info("refit: publishing", zap.Int64("bytes", size), zap.Int("chunks", m.Chunks), zap.Int("chunk_bytes", m.ChunkBytes),
 		zap.Int("tensors", m.Tensors), zap.Bool("full", full), zap.Uint64("previous", prev))

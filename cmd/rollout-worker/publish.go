@@ -33,6 +33,9 @@ Without --only the version is full: every tensor of the checkpoint, which
 must then be the whole model. With --only only the tensors whose names
 match REGEX (a Go regexp, unanchored) go out, as a partial version (full if
 REGEX happens to match every tensor); the workers keep the other tensors.
+When the next version must be full (an earlier version was announced and
+never completed: refit/PROTOCOL.md, "After a status other than applied"),
+--only is overridden: every tensor goes out, and the output says why.
 
 N must be newer than the last published version, and not the number of an
 attempt that did not finish. --version next takes one above the highest
@@ -151,6 +154,20 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			return err
 		}
 	}
+	if !src.Full() {
+		// After a version some worker did not apply, the next is full
+		// (refit/PROTOCOL.md): the checkpoint holds every tensor.
+		switch err := pub.FullVersionNeeded(ctx); {
+		case errors.Is(err, refit.ErrFullVersionNeeded):
+			fmt.Fprintf(stdout, "%v\n  publishing every tensor of %s, not only those --only selects\n", err, *from)
+			if src, err = refit.OpenSource(*from, nil); err != nil {
+				return err
+			}
+			defer src.Close()
+		case err != nil:
+			return err
+		}
+	}
 	var statuses *refit.StatusCollector
 	if *waitWorkers > 0 {
 		// Statuses are not stored: listen before the version goes out.
@@ -189,7 +206,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		}
 	}
 	if len(failed) > 0 {
-		return fmt.Errorf("version %d: %d of %d workers did not apply it: %s", m.Version, len(failed), len(got), strings.Join(failed, ", "))
+		return fmt.Errorf("version %d: %d of %d workers did not apply it: %s (the next version must be full: publish without --only)",
+			m.Version, len(failed), len(got), strings.Join(failed, ", "))
 	}
 	return nil
 }

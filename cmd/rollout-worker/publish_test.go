@@ -233,7 +233,7 @@ func TestPublishCommandWorkersFail(t *testing.T) {
 	code, stdout, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "m", "--version", "3", "--from", dir,
 		"--wait-workers", "1", "--storage", "memory")
 	if code != 1 || !strings.Contains(stderr, "version 3: 1 of 1 workers did not apply it: w-1 rejected") ||
-		!strings.Contains(stdout, "reason: test says no") {
+		!strings.Contains(stderr, "the next version must be full") || !strings.Contains(stdout, "reason: test says no") {
 		t.Errorf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
 	}
 	// Nobody answers for version 4.
@@ -522,5 +522,44 @@ func TestPublishCommandNextVersion(t *testing.T) {
 	code, _, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "nxt", "--from", dir)
 	if code != 2 || !strings.Contains(stderr, `invalid value "nxt" for flag -version: want a number`) {
 		t.Errorf("--version nxt: exit %d, stderr:\n%s", code, stderr)
+	}
+}
+
+// TestPublishCommandFullAfterUnfinished: after a version announced and never
+// completed, publish --only publishes the whole checkpoint, saying why
+// (refit/PROTOCOL.md, "After a status other than applied"); a worker that
+// did not apply the version makes the command say the next must be full.
+func TestPublishCommandFullAfterUnfinished(t *testing.T) {
+	srv := refittest.StartServer(t)
+	dir, _ := pubtModel(t)
+	code, stdout, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "1", "--from", dir)
+	if code != 0 {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	// A publisher died after announcing version 2.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	js, _ := jetstream.New(refittest.Connect(t, srv.URL()))
+	kv, err := js.KeyValue(ctx, refit.BucketName("tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := json.Marshal(refit.Announce{Protocol: refit.ProtocolVersion, Model: "tiny", Version: 2, Full: false, Base: 1,
+		Subject: refit.VersionSubject("tiny", 2), TotalBytes: 100, ChunkBytes: 100, Chunks: 1})
+	if _, err := kv.Put(ctx, refit.KeyAnnounce, a); err != nil {
+		t.Fatal(err)
+	}
+	code, stdout, stderr = pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "next", "--from", dir,
+		"--only", `layers\.0\.mlp\.experts`)
+	if code != 0 || !strings.Contains(stdout, "a full version is needed: version 2 was announced and never completed") ||
+		!strings.Contains(stdout, "publishing every tensor of "+dir) || !strings.Contains(stdout, "published full version 3") ||
+		!strings.Contains(stdout, "5 tensors") {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	// Complete now: --only publishes a partial version again.
+	code, stdout, stderr = pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "next", "--from", dir,
+		"--only", `layers\.0\.mlp\.experts`)
+	if code != 0 || !strings.Contains(stdout, "published partial version 4") || strings.Contains(stdout, "full version is needed") {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
 	}
 }
