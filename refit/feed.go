@@ -142,6 +142,9 @@ type chunkFeed struct {
 	log     *zap.Logger
 
 	live *liveSub // nil once the feed has switched to the stream
+	// watch follows the bucket while the stream is read: a newer version
+	// announced before this one completed ends it (versionWatch).
+	watch *versionWatch
 	// drain is the live subscription after the switch: the rest of this
 	// version keeps arriving there, and is discarded as the stream is read
 	// (see drainLive) so that it cannot fill the pending limit and make
@@ -341,12 +344,23 @@ func (f *chunkFeed) nextStored(ctx context.Context, want expect) (feedChunk, err
 	for {
 		f.drainLive()
 		var msg jetstream.Msg
+		var updates <-chan jetstream.KeyValueEntry
+		if f.watch != nil {
+			updates = f.watch.updates
+		}
 		select {
 		case <-ctx.Done():
 			return feedChunk{}, ctx.Err()
 		case <-f.timer.C:
 			return feedChunk{}, fmt.Errorf("version %d: no chunk for %v after %d of %d bytes (publisher gone?)",
 				f.a.Version, f.r.cfg.ChunkTimeout, want.offset, max(want.total, f.a.TotalBytes))
+		case e, ok := <-updates:
+			if !ok {
+				f.watch.updates = nil
+			} else if err := f.watch.note(ctx, e); err != nil {
+				return feedChunk{}, err
+			}
+			continue
 		case msg = <-f.msgs:
 		}
 		f.timer.Reset(f.r.cfg.ChunkTimeout)

@@ -867,3 +867,85 @@ func TestPublishFullAfterNotApplied(t *testing.T) {
 		t.Fatalf("after the full version: %v", err)
 	}
 }
+
+// TestRefitSuperseded: a version whose publisher died (mid-version, or
+// after its last chunk and before its manifest) gives way at once to a
+// newer version announced after it: it is rejected as superseded and the
+// newer one applied well within chunk_timeout, not after it. A version
+// complete in the stream is not superseded: a slow worker still reading it
+// when the next one is announced applies both.
+func TestRefitSuperseded(t *testing.T) {
+	const chunkTimeout = 20 * time.Second
+	srv := refittest.StartServer(t)
+	a, b, c := modelDir(t, 77), modelDir(t, 78), modelDir(t, 79)
+	statuses := watchStatuses(t, srv.URL())
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(cfg *ReceiverConfig) { cfg.ChunkTimeout = chunkTimeout })
+	ctx := ptContext(t, 60*time.Second)
+	fullB, fullC := subset(t, b, nil), subset(t, c, nil)
+
+	for _, tc := range []struct {
+		name      string
+		dead, new uint64
+		publish   func(v uint64) // a publisher that dies
+		stalled   func() bool    // the worker waits on the dead version
+	}{
+		{"died mid-version", 1, 2,
+			func(v uint64) { rawPublish(t, srv.URL(), v, fullB, true, 0, 4096, 10, nil) },
+			func() bool { return w.r.receivedBytes() == 10*4096 }},
+		{"died before the manifest", 3, 4,
+			func(v uint64) { rawPublishEdited(t, srv.URL(), v, fullB, true, 0, 4096, nil, nil, false) },
+			func() bool { return w.r.receivedBytes() == int64(len(fullB)) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.publish(tc.dead)
+			for deadline := time.Now().Add(10 * time.Second); !tc.stalled(); time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("the worker received %d bytes of version %d", w.r.receivedBytes(), tc.dead)
+				}
+			}
+			start := time.Now()
+			p := newPublisher(t, srv.URL()) // a publisher restarted
+			if next, err := p.NextVersion(ctx); err != nil || next != tc.new {
+				t.Fatalf("next version %d, %v; want %d", next, err, tc.new)
+			}
+			publish(t, p, tc.new, fullC, true)
+			st := statuses.wait(t, "w", tc.new)
+			took := time.Since(start)
+			if st.State != StateApplied {
+				t.Fatalf("version %d: %+v", tc.new, st)
+			}
+			if dead, _ := statuses.find("w", tc.dead); dead.State != StateRejected || !strings.Contains(dead.Reason, fmt.Sprintf("superseded by version %d", tc.new)) {
+				t.Fatalf("version %d: %+v, want rejected as superseded by version %d", tc.dead, dead, tc.new)
+			}
+			if took > chunkTimeout/4 {
+				t.Fatalf("version %d applied %v after it was published, chunk_timeout is %v", tc.new, took, chunkTimeout)
+			}
+			residentEquals(t, "the version after a dead one", w.m, c)
+			t.Logf("version %d applied %v after its publish began", tc.new, took)
+		})
+	}
+
+	// A slow worker still reading version 5, complete in the stream, when
+	// version 6 (a partial one on 5) is announced applies 5, then 6.
+	slow := startWorker(t, srv.URL(), a, "slow", moe.RecipePerToken, func(cfg *ReceiverConfig) { cfg.ChunkTimeout = chunkTimeout })
+	statuses.wait(t, "slow", 4) // its catch-up
+	slow.r.chunkDelay = 5 * time.Millisecond
+	p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 4096}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	publish(t, p, 5, fullB, true)
+	if statuses.wait(t, "w", 5).State != StateApplied {
+		t.Fatal("the fast worker did not apply version 5")
+	}
+	if _, done := statuses.find("slow", 5); done {
+		t.Fatal("the slow worker was not slow: the test proves nothing")
+	}
+	publish(t, p, 6, subset(t, c, experts), false)
+	for _, v := range []uint64{5, 6} {
+		if st := statuses.wait(t, "slow", v); st.State != StateApplied {
+			t.Fatalf("slow worker, version %d: %+v", v, st)
+		}
+	}
+	residentEquals(t, "the slow worker", slow.m, mixDir(t, b, c, experts))
+}

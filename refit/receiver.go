@@ -726,18 +726,22 @@ func (r *Receiver) isFull(ws []*write) bool {
 // keeps up; the stream is the fallback (and, without live, the source).
 func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announce, live bool, st *Status) (err error) {
 	recvStart := time.Now()
-	// Watch the manifest from the start, so that its arrival after the
-	// last chunk wakes the worker at once rather than at the next poll.
-	mw, err := kv.Watch(ctx, KeyManifest, jetstream.UpdatesOnly())
+	// Watch the bucket from the start: the manifest's arrival after the
+	// last chunk wakes the worker at once rather than at the next poll,
+	// and a newer version announced before this one completed ends it at
+	// once (versionWatch).
+	mw, err := kv.WatchAll(ctx)
 	if err != nil {
-		return fmt.Errorf("version %d: watch the manifest: %w", a.Version, err)
+		return fmt.Errorf("version %d: watch the bucket: %w", a.Version, err)
 	}
 	defer mw.Stop()
+	vw := &versionWatch{r: r, kv: kv, updates: mw.Updates(), v: a.Version}
 	var ls *liveSub
 	if live {
 		ls = r.live
 	}
 	feed := r.newFeed(a, ls)
+	feed.watch = vw
 	defer feed.close()
 	// The digest the manifest is checked against: the chunk table's
 	// SHA-256 (protocol 2; the entries come from chunks whose CRC-32C was
@@ -849,7 +853,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		return fmt.Errorf("version %d: %d chunks carried all %d bytes, the headers said %d", a.Version, next, total, chunks)
 	}
 	// Every byte is in: the manifest must vouch for them.
-	m, err := r.awaitManifest(ctx, kv, mw, a.Version)
+	m, err := r.awaitManifest(ctx, kv, vw, a.Version)
 	if err != nil {
 		return err
 	}
@@ -978,15 +982,108 @@ func checkFinite(w *write, lo int64, part []byte) error {
 // exponent bits set.
 func bad(lo, hi byte) bool { return hi&0x7f == 0x7f && lo&0x80 != 0 }
 
+// versionWatch follows the bucket while version v is received
+// (PROTOCOL.md, "Worker behaviour"): a newer version that this worker
+// would take, announced (or completed) while v's manifest is not in the
+// bucket, means v's publisher stopped before completing it, so v is
+// superseded at once rather than after ChunkTimeout of silence. A v whose
+// manifest is in the bucket is complete in the stream: a slow worker reads
+// it to the end whatever comes after it.
+type versionWatch struct {
+	r       *Receiver
+	kv      jetstream.KeyValue
+	updates <-chan jetstream.KeyValueEntry // the bucket's values, then its updates; nil once closed
+	v       uint64
+	// complete says v's manifest is in the bucket; manifest is that
+	// manifest when the watch delivered it (and it is accepted).
+	complete bool
+	manifest *Manifest
+}
+
+// note handles an entry of the watch: it returns an error when v is
+// superseded.
+func (vw *versionWatch) note(ctx context.Context, e jetstream.KeyValueEntry) error {
+	if e == nil || e.Operation() != jetstream.KeyValuePut {
+		return nil
+	}
+	r := vw.r
+	var a Announce
+	var auth error
+	switch e.Key() {
+	case KeyAnnounce:
+		x, err := r.parseAnnounce(e.Value())
+		if err != nil {
+			return nil
+		}
+		a, auth = x, r.authAnnounce(x)
+	case KeyManifest:
+		m, err := r.parseManifest(e.Value())
+		if err != nil {
+			return nil
+		}
+		auth = r.authManifest(m)
+		if m.Version == vw.v && auth == nil {
+			vw.complete, vw.manifest = true, &m
+			return nil
+		}
+		a = m.Announce
+	default:
+		return nil
+	}
+	if a.Version <= vw.v || !r.wouldTake(a, auth) {
+		return nil
+	}
+	return vw.supersededBy(ctx, a.Version)
+}
+
+// supersededBy returns the error that ends v, newer having come, unless
+// v's manifest is in the bucket.
+func (vw *versionWatch) supersededBy(ctx context.Context, newer uint64) error {
+	if vw.complete {
+		return nil
+	}
+	if m, ok := vw.r.manifestOf(ctx, vw.kv, vw.v); ok {
+		vw.complete, vw.manifest = true, m
+		return nil
+	}
+	return fmt.Errorf("version %d: superseded by version %d, announced before this one completed (its publisher stopped?)", vw.v, newer)
+}
+
+// manifestOf looks for version v's (accepted) manifest in the bucket: its
+// value, then its history.
+func (r *Receiver) manifestOf(ctx context.Context, kv jetstream.KeyValue, v uint64) (*Manifest, bool) {
+	if e, err := kv.Get(ctx, KeyManifest); err == nil {
+		if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && r.authManifest(m) == nil {
+			return &m, true
+		}
+	}
+	if m, ok := r.oldManifest(ctx, kv, v); ok {
+		return &m, true
+	}
+	return nil, false
+}
+
+// wouldTake reports whether this worker would receive version a (auth:
+// its signature check) were it announced now: a newer version, of its
+// model, not seen, properly signed or within MaxVersionStep.
+func (r *Receiver) wouldTake(a Announce, auth error) bool {
+	return auth == nil && a.Model == r.cfg.Model && a.Version > r.current && !r.seen[a.Version] &&
+		(r.cfg.Trust != nil || a.Version-r.current <= r.cfg.MaxVersionStep)
+}
+
 // awaitManifest waits for the manifest of version v: it reads the
-// bucket, and again whenever the watcher mw (made before the version's
-// chunks were read) sees a new manifest, with a slow poll as a backstop.
-func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw jetstream.KeyWatcher, v uint64) (Manifest, error) {
+// bucket, and again whenever the watch vw (made before the version's
+// chunks were read) sees a change, with a slow poll as a backstop. A
+// newer version announced meanwhile ends the wait (versionWatch).
+func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw *versionWatch, v uint64) (Manifest, error) {
+	if vw.manifest != nil {
+		return *vw.manifest, nil // delivered while the chunks came
+	}
 	deadline := time.NewTimer(r.cfg.ChunkTimeout)
 	defer deadline.Stop()
 	poll := time.NewTicker(100 * time.Millisecond)
 	defer poll.Stop()
-	updates := mw.Updates()
+	updates := vw.updates
 	// Without Trust, the manifest is taken as it comes. With it, one whose
 	// signature is not accepted is passed over, as if not yet written (its
 	// writer might otherwise reject a signed version by writing a bogus
@@ -1051,15 +1148,21 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, mw 
 			return Manifest{}, fmt.Errorf("version %d: all bytes in, but no manifest after %v (publisher gone?)", v, r.cfg.ChunkTimeout)
 		case e, ok := <-updates:
 			if !ok {
-				updates = nil // the watcher stopped: the poll goes on
+				updates, vw.updates = nil, nil // the watcher stopped: the poll goes on
 				continue
+			}
+			if e == nil {
+				continue // the end of the bucket's current values
 			}
 			// The usual case: the manifest of this version, in hand (one
 			// round trip less at the end of every version).
-			if e != nil {
+			if e.Key() == KeyManifest {
 				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && accepted(m) {
 					return m, nil
 				}
+			}
+			if err := vw.note(ctx, e); err != nil {
+				return Manifest{}, err
 			}
 		case <-poll.C:
 		}
