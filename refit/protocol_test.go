@@ -949,3 +949,42 @@ func TestRefitSuperseded(t *testing.T) {
 	}
 	residentEquals(t, "the slow worker", slow.m, mixDir(t, b, c, experts))
 }
+
+// TestSignedFullWithoutBase: a full version may leave base out
+// (PROTOCOL.md, "Announcement"); its signed bytes then say base=0, as
+// "Signatures" has it, so its signature verifies either way.
+func TestSignedFullWithoutBase(t *testing.T) {
+	s := sgSigner(t)
+	trust := sgTrust(t, s.PublicKey())
+	a, m := sgExample()
+	a.Full, a.Base, m.Full, m.Base = true, 0, true, 0
+	if !strings.Contains(string(a.SignedBytes()), "\nbase=0\n") {
+		t.Fatalf("signed bytes of a full version:\n%s", a.SignedBytes())
+	}
+	if err := s.SignAnnounce(&a); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SignManifest(&m); err != nil {
+		t.Fatal(err)
+	}
+	for _, drop := range []bool{false, true} {
+		var edits []jsonEdit
+		if drop {
+			edits = []jsonEdit{{field: "base", delete: true}}
+		}
+		pa, err := ParseAnnounce(editJSON(t, a, edits))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := trust.VerifyAnnounce(pa); err != nil {
+			t.Errorf("announcement, base dropped %v: %v", drop, err)
+		}
+		pm, err := ParseManifest(editJSON(t, m, edits))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := trust.VerifyManifest(pm); err != nil {
+			t.Errorf("manifest, base dropped %v: %v", drop, err)
+		}
+	}
+}

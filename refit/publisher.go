@@ -659,8 +659,6 @@ func (p *Publisher) versionOf(e jetstream.KeyValueEntry) (v uint64, own bool) {
 		return 0, false
 	}
 	switch {
-	case err == nil && a.Model != p.cfg.Model:
-		return 0, false
 	case p.cfg.Signer != nil:
 		if err != nil || auth != nil {
 			return 0, false
