@@ -105,7 +105,9 @@ type Publisher struct {
 
 // NewPublisher checks cfg, fills in its defaults and returns a Publisher
 // on nc. A nil log logs nothing. It makes no JetStream calls: Publish
-// creates or updates the stream and the bucket.
+// creates or updates the stream and the bucket. It subscribes to the
+// model's status subject, to record the workers' statuses on its versions
+// (until Close, or until nc closes).
 func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publisher, error) {
 	if log == nil {
 		log = zap.NewNop()
