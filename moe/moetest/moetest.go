@@ -1,7 +1,8 @@
 // Package moetest is the MoE layer's acceptance suite, parameterised by the
 // backend, so the CPU backend and the CUDA backend run the very same tests:
-// NVFP4 accuracy against the BF16 recipe, batch invariance, and in-place
-// requantization.
+// NVFP4 accuracy against the BF16 recipe, batch invariance, in-place
+// requantization, the atomic finalize, and train-gen parity (the NVFP4 path
+// against the training side's NVFP4 forward, moe/trainref).
 package moetest
 
 import (
@@ -28,6 +29,7 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("BatchInvariance", func(t *testing.T) { testBatchInvariance(t, newBackend(t)) })
 	t.Run("RequantizeInPlace", func(t *testing.T) { testRequantizeInPlace(t, newBackend(t)) })
 	t.Run("AtomicFinalize", func(t *testing.T) { testAtomicFinalize(t, newBackend(t)) })
+	t.Run("TrainGenParity", func(t *testing.T) { testTrainGenParity(t, newBackend(t)) })
 }
 
 // testAtomicFinalize runs the layer with the atomic finalize beside the
