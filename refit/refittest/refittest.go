@@ -12,6 +12,7 @@ package refittest
 import (
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -173,4 +174,88 @@ func Connect(t testing.TB, url string, opts ...nats.Option) *nats.Conn {
 	}
 	t.Cleanup(nc.Close)
 	return nc
+}
+
+// WithCluster makes the server a member of the named cluster: it listens
+// for routes on a free loopback port and routes to the given route URLs
+// (nats-route://127.0.0.1:PORT of the members started before it).
+func WithCluster(name string, routes ...string) Option {
+	return func(o *server.Options) {
+		o.Cluster.Name = name
+		o.Cluster.Host = "127.0.0.1"
+		o.Cluster.Port = server.RANDOM_PORT
+		o.Routes = server.RoutesFromStr(strings.Join(routes, ","))
+	}
+}
+
+// WithName sets the server's name (members of a cluster need distinct ones).
+func WithName(name string) Option {
+	return func(o *server.Options) { o.ServerName = name }
+}
+
+// RouteURL is the server's route URL, for WithCluster of the next member
+// ("" when it is not in a cluster).
+func (s *Server) RouteURL() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.srv == nil || s.opts.Cluster.Name == "" {
+		return ""
+	}
+	addr := s.srv.ClusterAddr()
+	if addr == nil {
+		return ""
+	}
+	return fmt.Sprintf("nats-route://127.0.0.1:%d", addr.Port)
+}
+
+// Traffic is what a server has carried since it started: messages and
+// bytes in from and out to its connections (clients and routes alike).
+type Traffic struct {
+	InMsgs, OutMsgs, InBytes, OutBytes int64
+}
+
+// Traffic returns the server's counters (zero while it is shut down).
+func (s *Server) Traffic() (Traffic, error) {
+	s.mu.Lock()
+	srv := s.srv
+	s.mu.Unlock()
+	if srv == nil {
+		return Traffic{}, nil
+	}
+	v, err := srv.Varz(nil)
+	if err != nil {
+		return Traffic{}, fmt.Errorf("refittest: varz: %w", err)
+	}
+	return Traffic{InMsgs: v.InMsgs, OutMsgs: v.OutMsgs, InBytes: v.InBytes, OutBytes: v.OutBytes}, nil
+}
+
+// StartCluster starts n servers in one cluster with JetStream, each routed
+// to those started before it, and waits until every one sees the others
+// and JetStream has a meta leader. Shutdowns are registered with t.Cleanup.
+func StartCluster(t testing.TB, name string, n int, opts ...Option) []*Server {
+	t.Helper()
+	var servers []*Server
+	var routes []string
+	for i := range n {
+		o := append([]Option{WithName(fmt.Sprintf("%s-%d", name, i+1)), WithCluster(name, routes...)}, opts...)
+		s := StartServer(t, o...)
+		servers = append(servers, s)
+		routes = append(routes, s.RouteURL())
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for _, s := range servers {
+		for {
+			s.mu.Lock()
+			srv := s.srv
+			s.mu.Unlock()
+			if srv.NumRoutes() >= n-1 && srv.JetStreamIsClustered() && srv.JetStreamIsCurrent() {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("refittest: cluster %s not formed after 30s (%s has %d routes)", name, srv.Name(), srv.NumRoutes())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	return servers
 }
