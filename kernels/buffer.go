@@ -182,6 +182,27 @@ func (b *Buffer) stride() int {
 	return s
 }
 
+// View returns a view of b's bytes from byte offset off as a buffer of
+// dtype dt and the given shape: the same memory under another type, like a
+// cast. It lets one allocation hold several small inputs of different
+// types, so they are uploaded in one copy. off must be a multiple of dt's
+// size.
+func (b *Buffer) View(off int, dt DType, shape ...int) (*Buffer, error) {
+	n, err := elems(dt, shape)
+	if err != nil {
+		return nil, err
+	}
+	size := n * dt.Size()
+	if off < 0 || off%dt.Size() != 0 || off+size > b.Size() {
+		return nil, fmt.Errorf("kernels: view %s%v at byte %d of %s (%d bytes)", dt, shape, off, b, b.Size())
+	}
+	v := &Buffer{dtype: dt, shape: slices.Clone(shape), addr: b.addr + uintptr(off), owner: b.owner}
+	if b.host != nil {
+		v.host = b.host[off : off+size : off+size]
+	}
+	return v, nil
+}
+
 // Index returns the view b[i]: dimension 0 fixed at i.
 func (b *Buffer) Index(i int) (*Buffer, error) {
 	if len(b.shape) == 0 || i < 0 || i >= b.shape[0] {

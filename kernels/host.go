@@ -86,6 +86,16 @@ func (v *Views) Reshape(b *Buffer, shape ...int) *Buffer {
 	return r
 }
 
+// View is b.View(off, dt, shape...), or nil after an error.
+func (v *Views) View(b *Buffer, off int, dt DType, shape ...int) *Buffer {
+	if v.Err != nil {
+		return nil
+	}
+	r, err := b.View(off, dt, shape...)
+	v.Err = err
+	return r
+}
+
 // NVFP4Rows is the view of the first n rows of a per-row quantized buffer.
 func (v *Views) NVFP4Rows(q NVFP4, n int) NVFP4 {
 	return NVFP4{Packed: v.Rows(q.Packed, n), Scales: v.Rows(q.Scales, n), Scale: v.Rows(q.Scale, n)}

@@ -10,20 +10,24 @@ import (
 	"time"
 
 	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/policy/sched"
 )
 
+// The scheduler's unsampled token is the sampler's.
+var _ = [1]struct{}{}[sched.Unsampled-kernels.UnsampledToken]
+
 // FinishReason says why a sample ended.
-type FinishReason string
+type FinishReason = sched.FinishReason
 
 // Finish reasons.
 const (
-	FinishStop   FinishReason = "stop"   // a stop token was produced (it is included)
-	FinishLength FinishReason = "length" // max_tokens was reached
-	FinishAbort  FinishReason = "abort"  // the request was aborted or the engine stopped
+	FinishStop   = sched.FinishStop   // a stop token was produced (it is included)
+	FinishLength = sched.FinishLength // max_tokens was reached
+	FinishAbort  = sched.FinishAbort  // the request was aborted or the engine stopped
 	// FinishError: the model's logits for this sample could not be sampled
 	// (NaN or +Inf, or all -Inf); Sample.Err says where. The request's other
 	// samples are aborted; the engine and other requests go on.
-	FinishError FinishReason = "error"
+	FinishError = sched.FinishError
 )
 
 // Sentinel errors.
@@ -33,39 +37,13 @@ var (
 )
 
 // SamplingParams are a request's sampling settings.
-type SamplingParams struct {
-	Temperature float32 // 0: greedy
-	TopP        float32 // (0, 1]; 0 means 1
-	TopK        int     // 0: all
-	MaxTokens   int     // >= 1
-	Stop        []int32 // stop token ids
-	Seed        uint64
-	// RoutedExperts asks for the expert ids each generated token's forward
-	// pass routed to, per layer.
-	RoutedExperts bool
-}
+type SamplingParams = sched.SamplingParams
 
 // Request is one prompt with N samples.
-type Request struct {
-	ID     string
-	Prompt []int32
-	N      int
-	Params SamplingParams
-}
+type Request = sched.Request
 
 // Sample is one finished sample of a request.
-type Sample struct {
-	Index    int
-	Tokens   []int32   // generated tokens
-	LogProbs []float32 // of each token under softmax(logits / T)
-	Versions []uint64  // the policy version each token was produced under
-	Finish   FinishReason
-	// Routed[i][layer*k + j]: the experts of the forward pass that produced
-	// token i (RoutedExperts only).
-	Routed [][]int32
-	// Err says why a sample ended with FinishError.
-	Err string
-}
+type Sample = sched.Sample
 
 // Handle is a submitted request's result stream.
 type Handle struct {
@@ -106,12 +84,14 @@ type StepRunner interface {
 //
 // Submit, Score and AtBoundary may be called from any goroutine; Run is the
 // loop and owns the model (and its backend) while it runs. Everything below
-// the mutex-protected inbox is touched by the loop goroutine only.
+// the mutex-protected inbox is touched by the loop goroutine only. The loop
+// plans each step with a scheduler (package sched: requests, admission,
+// pages, running samples) and runs it with an Executor.
 type Engine struct {
 	m      *Model
 	cfg    EngineConfig
 	mu     sync.Mutex
-	inbox  []any // *request, *boundary
+	inbox  []any // *sched.Req, *boundary
 	wake   chan struct{}
 	closed bool
 
@@ -120,14 +100,9 @@ type Engine struct {
 	version atomic.Uint64 // the policy version tokens are produced under
 
 	// Loop state.
-	pages    pageAlloc
-	waiting  []*request
-	prefill  []*request
-	running  []*seq
-	maxPages int
-	// scoreNeed holds back admission while a scoring job waits for this
-	// many pages, so steady generation load cannot starve it.
-	scoreNeed int
+	sched *sched.Scheduler
+	pages *sched.Pages // the scheduler's: scoring takes pages of its own
+	exec  Executor
 }
 
 // EngineStats are counters of the loop's work since it started.
@@ -153,26 +128,6 @@ func (e *Engine) Stats() EngineStats {
 		Generated: e.stats.generated.Load(), Failed: e.stats.failed.Load(), KVPagesUsed: e.stats.pages.Load(), Waiting: e.stats.waiting.Load(), Running: e.stats.running.Load()}
 }
 
-type request struct {
-	Request
-	h        *Handle
-	reserved int   // pages reserved for the whole request
-	prompt   []int // pages holding the prompt
-	done     int   // prompt tokens prefilled
-	left     int   // samples not yet delivered
-	// stop is Params.Stop as a set: emit checks every token against it.
-	stop map[int32]struct{}
-}
-
-type seq struct {
-	r      *request
-	index  int
-	pages  []int
-	length int // tokens in the cache
-	last   int32
-	out    Sample
-}
-
 type boundary struct {
 	fn    func() error
 	err   chan error
@@ -196,7 +151,10 @@ func (b *boundary) run() {
 // else while the engine runs.
 func NewEngine(m *Model, cfg EngineConfig) *Engine {
 	o := m.opts
-	e := &Engine{m: m, cfg: cfg, wake: make(chan struct{}, 1), pages: newPageAlloc(o.KVPages), maxPages: o.maxPagesPerSeq(m.cfg)}
+	e := &Engine{m: m, cfg: cfg, wake: make(chan struct{}, 1), exec: newModelExecutor(m, cfg.Graphs)}
+	e.sched = sched.New(sched.Config{PageSize: o.PageSize, KVPages: o.KVPages, MaxPagesPerSeq: o.maxPagesPerSeq(m.cfg),
+		MaxTokens: o.MaxTokens, MaxSeqs: o.MaxSeqs, MaxLogitRows: o.MaxLogitRows, TopK: m.cfg.TopK}, (*sink)(e))
+	e.pages = e.sched.Pages()
 	e.version.Store(cfg.Version)
 	return e
 }
@@ -216,16 +174,15 @@ func (e *Engine) Submit(req Request) (*Handle, error) {
 	if err := e.validate(&req); err != nil {
 		return nil, err
 	}
-	r := &request{Request: req, left: req.N, stop: stopSet(req.Params.Stop),
-		h: &Handle{id: req.ID, samples: make(chan Sample, req.N), abort: make(chan struct{})}}
-	r.reserved = e.reservation(r)
-	if r.reserved > e.m.opts.KVPages {
-		return nil, fmt.Errorf("policy: request %q needs %d KV pages, the cache has %d: %w", req.ID, r.reserved, e.m.opts.KVPages, ErrTooLarge)
+	h := &Handle{id: req.ID, samples: make(chan Sample, req.N), abort: make(chan struct{})}
+	r := e.sched.NewReq(req, h)
+	if r.Reserved() > e.m.opts.KVPages {
+		return nil, fmt.Errorf("policy: request %q needs %d KV pages, the cache has %d: %w", req.ID, r.Reserved(), e.m.opts.KVPages, ErrTooLarge)
 	}
 	if err := e.post(r); err != nil {
 		return nil, err
 	}
-	return r.h, nil
+	return h, nil
 }
 
 func (e *Engine) validate(r *Request) error {
@@ -257,15 +214,6 @@ func (e *Engine) validate(r *Request) error {
 		}
 	}
 	return nil
-}
-
-// reservation is the most pages a request can ever hold: the prompt's full
-// pages, shared, plus for each sample the pages from the prompt's partial
-// last page to its last token.
-func (e *Engine) reservation(r *request) int {
-	ps := e.m.opts.PageSize
-	P := len(r.Prompt)
-	return P/ps + r.N*ceilDiv(P%ps+r.Params.MaxTokens, ps)
 }
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }
@@ -310,9 +258,9 @@ func (e *Engine) Run(ctx context.Context) error {
 	defer e.shutdown()
 	for {
 		e.drainInbox()
-		e.reapAborted()
-		e.admit()
-		if len(e.prefill) == 0 && len(e.running) == 0 {
+		e.sched.Reap()
+		e.sched.Admit()
+		if !e.sched.Busy() {
 			select {
 			case <-ctx.Done():
 				return nil
@@ -343,406 +291,98 @@ func (e *Engine) takeInbox(closing bool) []any {
 func (e *Engine) shutdown() {
 	for _, it := range e.takeInbox(true) {
 		switch it := it.(type) {
-		case *request:
-			e.waiting = append(e.waiting, it)
+		case *sched.Req:
+			e.sched.Add(it)
 		case *boundary:
 			if it.state.CompareAndSwap(boundaryPending, boundaryCancelled) {
 				it.err <- ErrStopped
 			}
 		}
 	}
-	for _, s := range e.running {
-		e.finish(s, FinishAbort)
-	}
-	e.running = nil
-	for _, r := range append(e.waiting, e.prefill...) {
-		e.abortRequest(r)
-	}
-	e.waiting, e.prefill = nil, nil
+	e.sched.Shutdown()
 }
 
 func (e *Engine) drainInbox() {
 	for _, it := range e.takeInbox(false) {
 		switch it := it.(type) {
-		case *request:
-			e.waiting = append(e.waiting, it)
+		case *sched.Req:
+			e.sched.Add(it)
 		case *boundary:
 			it.run()
 		}
 	}
 }
 
-func aborted(r *request) bool {
+// sink is the engine as the scheduler's sink: samples go to their
+// request's handle.
+type sink Engine
+
+func (k *sink) Deliver(r *sched.Req, s Sample, last bool) {
+	h := r.Owner.(*Handle)
+	if s.Finish == FinishError {
+		k.stats.failed.Add(1)
+	}
+	h.samples <- s
+	if last {
+		close(h.samples)
+	}
+}
+
+func (k *sink) Aborted(r *sched.Req) bool {
 	select {
-	case <-r.h.abort:
+	case <-r.Owner.(*Handle).abort:
 		return true
 	default:
 		return false
 	}
 }
 
-// reapAborted ends aborted requests wherever they are.
-func (e *Engine) reapAborted() {
-	keep := e.running[:0]
-	for _, s := range e.running {
-		if aborted(s.r) {
-			e.finish(s, FinishAbort)
-			continue
-		}
-		keep = append(keep, s)
-	}
-	e.running = keep
-	drop := func(list []*request, admitted bool) []*request {
-		out := list[:0]
-		for _, r := range list {
-			if !aborted(r) {
-				out = append(out, r)
-				continue
-			}
-			if admitted { // waiting requests hold no pages yet
-				for _, p := range r.prompt {
-					e.pages.release(p)
-				}
-				e.pages.unreserve(r.reserved - len(r.prompt))
-			}
-			e.abortRequest(r)
-		}
-		return out
-	}
-	e.waiting, e.prefill = drop(e.waiting, false), drop(e.prefill, true)
-}
-
-// admit moves waiting requests, in order, into prefill while their page
-// reservation fits.
-func (e *Engine) admit() {
-	for len(e.waiting) > 0 {
-		r := e.waiting[0]
-		if !e.pages.reserve(r.reserved + e.scoreNeed) {
-			return
-		}
-		e.pages.unreserve(e.scoreNeed)
-		e.waiting = e.waiting[1:]
-		e.prefill = append(e.prefill, r)
-	}
-}
-
-// step runs one forward pass: one decode token for every running sample,
-// then prefill chunks while the token budget lasts.
+// step plans one step, runs it and commits its results.
 func (e *Engine) step() error {
-	o := e.m.opts
-	ps := o.PageSize
-	var in StepInput
-	type logitOwner struct {
-		s *seq     // a decoding sample
-		r *request // or a request whose prefill ends here (n rows)
+	p, err := e.sched.Plan()
+	if err != nil || p == nil {
+		return err
 	}
-	var owners []logitOwner
-	decodeOnly := true
-	addSeq := func(pages []int, length, n int) {
-		in.SeqLens = append(in.SeqLens, int32(length))
-		row := make([]int32, len(pages))
-		for i, p := range pages {
-			row[i] = int32(p)
-		}
-		in.PageTable = append(in.PageTable, row)
-		in.QueryStart = append(in.QueryStart, in.QueryStart[len(in.QueryStart)-1]+int32(n))
+	p.Version = e.version.Load()
+	start := time.Now()
+	if err := e.exec.Launch(p); err != nil {
+		return err
 	}
-	in.QueryStart = []int32{0}
-	stepped := 0 // running samples in this step: a prefix of e.running
-	for _, s := range e.running {
-		if len(in.SeqLens) == o.MaxSeqs || len(in.Tokens) == o.MaxTokens || len(in.LogitRows) == o.MaxLogitRows {
-			break
-		}
-		stepped++
-		pos := s.length
-		if pos/ps >= len(s.pages) {
-			p, err := e.pages.take()
-			if err != nil {
-				return err
-			}
-			s.pages = append(s.pages, p)
-		}
-		in.Tokens = append(in.Tokens, s.last)
-		in.Positions = append(in.Positions, int32(pos))
-		in.Slots = append(in.Slots, int32(s.pages[pos/ps]*ps+pos%ps))
-		in.LogitRows = append(in.LogitRows, int32(len(in.Tokens)-1))
-		in.Sampling = append(in.Sampling, s.r.row(s.index, pos+1))
-		s.length++
-		addSeq(s.pages, s.length, 1)
-		owners = append(owners, logitOwner{s: s})
-	}
-	for _, r := range e.prefill {
-		budget := o.MaxTokens - len(in.Tokens)
-		if budget <= 0 || len(in.SeqLens) == o.MaxSeqs {
-			break
-		}
-		P := len(r.Prompt)
-		n := min(budget, P-r.done)
-		last := r.done+n == P
-		if last && len(in.LogitRows)+r.N > o.MaxLogitRows {
-			if n == 1 {
-				continue // its sampling rows do not fit this step; others may
-			}
-			n--
-			last = false
-		}
-		decodeOnly = false
-		for i := range n {
-			pos := r.done + i
-			for pos/ps >= len(r.prompt) {
-				p, err := e.pages.take()
-				if err != nil {
-					return err
-				}
-				r.prompt = append(r.prompt, p)
-			}
-			in.Tokens = append(in.Tokens, r.Prompt[pos])
-			in.Positions = append(in.Positions, int32(pos))
-			in.Slots = append(in.Slots, int32(r.prompt[pos/ps]*ps+pos%ps))
-		}
-		r.done += n
-		addSeq(r.prompt, r.done, n)
-		if last {
-			for i := range r.N {
-				in.LogitRows = append(in.LogitRows, int32(len(in.Tokens)-1))
-				in.Sampling = append(in.Sampling, r.row(i, P))
-			}
-			owners = append(owners, logitOwner{r: r})
-		}
-	}
-	if len(in.Tokens) == 0 {
-		return nil
-	}
-	n := len(in.LogitRows)
-	stepStart := time.Now()
-	graphsBefore := e.stats.graphSteps.Load()
-	err := e.forward(&in, decodeOnly)
+	res, err := e.exec.Wait()
 	if err != nil {
 		return err
 	}
+	return e.commit(p, res, start)
+}
+
+// commit hands a step's results to the scheduler and records the step.
+func (e *Engine) commit(p *sched.Plan, res *sched.Results, start time.Time) error {
+	T, S, L := len(p.Tokens), len(p.SeqLens), len(p.LogitRows)
 	e.stats.steps.Add(1)
-	e.stats.tokens.Add(uint64(len(in.Tokens)))
-	e.stats.generated.Add(uint64(n))
-	defer func() {
-		if m := e.cfg.Metrics; m != nil {
-			kind := "eager"
-			if e.stats.graphSteps.Load() > graphsBefore {
-				kind = "graph"
-			}
-			m.steps.WithLabelValues(kind).Inc()
-			m.stepTime.Observe(time.Since(stepStart).Seconds())
-			m.batchToks.Observe(float64(len(in.Tokens)))
-			m.batchSeqs.Observe(float64(len(in.SeqLens)))
-			m.tokens.WithLabelValues("forwarded").Add(float64(len(in.Tokens)))
-			m.tokens.WithLabelValues("generated").Add(float64(n))
-			m.pagesInUse.Set(float64(e.pages.inUse()))
-			m.pagesTotal.Set(float64(e.m.opts.KVPages))
-			m.waiting.Set(float64(len(e.waiting)))
-			m.running.Set(float64(len(e.running)))
-		}
-	}()
-	var tokens []int32
-	var lps []float32
-	if n > 0 {
-		if tokens, lps, err = e.m.Samples(n); err != nil {
-			return err
-		}
-	}
-	var routing [][]int32
-	if slices.ContainsFunc(owners, func(o logitOwner) bool {
-		return (o.s != nil && o.s.r.Params.RoutedExperts) || (o.r != nil && o.r.Params.RoutedExperts)
-	}) {
-		if routing, err = e.m.Routing(len(in.Tokens)); err != nil {
-			return err
-		}
-	}
-	row := 0
-	var next []*seq
-	for _, ow := range owners {
-		if ow.s != nil {
-			if e.emit(ow.s, tokens[row], lps[row], routing, int(in.LogitRows[row])) {
-				next = append(next, ow.s)
-			}
-			row++
-			continue
-		}
-		r := ow.r
-		e.prefill = slices.DeleteFunc(e.prefill, func(x *request) bool { return x == r })
-		seqs, err := e.fork(r)
-		if err != nil {
-			e.abortRequest(r)
-			return err
-		}
-		for _, s := range seqs {
-			if e.emit(s, tokens[row], lps[row], routing, int(in.LogitRows[row])) {
-				next = append(next, s)
-			}
-			row++
-		}
-	}
-	// Samples that did not fit this step go first next time.
-	var skipped []*seq
-	for _, s := range e.running[stepped:] {
-		skipped = append(skipped, s)
-	}
-	e.running = append(skipped, next...)
-	e.stats.pages.Store(int64(e.pages.inUse()))
-	e.stats.waiting.Store(int64(len(e.waiting)))
-	e.stats.running.Store(int64(len(e.running)))
-	return nil
-}
-
-// forward stages and runs one pass, through the graph runner when the step
-// is decode-only.
-func (e *Engine) forward(in *StepInput, decodeOnly bool) error {
-	if decodeOnly && e.cfg.Graphs != nil {
-		n := len(in.Tokens)
-		padded, err := e.cfg.Graphs.Pad(n)
-		if err != nil { // larger than the largest bucket: run it eagerly
-			return e.eager(in)
-		}
-		in.Pad(padded)
-		if _, err := e.m.Stage(*in); err != nil {
-			return err
-		}
+	if res.Graph {
 		e.stats.graphSteps.Add(1)
-		return e.cfg.Graphs.Run(padded)
 	}
-	return e.eager(in)
-}
-
-func (e *Engine) eager(in *StepInput) error {
-	sh, err := e.m.Stage(*in)
-	if err != nil {
-		return err
-	}
-	return e.m.Forward(sh, true)
-}
-
-// abortRequest ends every undelivered sample of a request that has no
-// running samples (waiting, in prefill, or failing to fork).
-func (e *Engine) abortRequest(r *request) {
-	for i := range r.left {
-		r.h.samples <- Sample{Index: r.N - r.left + i, Finish: FinishAbort}
-	}
-	r.left = 0
-	close(r.h.samples)
-}
-
-// row is the sampling row of sample i drawing the token at position pos.
-func (r *request) row(i, pos int) SampleRow {
-	p := r.Params
-	return SampleRow{Temperature: p.Temperature, TopK: int32(p.TopK), TopP: p.TopP, Seed: p.Seed, SampleID: int32(i), Position: int32(pos)}
-}
-
-// fork turns a request whose prompt is prefilled into its N samples. They
-// share the prompt's full pages; the partial last page is copied for every
-// sample but the first, which takes the original.
-func (e *Engine) fork(r *request) ([]*seq, error) {
-	ps := e.m.opts.PageSize
-	P := len(r.Prompt)
-	full := P / ps
-	seqs := make([]*seq, r.N)
-	for i := range seqs {
-		s := &seq{r: r, index: i, length: P, out: Sample{Index: i}}
-		s.pages = append(s.pages, r.prompt[:full]...) // shared: one reference each
-		if P%ps != 0 {
-			if i == 0 {
-				s.pages = append(s.pages, r.prompt[full])
-			} else {
-				p, err := e.pages.take()
-				if err != nil {
-					return nil, err
-				}
-				if err := e.m.CopyPage(p, r.prompt[full]); err != nil {
-					return nil, err
-				}
-				s.pages = append(s.pages, p)
-			}
+	e.stats.tokens.Add(uint64(T))
+	e.stats.generated.Add(uint64(L))
+	err := e.sched.Commit(p, res)
+	e.stats.pages.Store(int64(e.pages.InUse()))
+	e.stats.waiting.Store(int64(e.sched.Waiting()))
+	e.stats.running.Store(int64(e.sched.Running()))
+	if m := e.cfg.Metrics; m != nil {
+		kind := "eager"
+		if res.Graph {
+			kind = "graph"
 		}
-		seqs[i] = s
+		m.steps.WithLabelValues(kind).Inc()
+		m.stepTime.Observe(time.Since(start).Seconds())
+		m.batchToks.Observe(float64(T))
+		m.batchSeqs.Observe(float64(S))
+		m.tokens.WithLabelValues("forwarded").Add(float64(T))
+		m.tokens.WithLabelValues("generated").Add(float64(L))
+		m.pagesInUse.Set(float64(e.pages.InUse()))
+		m.pagesTotal.Set(float64(e.m.opts.KVPages))
+		m.waiting.Set(float64(e.sched.Waiting()))
+		m.running.Set(float64(e.sched.Running()))
 	}
-	for _, p := range r.prompt[:full] {
-		e.pages.share(p, r.N-1)
-	}
-	// The request's reservation moves to its samples: the shared full pages
-	// are accounted once, in the prompt pages already taken.
-	r.prompt = nil
-	return seqs, nil
-}
-
-// emit appends a drawn token to s and reports whether s goes on. A row the
-// sampler could not draw from ends s with FinishError and aborts the rest
-// of its request: a numeric failure fails that request only.
-func (e *Engine) emit(s *seq, tok int32, lp float32, routing [][]int32, row int) bool {
-	p := s.r.Params
-	if tok == kernels.UnsampledToken {
-		s.out.Err = fmt.Sprintf("sample %d, token %d: the model's logits are not finite (NaN or +Inf, or all -Inf): nothing to sample from", s.index, len(s.out.Tokens))
-		s.r.h.Abort()
-		e.stats.failed.Add(1)
-		e.finish(s, FinishError)
-		return false
-	}
-	s.out.Tokens = append(s.out.Tokens, tok)
-	s.out.LogProbs = append(s.out.LogProbs, lp)
-	s.out.Versions = append(s.out.Versions, e.version.Load())
-	if p.RoutedExperts && routing != nil {
-		k := e.m.cfg.TopK
-		ids := make([]int32, 0, len(routing)*k)
-		for _, layer := range routing {
-			ids = append(ids, layer[row*k:(row+1)*k]...)
-		}
-		s.out.Routed = append(s.out.Routed, ids)
-	}
-	s.last = tok
-	switch {
-	case s.r.isStop(tok):
-		e.finish(s, FinishStop)
-	case len(s.out.Tokens) >= p.MaxTokens:
-		e.finish(s, FinishLength)
-	default:
-		return true
-	}
-	return false
-}
-
-// stopSet returns ids as a set (nil when empty).
-func stopSet(ids []int32) map[int32]struct{} {
-	if len(ids) == 0 {
-		return nil
-	}
-	set := make(map[int32]struct{}, len(ids))
-	for _, t := range ids {
-		set[t] = struct{}{}
-	}
-	return set
-}
-
-// isStop reports whether tok is one of the request's stop ids, in O(1)
-// whatever the length of the list.
-func (r *request) isStop(tok int32) bool {
-	_, ok := r.stop[tok]
-	return ok
-}
-
-// finish delivers s and releases its pages, once.
-func (e *Engine) finish(s *seq, why FinishReason) {
-	if s.out.Finish != "" {
-		return
-	}
-	s.out.Finish = why
-	for _, p := range s.pages {
-		e.pages.release(p)
-	}
-	ps := e.m.opts.PageSize
-	// Return the part of the reservation this sample never used.
-	want := ceilDiv(len(s.r.Prompt)%ps+s.r.Params.MaxTokens, ps)
-	own := len(s.pages) - len(s.r.Prompt)/ps
-	e.pages.unreserve(want - own)
-	s.pages = nil
-	s.r.h.samples <- s.out
-	s.r.left--
-	if s.r.left == 0 {
-		close(s.r.h.samples)
-	}
+	return err
 }

@@ -283,8 +283,8 @@ func TestContinuousBatching(t *testing.T) {
 		}
 	}
 	if err := e.AtBoundary(context.Background(), func() error {
-		if n := e.pages.inUse(); n != 0 || e.pages.reserved != 0 {
-			return fmt.Errorf("after all requests: %d pages in use, %d reserved", n, e.pages.reserved)
+		if n := e.pages.InUse(); n != 0 || e.pages.Reserved() != 0 {
+			return fmt.Errorf("after all requests: %d pages in use, %d reserved", n, e.pages.Reserved())
 		}
 		return nil
 	}); err != nil {
@@ -388,8 +388,8 @@ func TestAbortAndStop(t *testing.T) {
 		}
 	}
 	if err := e.AtBoundary(context.Background(), func() error {
-		if e.pages.inUse() != 0 || e.pages.reserved != 0 {
-			return fmt.Errorf("after aborts: %d pages in use, %d reserved", e.pages.inUse(), e.pages.reserved)
+		if e.pages.InUse() != 0 || e.pages.Reserved() != 0 {
+			return fmt.Errorf("after aborts: %d pages in use, %d reserved", e.pages.InUse(), e.pages.Reserved())
 		}
 		return nil
 	}); err != nil {

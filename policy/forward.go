@@ -1,17 +1,27 @@
 package policy
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
 
 	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/policy/sched"
 )
 
 // workspace holds a forward pass's inputs and activations, allocated once
 // for the model's maxima and used through views of the current sizes.
 type workspace struct {
+	// inputs holds every per-step input, so a step is staged with one
+	// upload of its host image, host (layout: inputLayout). The input
+	// buffers below are views of it.
+	inputs *kernels.Buffer
+	host   []byte
+	lay    inputLayout
+
 	// Per-token inputs [MaxTokens].
 	ids, pos, slots *kernels.Buffer
+	feed            *kernels.Buffer // I32 [MaxTokens]: the previous step's logit row whose token is the input, or -1
 	// Per-sequence inputs.
 	pageTable  *kernels.Buffer // I32 [MaxSeqs, maxPagesPerSeq]
 	seqLens    *kernels.Buffer // I32 [MaxSeqs]
@@ -25,26 +35,63 @@ type workspace struct {
 	sel       *kernels.Buffer // BF16 [MaxLogitRows, H]
 	logits    *kernels.Buffer // F32 [MaxLogitRows, V]
 
-	// Sampling parameters and results, one row per logit row.
+	// Sampling parameters (inputs) and results, one row per logit row.
 	temperature, topP, logprobs                  *kernels.Buffer // F32
 	topK, sampleIDs, samplePos, seeds, tokensOut *kernels.Buffer // I32 (seeds [rows, 2])
+}
+
+// inputLayout is where each per-step input lies in the inputs buffer, in
+// bytes. The page table comes last: a step uploads the image up to the end
+// of its own rows.
+type inputLayout struct {
+	ids, pos, slots, feed, seqLens, queryStart, logitRows           int
+	temperature, topP, topK, sampleIDs, samplePos, seeds, pageTable int
+	size                                                            int
+}
+
+func newInputLayout(T, S, L, width int) inputLayout {
+	var l inputLayout
+	at := 0
+	next := func(elems int) int { off := at; at += 4 * elems; return off }
+	l.ids, l.pos, l.slots, l.feed = next(T), next(T), next(T), next(T)
+	l.seqLens, l.queryStart, l.logitRows = next(S), next(S+1), next(L)
+	l.temperature, l.topP, l.topK, l.sampleIDs, l.samplePos, l.seeds = next(L), next(L), next(L), next(L), next(L), next(2*L)
+	l.pageTable = next(S * width)
+	l.size = at
+	return l
 }
 
 func newWorkspace(m *Model, buf func(kernels.DType, ...int) *kernels.Buffer) workspace {
 	c, o := m.cfg, m.opts
 	T, S, L := o.MaxTokens, o.MaxSeqs, o.MaxLogitRows
-	return workspace{
-		ids: buf(kernels.I32, T), pos: buf(kernels.I32, T), slots: buf(kernels.I32, T),
-		pageTable: buf(kernels.I32, S, o.maxPagesPerSeq(c)), seqLens: buf(kernels.I32, S), queryStart: buf(kernels.I32, S+1),
-		logitRows: buf(kernels.I32, L),
-		h:         buf(kernels.BF16, T, c.Hidden), x: buf(kernels.BF16, T, c.Hidden), tmp: buf(kernels.BF16, T, c.Hidden),
+	width := o.maxPagesPerSeq(c)
+	lay := newInputLayout(T, S, L, width)
+	ws := workspace{
+		lay: lay, host: make([]byte, lay.size),
+		h: buf(kernels.BF16, T, c.Hidden), x: buf(kernels.BF16, T, c.Hidden), tmp: buf(kernels.BF16, T, c.Hidden),
 		q: buf(kernels.BF16, T, c.Heads, c.HeadDim), attn: buf(kernels.BF16, T, c.Heads, c.HeadDim),
 		k: buf(kernels.BF16, T, c.KVHeads, c.HeadDim), v: buf(kernels.BF16, T, c.KVHeads, c.HeadDim),
 		sel: buf(kernels.BF16, L, c.Hidden), logits: buf(kernels.F32, L, c.VocabSize),
-		temperature: buf(kernels.F32, L), topP: buf(kernels.F32, L), logprobs: buf(kernels.F32, L),
-		topK: buf(kernels.I32, L), sampleIDs: buf(kernels.I32, L), samplePos: buf(kernels.I32, L),
-		seeds: buf(kernels.I32, L, 2), tokensOut: buf(kernels.I32, L),
+		logprobs: buf(kernels.F32, L), tokensOut: buf(kernels.I32, L),
+		inputs: buf(kernels.I32, lay.size/4),
 	}
+	if ws.inputs == nil {
+		return ws // buf failed; alloc reports it
+	}
+	in, v := ws.inputs, kernels.Views{}
+	ws.ids, ws.pos, ws.slots, ws.feed = v.View(in, lay.ids, kernels.I32, T), v.View(in, lay.pos, kernels.I32, T),
+		v.View(in, lay.slots, kernels.I32, T), v.View(in, lay.feed, kernels.I32, T)
+	ws.seqLens, ws.queryStart = v.View(in, lay.seqLens, kernels.I32, S), v.View(in, lay.queryStart, kernels.I32, S+1)
+	ws.logitRows = v.View(in, lay.logitRows, kernels.I32, L)
+	ws.temperature, ws.topP = v.View(in, lay.temperature, kernels.F32, L), v.View(in, lay.topP, kernels.F32, L)
+	ws.topK, ws.sampleIDs, ws.samplePos = v.View(in, lay.topK, kernels.I32, L), v.View(in, lay.sampleIDs, kernels.I32, L),
+		v.View(in, lay.samplePos, kernels.I32, L)
+	ws.seeds = v.View(in, lay.seeds, kernels.I32, L, 2)
+	ws.pageTable = v.View(in, lay.pageTable, kernels.I32, S, width)
+	if v.Err != nil {
+		panic(fmt.Sprintf("policy: workspace views: %v", v.Err)) // the layout is sized for them
+	}
+	return ws
 }
 
 // Shape is the size of one forward pass: T tokens of S sequences, with
@@ -138,14 +185,7 @@ func run(fns ...func() error) error {
 }
 
 // SampleRow is the sampling setup of one logit row.
-type SampleRow struct {
-	Temperature float32
-	TopK        int32
-	TopP        float32
-	Seed        uint64
-	SampleID    int32 // the sample's index within its request
-	Position    int32 // the position of the token being drawn
-}
+type SampleRow = sched.SampleRow
 
 // StepInput is one forward pass, as host data: T tokens of S sequences
 // (packed: sequence s owns tokens QueryStart[s] .. QueryStart[s+1]), and the
@@ -177,58 +217,134 @@ func (in *StepInput) Pad(n int) {
 // Stage writes in into the model's input buffers and returns its Shape.
 // Sampling may be empty (scoring); otherwise it has one row per logit row.
 // There may be no logit rows: a prefill chunk that ends no prompt only
-// fills the KV cache.
+// fills the KV cache. Every input goes up in one upload.
 func (m *Model) Stage(in StepInput) (Shape, error) {
 	sh := Shape{T: len(in.Tokens), S: len(in.SeqLens), L: len(in.LogitRows)}
-	o := m.opts
+	if err := m.checkShape(sh); err != nil {
+		return sh, err
+	}
 	switch {
-	case sh.T == 0 || sh.T > o.MaxTokens:
-		return sh, fmt.Errorf("policy: stage: %d tokens, want 1..%d", sh.T, o.MaxTokens)
-	case sh.S == 0 || sh.S > o.MaxSeqs:
-		return sh, fmt.Errorf("policy: stage: %d sequences, want 1..%d", sh.S, o.MaxSeqs)
-	case sh.L > o.MaxLogitRows:
-		return sh, fmt.Errorf("policy: stage: %d logit rows, want at most %d", sh.L, o.MaxLogitRows)
 	case len(in.Positions) != sh.T || len(in.Slots) != sh.T || len(in.QueryStart) != sh.S+1 || len(in.PageTable) != sh.S:
 		return sh, fmt.Errorf("policy: stage: inconsistent lengths (%d tokens, %d positions, %d slots, %d sequences, %d query starts, %d page rows)",
 			sh.T, len(in.Positions), len(in.Slots), sh.S, len(in.QueryStart), len(in.PageTable))
 	case len(in.Sampling) != 0 && len(in.Sampling) != sh.L:
 		return sh, fmt.Errorf("policy: stage: %d sampling rows for %d logit rows", len(in.Sampling), sh.L)
 	}
-	width := m.ws.pageTable.Dim(1)
-	table := make([]int32, sh.S*width)
+	ws, h := &m.ws, m.ws.host
+	lay := ws.lay
+	width := ws.pageTable.Dim(1)
 	for s, row := range in.PageTable {
 		if len(row) > width {
 			return sh, fmt.Errorf("policy: stage: sequence %d has %d pages, at most %d fit", s, len(row), width)
 		}
-		copy(table[s*width:], row)
+		off := lay.pageTable + 4*s*width
+		putI32(h, off, row)
+		clear(h[off+4*len(row) : off+4*width]) // missing entries are 0
 	}
-	uploads := []struct {
-		b    *kernels.Buffer
-		data []byte
-	}{
-		{m.ws.ids, kernels.Int32Bytes(in.Tokens)}, {m.ws.pos, kernels.Int32Bytes(in.Positions)}, {m.ws.slots, kernels.Int32Bytes(in.Slots)},
-		{m.ws.seqLens, kernels.Int32Bytes(in.SeqLens)}, {m.ws.queryStart, kernels.Int32Bytes(in.QueryStart)}, {m.ws.pageTable, kernels.Int32Bytes(table)},
-		{m.ws.logitRows, kernels.Int32Bytes(in.LogitRows)},
+	putI32(h, lay.ids, in.Tokens)
+	putI32(h, lay.pos, in.Positions)
+	putI32(h, lay.slots, in.Slots)
+	fillI32(h, lay.feed, sh.T, -1)
+	putI32(h, lay.seqLens, in.SeqLens)
+	putI32(h, lay.queryStart, in.QueryStart)
+	putI32(h, lay.logitRows, in.LogitRows)
+	for i, r := range in.Sampling {
+		putSampleRow(h, &lay, i, r)
 	}
-	if len(in.Sampling) > 0 {
-		temp, topP := make([]float32, sh.L), make([]float32, sh.L)
-		topK, ids, pos, seeds := make([]int32, sh.L), make([]int32, sh.L), make([]int32, sh.L), make([]int32, 2*sh.L)
-		for i, r := range in.Sampling {
-			temp[i], topP[i], topK[i], ids[i], pos[i] = r.Temperature, r.TopP, r.TopK, r.SampleID, r.Position
-			seeds[2*i], seeds[2*i+1] = int32(uint32(r.Seed)), int32(uint32(r.Seed>>32))
-		}
-		uploads = append(uploads, []struct {
-			b    *kernels.Buffer
-			data []byte
-		}{{m.ws.temperature, kernels.Float32Bytes(temp)}, {m.ws.topP, kernels.Float32Bytes(topP)}, {m.ws.topK, kernels.Int32Bytes(topK)},
-			{m.ws.sampleIDs, kernels.Int32Bytes(ids)}, {m.ws.samplePos, kernels.Int32Bytes(pos)}, {m.ws.seeds, kernels.Int32Bytes(seeds)}}...)
+	return sh, m.upload(sh.S)
+}
+
+// stagePlan writes a planned step into the model's input buffers, padded
+// to padded tokens when that is more (a decode-only step run in a graph's
+// bucket: see StepInput.Pad), and returns its Shape.
+func (m *Model) stagePlan(p *sched.Plan, padded int) (Shape, error) {
+	T, S, L := len(p.Tokens), len(p.SeqLens), len(p.LogitRows)
+	pad := max(0, padded-T)
+	sh := Shape{T: T + pad, S: S + pad, L: L + pad}
+	if err := m.checkShape(sh); err != nil {
+		return sh, err
 	}
-	for _, u := range uploads {
-		if err := m.be.Upload(u.b, 0, u.data); err != nil {
-			return sh, fmt.Errorf("policy: stage: %w", err)
-		}
+	ws, h := &m.ws, m.ws.host
+	lay := ws.lay
+	width, ps := ws.pageTable.Dim(1), m.opts.PageSize
+	if p.Width != width || len(p.Positions) != T || len(p.Slots) != T || len(p.Feed) != T || len(p.QueryStart) != S+1 ||
+		len(p.Sampling) != L || len(p.PageTable) != S*width {
+		return sh, fmt.Errorf("policy: stage: inconsistent plan (%d tokens, %d positions, %d slots, %d feeds, %d sequences, %d query starts, %d sampling rows for %d logit rows, page table %d of width %d, want %d)",
+			T, len(p.Positions), len(p.Slots), len(p.Feed), S, len(p.QueryStart), len(p.Sampling), L, len(p.PageTable), p.Width, width)
 	}
-	return sh, nil
+	for s := range S {
+		putI32(h, lay.pageTable+4*s*width, p.PageRow(s, ps)) // the rest of the row is never read
+	}
+	putI32(h, lay.ids, p.Tokens)
+	fillI32(h, lay.ids+4*T, pad, 0)
+	putI32(h, lay.pos, p.Positions)
+	fillI32(h, lay.pos+4*T, pad, 0)
+	putI32(h, lay.slots, p.Slots)
+	fillI32(h, lay.slots+4*T, pad, -1)
+	putI32(h, lay.feed, p.Feed)
+	fillI32(h, lay.feed+4*T, pad, -1)
+	putI32(h, lay.seqLens, p.SeqLens)
+	fillI32(h, lay.seqLens+4*S, pad, 0)
+	putI32(h, lay.queryStart, p.QueryStart)
+	fillI32(h, lay.queryStart+4*(S+1), pad, p.QueryStart[S])
+	putI32(h, lay.logitRows, p.LogitRows)
+	fillI32(h, lay.logitRows+4*L, pad, 0)
+	for i, r := range p.Sampling {
+		putSampleRow(h, &lay, i, r)
+	}
+	for i := range pad {
+		putSampleRow(h, &lay, L+i, SampleRow{TopP: 1})
+	}
+	return sh, m.upload(sh.S)
+}
+
+// checkShape checks a step's sizes against the model's maxima.
+func (m *Model) checkShape(sh Shape) error {
+	o := m.opts
+	switch {
+	case sh.T == 0 || sh.T > o.MaxTokens:
+		return fmt.Errorf("policy: stage: %d tokens, want 1..%d", sh.T, o.MaxTokens)
+	case sh.S == 0 || sh.S > o.MaxSeqs:
+		return fmt.Errorf("policy: stage: %d sequences, want 1..%d", sh.S, o.MaxSeqs)
+	case sh.L > o.MaxLogitRows:
+		return fmt.Errorf("policy: stage: %d logit rows, want at most %d", sh.L, o.MaxLogitRows)
+	}
+	return nil
+}
+
+// upload sends the host image of the inputs, up to the end of the first
+// s page-table rows, in one copy.
+func (m *Model) upload(s int) error {
+	n := m.ws.lay.pageTable + 4*s*m.ws.pageTable.Dim(1)
+	if err := m.be.Upload(m.ws.inputs, 0, m.ws.host[:n]); err != nil {
+		return fmt.Errorf("policy: stage: %w", err)
+	}
+	return nil
+}
+
+func putI32(b []byte, off int, v []int32) {
+	b = b[off : off+4*len(v)]
+	for i, x := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
+	}
+}
+
+func fillI32(b []byte, off, n int, x int32) {
+	b = b[off : off+4*n]
+	for i := range n {
+		binary.LittleEndian.PutUint32(b[4*i:], uint32(x))
+	}
+}
+
+// putSampleRow writes sampling row i.
+func putSampleRow(b []byte, l *inputLayout, i int, r SampleRow) {
+	le := binary.LittleEndian
+	le.PutUint32(b[l.temperature+4*i:], math.Float32bits(r.Temperature))
+	le.PutUint32(b[l.topP+4*i:], math.Float32bits(r.TopP))
+	le.PutUint32(b[l.topK+4*i:], uint32(r.TopK))
+	le.PutUint32(b[l.sampleIDs+4*i:], uint32(r.SampleID))
+	le.PutUint32(b[l.samplePos+4*i:], uint32(r.Position))
+	le.PutUint64(b[l.seeds+8*i:], r.Seed) // low word first
 }
 
 // Forward runs the staged forward pass and, when sample is set, draws one
@@ -265,14 +381,29 @@ func (m *Model) Forward(sh Shape, sample bool) error {
 // Samples downloads the tokens and logprobs the last sampling Forward drew
 // for the first n logit rows.
 func (m *Model) Samples(n int) ([]int32, []float32, error) {
-	tok, lp := make([]byte, 4*n), make([]byte, 4*n)
-	if err := m.be.Download(tok, m.ws.tokensOut, 0); err != nil {
+	tok, lp, raw := make([]int32, n), make([]float32, n), make([]byte, 4*n)
+	if err := m.samplesInto(tok, lp, raw); err != nil {
 		return nil, nil, err
 	}
-	if err := m.be.Download(lp, m.ws.logprobs, 0); err != nil {
-		return nil, nil, err
+	return tok, lp, nil
+}
+
+// samplesInto downloads the first len(tok) sampled tokens and logprobs
+// through raw (4*len(tok) bytes).
+func (m *Model) samplesInto(tok []int32, lp []float32, raw []byte) error {
+	if err := m.be.Download(raw, m.ws.tokensOut, 0); err != nil {
+		return err
 	}
-	return kernels.BytesInt32(tok), kernels.BytesFloat32(lp), nil
+	for i := range tok {
+		tok[i] = int32(binary.LittleEndian.Uint32(raw[4*i:]))
+	}
+	if err := m.be.Download(raw, m.ws.logprobs, 0); err != nil {
+		return err
+	}
+	for i := range lp {
+		lp[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
+	}
+	return nil
 }
 
 // ScoreRows computes log softmax(logits)[tokens[i]] for the first
@@ -301,15 +432,27 @@ func (m *Model) ScoreRows(tokens []int32) ([]float32, error) {
 // the last Forward to: [layer][token*k + j].
 func (m *Model) Routing(n int) ([][]int32, error) {
 	out := make([][]int32, len(m.layers))
-	k := m.cfg.TopK
-	for i, l := range m.layers {
-		raw := make([]byte, 4*n*k)
-		if err := m.be.Download(raw, l.moe.Routing(), 0); err != nil {
-			return nil, err
-		}
-		out[i] = kernels.BytesInt32(raw)
+	for i := range out {
+		out[i] = make([]int32, n*m.cfg.TopK)
+	}
+	if err := m.routingInto(out, make([]byte, 4*n*m.cfg.TopK)); err != nil {
+		return nil, err
 	}
 	return out, nil
+}
+
+// routingInto downloads every layer's expert ids of the first
+// len(dst[layer])/k tokens through raw (4*len(dst[layer]) bytes).
+func (m *Model) routingInto(dst [][]int32, raw []byte) error {
+	for i, l := range m.layers {
+		if err := m.be.Download(raw, l.moe.Routing(), 0); err != nil {
+			return err
+		}
+		for j := range dst[i] {
+			dst[i][j] = int32(binary.LittleEndian.Uint32(raw[4*j:]))
+		}
+	}
+	return nil
 }
 
 // CopyPage copies KV page src to page dst in every layer (copy-on-write of
@@ -331,4 +474,10 @@ func (m *Model) CopyPage(dst, src int) error {
 		}
 	}
 	return nil
+}
+
+// feed sets the input token of each of the first t token rows whose feed
+// entry is a logit row of the previous step to the token sampled there.
+func (m *Model) feed(t int) error {
+	return fmt.Errorf("policy: feed: not supported")
 }

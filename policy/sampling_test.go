@@ -18,12 +18,12 @@ func nextTokenLogits(t *testing.T, e *Engine, p []int32) []float32 {
 	err := e.AtBoundary(context.Background(), func() error {
 		ps := e.m.opts.PageSize
 		need := ceilDiv(len(p), ps)
-		if !e.pages.reserve(need) {
+		if !e.pages.Reserve(need) {
 			return fmt.Errorf("no pages")
 		}
 		var pages []int32
 		for range need {
-			pg, err := e.pages.take()
+			pg, err := e.pages.Take()
 			if err != nil {
 				return err
 			}
@@ -31,7 +31,7 @@ func nextTokenLogits(t *testing.T, e *Engine, p []int32) []float32 {
 		}
 		defer func() {
 			for _, pg := range pages {
-				e.pages.release(int(pg))
+				e.pages.Release(int(pg))
 			}
 		}()
 		in := StepInput{SeqLens: []int32{int32(len(p))}, QueryStart: []int32{0, int32(len(p))}, PageTable: [][]int32{pages},

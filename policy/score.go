@@ -61,20 +61,20 @@ func (e *Engine) score(s []int32) ([]float32, error) {
 	ps := o.PageSize
 	n := len(s)
 	need := ceilDiv(n, ps)
-	if !e.pages.reserve(need) {
-		e.scoreNeed = need
+	if !e.pages.Reserve(need) {
+		e.sched.HoldBack(need)
 		return nil, errNoPages
 	}
-	e.scoreNeed = 0
+	e.sched.HoldBack(0)
 	pages := make([]int32, 0, need)
 	defer func() {
 		for _, p := range pages {
-			e.pages.release(int(p))
+			e.pages.Release(int(p))
 		}
-		e.pages.unreserve(need - len(pages))
+		e.pages.Unreserve(need - len(pages))
 	}()
 	for range need {
-		p, err := e.pages.take()
+		p, err := e.pages.Take()
 		if err != nil {
 			return nil, err
 		}

@@ -1,0 +1,70 @@
+package sched
+
+import "fmt"
+
+// Pages hands out KV-cache pages. A request reserves, on admission, the
+// most pages it can ever hold, so a running sample never waits for memory
+// and nothing is ever preempted; pages are then taken one at a time as
+// tokens arrive. Shared pages (a prompt's full pages, used by all of its
+// samples) are reference counted.
+type Pages struct {
+	free     []int
+	refs     []int
+	taken    int
+	reserved int // promised to admitted requests, not yet taken
+}
+
+// NewPages returns an allocator of n pages. Take hands out low pages first.
+func NewPages(n int) *Pages {
+	a := &Pages{free: make([]int, n), refs: make([]int, n)}
+	for i := range a.free {
+		a.free[i] = n - 1 - i // Take pops from the end: low pages first
+	}
+	return a
+}
+
+// Reserve promises n pages; false when they are not available.
+func (a *Pages) Reserve(n int) bool {
+	if a.taken+a.reserved+n > len(a.refs) {
+		return false
+	}
+	a.reserved += n
+	return true
+}
+
+// Unreserve returns n promised pages that will not be taken.
+func (a *Pages) Unreserve(n int) { a.reserved -= n }
+
+// Take hands out a reserved page with one reference.
+func (a *Pages) Take() (int, error) {
+	if a.reserved <= 0 || len(a.free) == 0 {
+		return 0, fmt.Errorf("policy: kv cache: no reserved page left (%d taken, %d reserved, %d free)", a.taken, a.reserved, len(a.free))
+	}
+	p := a.free[len(a.free)-1]
+	a.free = a.free[:len(a.free)-1]
+	a.reserved--
+	a.taken++
+	a.refs[p] = 1
+	return p, nil
+}
+
+// Share adds k references to page p.
+func (a *Pages) Share(p, k int) { a.refs[p] += k }
+
+// Release drops one reference; the page is free again at zero.
+func (a *Pages) Release(p int) {
+	a.refs[p]--
+	if a.refs[p] == 0 {
+		a.free = append(a.free, p)
+		a.taken--
+	}
+}
+
+// InUse returns the pages held by sequences.
+func (a *Pages) InUse() int { return a.taken }
+
+// Reserved returns the pages promised and not yet taken.
+func (a *Pages) Reserved() int { return a.reserved }
+
+// Refs returns page p's reference count.
+func (a *Pages) Refs(p int) int { return a.refs[p] }
