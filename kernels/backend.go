@@ -55,6 +55,9 @@ type Backend interface {
 	// FinalizeScattered ends the atomic finalize (see Scatter): out =
 	// bf16(acc), and acc is cleared for the next forward.
 	FinalizeScattered(out, acc *Buffer) error
+	// ScatterBF16 writes BF16 values into a buffer at the elements an index
+	// list or a bitmap names, span by span: a sparse weight delta.
+	ScatterBF16(args ScatterBF16Args) error
 
 	// The dense model's ops: embedding, norms, residual adds, RoPE, the
 	// paged KV cache and attention, sampling and scoring.

@@ -317,6 +317,28 @@ func (c *Ctx) DtoHAsync(dst []byte, src DevicePtr, s *Stream) error {
 	return nil
 }
 
+// DtoDAsync enqueues a copy of n bytes between device addresses on s
+// (cuMemcpyDtoDAsync_v2).
+func (c *Ctx) DtoDAsync(dst, src DevicePtr, n int, s *Stream) error {
+	if err := c.check(); err != nil {
+		return err
+	}
+	if n < 0 {
+		return sizeErr("DtoDAsync", n)
+	}
+	if n == 0 {
+		return nil
+	}
+	h, err := c.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if r := ccall(c.drv.cuMemcpyDtoDAsync, uintptr(dst), uintptr(src), uintptr(n), h); r != Success {
+		return c.drv.err("cuMemcpyDtoDAsync_v2", r, dst, src, n)
+	}
+	return nil
+}
+
 // Stream is a CUDA stream (a blocking one: see Ctx).
 type Stream struct {
 	c         *Ctx

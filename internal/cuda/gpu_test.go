@@ -250,6 +250,25 @@ func TestGPUPinned(t *testing.T) {
 		if !bytes.Equal(h1[1000:], h2[1000:]) {
 			t.Error("pinned round trip: bytes differ")
 		}
+		// Device to device on the stream, then back.
+		dp2, err := c.Alloc(n)
+		if err != nil {
+			return err
+		}
+		defer c.Free(dp2)
+		if err := c.DtoDAsync(dp2, dp, n, s); err != nil {
+			return err
+		}
+		clear(h2)
+		if err := c.DtoHAsync(h2, dp2, s); err != nil {
+			return err
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		if !bytes.Equal(h1, h2) {
+			t.Error("DtoDAsync: bytes differ")
+		}
 		if err := c.HtoDAsync(dp, make([]byte, 16), s); err != errNotPinned {
 			t.Errorf("async copy from Go memory: %v", err)
 		}

@@ -80,6 +80,7 @@ type driver struct {
 	cuCtxSynchronize                                                                       uintptr
 	cuMemAlloc, cuMemFree, cuMemcpyHtoD, cuMemcpyDtoH, cuMemcpyDtoD                        uintptr
 	cuMemcpyHtoDAsync, cuMemcpyDtoHAsync, cuMemsetD8, cuMemHostAlloc, cuMemFreeHost        uintptr
+	cuMemcpyDtoDAsync                                                                      uintptr
 	cuStreamCreate, cuStreamDestroy, cuStreamSynchronize                                   uintptr
 	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime                   uintptr
 	cuEventDestroy                                                                         uintptr
@@ -133,6 +134,7 @@ func loadDriver(path string) (*driver, error) {
 		{p: &d.cuMemcpyDtoD, name: "cuMemcpyDtoD_v2"},
 		{p: &d.cuMemcpyHtoDAsync, name: "cuMemcpyHtoDAsync_v2"},
 		{p: &d.cuMemcpyDtoHAsync, name: "cuMemcpyDtoHAsync_v2"},
+		{p: &d.cuMemcpyDtoDAsync, name: "cuMemcpyDtoDAsync_v2"},
 		{p: &d.cuMemsetD8, name: "cuMemsetD8_v2"},
 		{p: &d.cuMemHostAlloc, name: "cuMemHostAlloc"},
 		{p: &d.cuMemFreeHost, name: "cuMemFreeHost"},

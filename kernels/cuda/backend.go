@@ -20,7 +20,9 @@ type Config struct {
 	// environment variables, then the defaults).
 	Driver drv.Config
 	// StagingBytes is the size of each of the two pinned host buffers that
-	// Stage streams through (default 8 MiB).
+	// Stage streams through, and of each of the two device buffers a staged
+	// delta (StageScatterBF16) goes through: default 8 MiB, at least
+	// minStagingBytes.
 	StagingBytes int
 }
 
@@ -78,7 +80,14 @@ type Backend struct {
 	pinned  [2][]byte
 	events  [2]*drv.Event
 	busy    [2]bool // a copy from pinned[i] may still be in flight
-	cap     *capture
+	// scratch[i] is the device copy of pinned[i] a staged delta's spans,
+	// words and values are read from (StageScatterBF16); stageErr is the
+	// error word of the kernels on the copy stream, read back through
+	// stageErrHost (pinned).
+	scratch      [2]drv.DevicePtr
+	stageErr     drv.DevicePtr
+	stageErrHost []byte
+	cap          *capture
 }
 
 var (
@@ -116,8 +125,8 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 	if cfg.StagingBytes == 0 {
 		cfg.StagingBytes = 8 << 20
 	}
-	if cfg.StagingBytes < 1<<16 {
-		return nil, fmt.Errorf("cuda backend: staging buffers of %d bytes: want at least 64 KiB", cfg.StagingBytes)
+	if cfg.StagingBytes < minStagingBytes {
+		return nil, fmt.Errorf("cuda backend: staging buffers of %d bytes: want at least %d (the largest delta span)", cfg.StagingBytes, minStagingBytes)
 	}
 	dev, err := drv.Open(cfg.Driver)
 	if err != nil {
@@ -161,8 +170,20 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		if err := c.Memset8(be.errw, 0, errWordBytes); err != nil {
 			return err
 		}
+		if be.stageErr, err = c.Alloc(errWordBytes); err != nil {
+			return err
+		}
+		if err := c.Memset8(be.stageErr, 0, errWordBytes); err != nil {
+			return err
+		}
+		if be.stageErrHost, err = c.HostAlloc(errWordBytes); err != nil {
+			return err
+		}
 		for i := range be.pinned {
 			if be.pinned[i], err = c.HostAlloc(cfg.StagingBytes); err != nil {
+				return err
+			}
+			if be.scratch[i], err = c.Alloc(cfg.StagingBytes); err != nil {
 				return err
 			}
 			if be.events[i], err = c.NewEvent(); err != nil {

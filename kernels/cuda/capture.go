@@ -74,6 +74,11 @@ func (be *Backend) issue(op string, args any, validate func() error, enqueue fun
 // launch enqueues the kernel the registry keys by key on the compute
 // stream (owner thread), after checking the launch against its entry.
 func (be *Backend) launch(key any, grid, block drv.Dim3, shared int, args ...any) error {
+	return be.launchOn(be.stream, key, grid, block, shared, args...)
+}
+
+// launchOn is launch on stream s (the copy stream, for staged work).
+func (be *Backend) launchOn(s *drv.Stream, key any, grid, block drv.Dim3, shared int, args ...any) error {
 	k, ok := be.kernels[key]
 	if !ok {
 		return fmt.Errorf("cuda: launch %v: no such kernel loaded for %s", key, be.info.Arch)
@@ -87,9 +92,9 @@ func (be *Backend) launch(key any, grid, block drv.Dim3, shared int, args ...any
 		}
 	}
 	if be.pdl && k.spec.pdl {
-		return k.fn.LaunchPDL(grid, block, shared, be.stream, args...)
+		return k.fn.LaunchPDL(grid, block, shared, s, args...)
 	}
-	return k.fn.Launch(grid, block, shared, be.stream, args...)
+	return k.fn.Launch(grid, block, shared, s, args...)
 }
 
 // BeginCapture starts recording the ops issued on this backend into a CUDA

@@ -84,6 +84,15 @@ func deviceErrors() []devError {
 		{24, "E_SCATTER_SLOT", func(a, b, c int32) string {
 			return fmt.Sprintf("grouped gemm: scatter: sorted row %d is none of token %d's %d slots", a, b, c)
 		}},
+		{25, "E_DELTA_SPAN", func(a, b, c int32) string {
+			return fmt.Sprintf("scatter bf16: span %d of %d elements and %d values lies outside the region, the masks or the values, or has an unknown form", a, b, c)
+		}},
+		{26, "E_DELTA_INDEX", func(a, b, c int32) string {
+			return fmt.Sprintf("scatter bf16: span %d: index %d is %d, not above the one before it or not below the span's length", a, b, c)
+		}},
+		{27, "E_DELTA_BITMAP", func(a, b, c int32) string {
+			return fmt.Sprintf("scatter bf16: span %d: its bitmap marks %d elements (or some past its length), it has %d values", a, b, c)
+		}},
 	}
 }
 
@@ -96,13 +105,19 @@ func (be *Backend) takeError(c *drv.Ctx) error {
 	if err := c.DtoH(w[:], be.errw); err != nil {
 		return err
 	}
-	code := int32(binary.LittleEndian.Uint32(w[0:]))
-	if code == 0 {
+	if binary.LittleEndian.Uint32(w[0:]) == 0 {
 		return nil
 	}
 	if err := c.Memset8(be.errw, 0, errWordBytes); err != nil {
 		return err
 	}
+	return wordError(w[:])
+}
+
+// wordError turns the bytes of an error word that holds an error into the
+// error it names.
+func wordError(w []byte) error {
+	code := int32(binary.LittleEndian.Uint32(w[0:]))
 	a, b, cc := int32(binary.LittleEndian.Uint32(w[4:])), int32(binary.LittleEndian.Uint32(w[8:])), int32(binary.LittleEndian.Uint32(w[12:]))
 	for _, e := range deviceErrors() {
 		if e.code == code {

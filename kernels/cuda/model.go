@@ -165,3 +165,21 @@ func (be *Backend) LogProbs(a kernels.LogProbsArgs) error {
 			be.errw, ptr(a.Logits), ptr(a.Tokens), ptr(a.LogProbs), int32(v))
 	})
 }
+
+// ScatterBF16 writes a sparse BF16 delta: one block per span (model.cu
+// checks each span before it writes and reports a bad one).
+func (be *Backend) ScatterBF16(a kernels.ScatterBF16Args) error {
+	var spans int
+	validate := func() (err error) {
+		spans, err = a.Validate()
+		return err
+	}
+	return be.issue("scatter bf16", a, validate, func(*drv.Ctx) error {
+		if spans == 0 {
+			return nil
+		}
+		return be.launch(kScatterBF16, drv.Dim3{X: spans}, drv.Dim3{X: scatterThreads}, 0,
+			be.errw, ptr(a.Dst).Add(2*a.Offset), int64(a.Len), ptr(a.Spans), ptr(a.Masks), int64(a.Masks.Len()),
+			ptr(a.Values), int64(a.Values.Len()))
+	})
+}

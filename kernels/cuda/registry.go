@@ -62,6 +62,7 @@ const (
 	kAttention
 	kSample
 	kLogProbs
+	kScatterBF16
 )
 
 // routeKernel is route_r<per>: per scores a lane in registers.
@@ -131,6 +132,7 @@ const (
 	attThreads      = 256  // attention: threads per (query row, kv head) (MODEL_ATT_THREADS)
 	sampleThreads   = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
 	logprobsThreads = 512  // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
+	scatterThreads  = 256  // scatter bf16: one block per span (MODEL_SCATTER_THREADS)
 	routeWarps      = 4    // route, route_r: a warp per token
 )
 
@@ -274,6 +276,7 @@ func kernelRegistry() []kernelSpec {
 		plain(kAttention, "model_attention", "model.cu", attThreads, smemPerLaunch, false),
 		plain(kSample, "model_sample", "model.cu", sampleThreads, 0, false),
 		plain(kLogProbs, "model_logprobs", "model.cu", logprobsThreads, 0, false),
+		plain(kScatterBF16, "model_scatter_bf16", "model.cu", scatterThreads, 0, false),
 	}
 	for _, per := range []int{1, 2, 4, 8} {
 		ks = append(ks,

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
+	"github.com/rollout-worker/rollout-worker/kernels"
 )
 
 // TestRegistry checks, without a GPU, that every kernel has one entry (key,
@@ -146,5 +147,24 @@ func TestErrorsHeader(t *testing.T) {
 				t.Errorf("%s uses %s, which errors.go does not define", f.Name(), n)
 			}
 		}
+	}
+}
+
+// TestScatterConstants: model_scatter_bf16's constants are the host's (a
+// span's words and largest length, the block size), and the largest span
+// fits one staging buffer of the least size.
+func TestScatterConstants(t *testing.T) {
+	src, err := sources.ReadFile("src/model.cu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]int{"MODEL_SPAN_WORDS": kernels.DeltaSpanWords, "MODEL_SPAN_ELEMS": kernels.DeltaSpanElems,
+		"MODEL_SCATTER_THREADS": scatterThreads} {
+		if !strings.Contains(string(src), fmt.Sprintf("constexpr int %s = %d;", name, want)) {
+			t.Errorf("model.cu: %s is not %d", name, want)
+		}
+	}
+	if largest := spanBytes + 4*(kernels.DeltaSpanElems/2) + 2*kernels.DeltaSpanElems; largest > minStagingBytes {
+		t.Errorf("the largest span takes %d bytes, more than the least staging buffer, %d", largest, minStagingBytes)
 	}
 }

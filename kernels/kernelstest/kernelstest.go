@@ -35,6 +35,8 @@
 //     the same bits; frequencies over 4000 positions within 5 sigma.
 //   - Sample and LogProbs logprobs: within 1e-5 + 1e-6|ref| of float64
 //     log-softmax.
+//   - ScatterBF16 (and, on a kernels.DeltaStager, StageScatterBF16 and
+//     StageCopy): bit for bit.
 package kernelstest
 
 import (
@@ -75,6 +77,7 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("Sample", func(t *testing.T) { testSample(t, newBackend(t)) })
 	t.Run("LogProbs", func(t *testing.T) { testLogProbs(t, newBackend(t)) })
 	t.Run("ModelErrors", func(t *testing.T) { testModelErrors(t, newBackend(t)) })
+	t.Run("ScatterBF16", func(t *testing.T) { testScatterBF16(t, newBackend(t)) })
 }
 
 // alloc allocates a buffer and frees it when the test ends.

@@ -1,5 +1,6 @@
 // The dense model's ops (kernels/model.go): embedding, RMSNorm, residual
-// add, RoPE, KV-cache write, paged attention, sampling and log-probs. The
+// add, RoPE, KV-cache write, paged attention, sampling and log-probs, and
+// the scatter of a sparse BF16 weight delta (refit). The
 // numerics follow the CPU reference (kernels/cpu/model.go) step by step:
 // every FP32 operation the CPU rounds on its own is one __fmul_rn /
 // __fadd_rn / __fdiv_rn here (nvcc would otherwise fuse products into FMAs),
@@ -758,6 +759,80 @@ model_logprobs(int *err, const float *logits, const int *tokens, float *logprobs
     for (int i = tid; i < V; i += blockDim.x) z += exp((double)row[i] - m);
     z = block_reduce(z, scrD, OpAdd());
     if (tid == 0) logprobs[r] = (float)((double)row[tok] - (m + log(z)));
+}
+
+// ---- ScatterBF16: one block per span of a sparse BF16 delta (kernels/delta.go). ----
+//
+// A span is MODEL_SPAN_WORDS ints (DeltaSpan.Words): its first element
+// (low, high word), its length, its form, its count of values, its first
+// mask word and its first value. The block checks the whole span before it
+// writes: a span that breaks a rule writes nothing and is reported. An index
+// list is written by a block-stride loop. A bitmap (at most 2048 words) is
+// split into MODEL_SCATTER_PER words a thread; the set bits are counted, the
+// counts scanned in thread order to give each thread the index of its first
+// value, and each thread writes its elements in increasing order. Spans do
+// not overlap, so the writes of different blocks never meet.
+constexpr int MODEL_SCATTER_THREADS = 256;
+constexpr int MODEL_SPAN_WORDS = 8;
+constexpr int MODEL_SPAN_ELEMS = 65536;
+constexpr int MODEL_SCATTER_PER = MODEL_SPAN_ELEMS / 32 / MODEL_SCATTER_THREADS;
+
+__global__ void __launch_bounds__(MODEL_SCATTER_THREADS)
+model_scatter_bf16(int *err, bf16_t *dst, long long len, const int *spans, const unsigned *masks, long long nmasks,
+                   const bf16_t *values, long long nvalues) {
+    __shared__ int warpSums[MODEL_SCATTER_THREADS / 32];
+    const int s = blockIdx.x, tid = threadIdx.x;
+    const int *d = spans + (size_t)s * MODEL_SPAN_WORDS;
+    const long long start = (long long)(unsigned)d[0] | ((long long)d[1] << 32);
+    const int n = d[2], form = d[3], count = d[4], mask = d[5], value = d[6];
+    const long long words = form == 1 ? (long long)(n + 31) / 32 : ((long long)count + 1) / 2;
+    if (!(n >= 1 && n <= MODEL_SPAN_ELEMS && start >= 0 && start <= len - n && (form == 0 || form == 1) &&
+          count >= 0 && count <= n && mask >= 0 && mask + words <= nmasks && value >= 0 &&
+          value + (long long)count <= nvalues)) {
+        if (tid == 0) report(err, E_DELTA_SPAN, s, n, count);
+        return;
+    }
+    bf16_t *out = dst + start;
+    const bf16_t *val = values + value;
+    if (form == 0) {
+        const unsigned short *idx = reinterpret_cast<const unsigned short *>(masks + mask);
+        int bad = -1;
+        for (int k = tid; k < count; k += MODEL_SCATTER_THREADS) {
+            const int j = idx[k];
+            if (j >= n || (k > 0 && (int)idx[k - 1] >= j)) bad = k;
+        }
+        if (__syncthreads_or(bad >= 0)) {
+            if (bad >= 0) report(err, E_DELTA_INDEX, s, bad, idx[bad]);
+            return;
+        }
+        for (int k = tid; k < count; k += MODEL_SCATTER_THREADS) out[idx[k]] = val[k];
+        return;
+    }
+    const unsigned *bm = masks + mask;
+    const int nw = (n + 31) / 32, w0 = tid * MODEL_SCATTER_PER;
+    int mine = 0, stray = 0;
+    for (int w = w0; w < w0 + MODEL_SCATTER_PER && w < nw; ++w) {
+        const unsigned b = bm[w];
+        if (w == nw - 1 && (n & 31)) stray |= (b >> (n & 31)) != 0; // bits past the span's end
+        mine += __popc(b);
+    }
+    const int lane = tid & 31, warp = tid >> 5;
+    const int incl = warp_scan(mine);
+    if (lane == 31) warpSums[warp] = incl;
+    __syncthreads();
+    int before = incl - mine, total = 0;
+    for (int i = 0; i < MODEL_SCATTER_THREADS / 32; ++i) {
+        if (i < warp) before += warpSums[i];
+        total += warpSums[i];
+    }
+    if (__syncthreads_or(stray) || total != count) {
+        if (tid == 0) report(err, E_DELTA_BITMAP, s, total, count);
+        return;
+    }
+    int k = before;
+    for (int w = w0; w < w0 + MODEL_SCATTER_PER && w < nw; ++w) {
+        for (unsigned b = bm[w]; b != 0; b &= b - 1) out[32 * w + __ffs((int)b) - 1] = val[k++];
+    }
 }
 
 } // namespace rw
