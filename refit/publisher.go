@@ -315,14 +315,59 @@ func (p *Publisher) Config() PublisherConfig { return p.cfg }
 func (p *Publisher) Publish(ctx context.Context, version uint64, src io.ReaderAt, size int64, full bool) (Manifest, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	m, err := p.publish(ctx, version, src, size, full)
+	m, err := p.publish(ctx, version, src, size, full, nil)
 	if err != nil {
 		return Manifest{}, fmt.Errorf("refit: publish version %d: %w", version, err)
 	}
 	return m, nil
 }
 
-func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt, size int64, full bool) (Manifest, error) {
+// PublishDelta publishes src, a partial version holding delta tensors
+// (DeltaDType: the elements that changed since base, PROTOCOL.md "Delta
+// tensors"; DeltaSource makes such a stream) and possibly whole ones, as
+// version, a delta on version base. It is Publish of a partial version,
+// refused unless base is the newest version published: the version every
+// partial version is a delta on, and the weights a worker must serve to
+// apply it (a worker that serves another answers needs_full). So a trainer
+// that computed the delta against the weights it published as base learns
+// here, before anything is announced, that another version came between.
+func (p *Publisher) PublishDelta(ctx context.Context, version, base uint64, src io.ReaderAt, size int64) (Manifest, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	m, err := p.publish(ctx, version, src, size, false, &base)
+	if err != nil {
+		return Manifest{}, fmt.Errorf("refit: publish version %d: %w", version, err)
+	}
+	return m, nil
+}
+
+// NewestVersion returns the newest version published (0 when none): the
+// base of the next partial version. A signing publisher counts only the
+// manifests signed by its own key.
+func (p *Publisher) NewestVersion(ctx context.Context) (uint64, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var kv jetstream.KeyValue
+	err := p.retry(ctx, "look up bucket "+BucketName(p.cfg.Model), func(ctx context.Context) (err error) {
+		kv, err = p.js.KeyValue(ctx, BucketName(p.cfg.Model))
+		if errors.Is(err, jetstream.ErrBucketNotFound) {
+			kv, err = nil, nil
+		}
+		return err
+	})
+	if err != nil || kv == nil {
+		return 0, err
+	}
+	v, _, err := p.previous(ctx, kv)
+	if err != nil {
+		return 0, fmt.Errorf("refit: model %s: %w", p.cfg.Model, err)
+	}
+	return v, nil
+}
+
+// publish publishes a version; deltaBase is the base a delta version was
+// computed against (nil: no delta tensors allowed).
+func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt, size int64, full bool, deltaBase *uint64) (Manifest, error) {
 	start := time.Now()
 	model := p.cfg.Model
 	switch {
@@ -334,6 +379,9 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	hdr, headerSum, err := readHeader(src, size)
 	if err != nil {
 		return Manifest{}, err
+	}
+	if n := hdr.deltaTensors(); n > 0 && deltaBase == nil {
+		return Manifest{}, fmt.Errorf("%d delta tensors (%s): publish them with PublishDelta, which checks their base", n, DeltaDType)
 	}
 	chunkBytes := int64(p.cfg.ChunkBytes)
 	nChunks := (size + chunkBytes - 1) / chunkBytes
@@ -379,6 +427,9 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 			return Manifest{}, fmt.Errorf("%w: publish a full version", err)
 		}
 		m.Base = prev // a partial version is a delta on the newest one published
+		if deltaBase != nil && *deltaBase != prev {
+			return Manifest{}, fmt.Errorf("a delta on version %d, but the newest version published is %d: compute the delta against that version's weights, or publish a full version", *deltaBase, prev)
+		}
 	}
 	subjects, err := p.subjects(ctx, stream)
 	if err != nil {
@@ -465,7 +516,7 @@ func readHeader(src io.ReaderAt, size int64) (h Header, sum string, err error) {
 	sum = hex.EncodeToString(d.Sum(nil))
 	var bad []string
 	for _, t := range h.Tensors {
-		if t.DType != "BF16" {
+		if t.DType != "BF16" && t.DType != DeltaDType {
 			bad = append(bad, fmt.Sprintf("%s (%s)", t.Name, t.DType))
 		}
 	}

@@ -86,8 +86,12 @@ type Receiver struct {
 	m        *policy.Model
 	eng      Engine
 	stager   kernels.Stager
-	log      *zap.Logger
-	metrics  *metrics
+	// deltas applies delta tensors (nil: the backend cannot, and versions
+	// holding them are rejected).
+	deltas  kernels.DeltaStager
+	batch   deltaBatch // delta records of the chunk being written
+	log     *zap.Logger
+	metrics *metrics
 
 	// Staging mirrors of the live buffers that a version may not write in
 	// place (everything but the expert stacks, and those too when the
@@ -179,7 +183,8 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	if err != nil {
 		return nil, err
 	}
-	r := &Receiver{cfg: cfg, nc: nc, liveOpts: liveOptions(nc), js: js, m: m, eng: eng, stager: st, log: log, metrics: met,
+	ds, _ := st.(kernels.DeltaStager)
+	r := &Receiver{cfg: cfg, nc: nc, liveOpts: liveOptions(nc), js: js, m: m, eng: eng, stager: st, deltas: ds, log: log, metrics: met,
 		staging: map[*kernels.Buffer]*kernels.Buffer{}, direct: m.Options().Recipe != moe.RecipeBF16,
 		current: cfg.Version, seen: map[uint64]bool{}, revs: map[string]uint64{}, liveReady: make(chan struct{})}
 	targets, err := m.Tensors()
@@ -616,7 +621,24 @@ type write struct {
 	// Times its first and last byte arrived.
 	first, last time.Time
 	carry       byte // the low byte of an element split across chunks
+
+	// A delta tensor (DeltaDType): its records' decoder; whether the live
+	// tensor was copied into its staging buffer, as the base the records
+	// patch (staged tensors only); whether a record changed an element;
+	// and, of an expert tensor, which of its experts changed.
+	delta   *deltaDecoder
+	copied  bool
+	changed bool
+	experts []bool
 }
+
+// isDelta reports whether the tensor comes as a delta on the weights
+// served.
+func (w *write) isDelta() bool { return w.delta != nil }
+
+// rewrites reports whether the version writes every byte of the tensor:
+// a whole tensor does, a delta tensor does not.
+func (w *write) rewrites() bool { return w.delta == nil }
 
 // plan checks a parsed header against the model and decides where each
 // tensor goes. It reports every problem at once.
@@ -633,8 +655,11 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 		case err != nil:
 			problems = append(problems, fmt.Sprintf("unknown tensor %q", t.Name))
 			continue
-		case t.DType != "BF16":
-			problems = append(problems, fmt.Sprintf("tensor %q: dtype %s, want BF16", t.Name, t.DType))
+		case t.DType == DeltaDType && r.deltas == nil:
+			problems = append(problems, fmt.Sprintf("tensor %q: a delta tensor, and backend %s cannot apply deltas", t.Name, r.m.Backend().Name()))
+			continue
+		case t.DType != "BF16" && t.DType != DeltaDType:
+			problems = append(problems, fmt.Sprintf("tensor %q: dtype %s, want BF16 (or %s)", t.Name, t.DType, DeltaDType))
 			continue
 		case !slices.Equal(t.Shape, tg.Shape):
 			problems = append(problems, fmt.Sprintf("tensor %q: shape %v, want %v", t.Name, t.Shape, tg.Shape))
@@ -643,6 +668,9 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 		w := &write{info: t, target: tg, dst: tg.Buffer, layer: tg.Layer}
 		if s := r.staging[tg.Buffer]; s != nil {
 			w.dst = s
+		}
+		if t.DType == DeltaDType {
+			w.delta = newDeltaDecoder(int64(tg.Size() / 2))
 		}
 		ws = append(ws, w)
 	}
@@ -667,12 +695,13 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 			return nil, fmt.Errorf("tensors %q and %q write the same weights", p.name, s.name)
 		}
 	}
-	// Dirty stack ranges must all be rewritten by this version.
+	// Dirty stack ranges must all be rewritten by this version: by whole
+	// tensors, as a delta tensor patches what the stacks hold.
 	var missing []string // distinct tensors
 	seen := map[string]bool{}
 	for _, d := range r.dirty {
 		if !seen[d.name] && !slices.ContainsFunc(ws, func(w *write) bool {
-			return w.dst == w.target.Buffer && span{w.target.Buffer, w.target.Offset, w.target.Size(), ""}.covers(d)
+			return w.rewrites() && w.dst == w.target.Buffer && span{w.target.Buffer, w.target.Offset, w.target.Size(), ""}.covers(d)
 		}) {
 			seen[d.name] = true
 			missing = append(missing, d.name)
@@ -757,6 +786,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		defer digest.close()
 	}
 
+	r.batch.reset()
 	var (
 		hdr      Header
 		prefix   []byte // the stream's first bytes, until the header is parsed
@@ -830,6 +860,9 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 				return fmt.Errorf("version %d rejected: %w", a.Version, err)
 			}
 			parsed = true
+			if n := hdr.deltaTensors(); a.Full && n > 0 {
+				return fmt.Errorf("version %d: %w: announced full, it holds %d delta tensors (%s), which need their base", a.Version, ErrProtocol, n, DeltaDType)
+			}
 			if a.Full {
 				if !r.isFull(ws) {
 					return fmt.Errorf("version %d is announced full but does not cover every weight", a.Version)
@@ -929,22 +962,119 @@ func (r *Receiver) scatter(ws []*write, h Header, at int64, data []byte, now tim
 		lo := at - begin // offset inside the tensor
 		n := min(int64(len(data)), ds+w.info.End-at)
 		part := data[:n]
-		if err := checkFinite(w, lo, part); err != nil {
-			return err
-		}
-		if err := r.stager.Stage(w.dst, w.target.Offset+int(lo), part); err != nil {
-			return fmt.Errorf("tensor %q: %w", w.info.Name, err)
+		if w.isDelta() {
+			if err := r.scatterDelta(w, part, lo+n == w.info.End-w.info.Begin, wrote); err != nil {
+				return fmt.Errorf("tensor %q: %w", w.info.Name, err)
+			}
+		} else {
+			if err := checkFinite(w, lo, part); err != nil {
+				return err
+			}
+			if err := r.stager.Stage(w.dst, w.target.Offset+int(lo), part); err != nil {
+				return fmt.Errorf("tensor %q: %w", w.info.Name, err)
+			}
+			if w.first.IsZero() && w.dst == w.target.Buffer {
+				*wrote = append(*wrote, span{w.target.Buffer, w.target.Offset, w.target.Size(), w.info.Name})
+			}
 		}
 		if w.first.IsZero() {
 			w.first = now
-			if w.dst == w.target.Buffer {
-				*wrote = append(*wrote, span{w.target.Buffer, w.target.Offset, w.target.Size(), w.info.Name})
-			}
 		}
 		w.last = now
 		data, at = data[n:], at+n
 	}
+	return r.flushDeltas()
+}
+
+// scatterDelta decodes the next bytes part of delta tensor w (last: its
+// bytes end with part) and writes the records completed: into the stacks
+// in place (recording the tensor as written, so that it is dirty if the
+// version is rejected), or into the tensor's staging buffer, which first
+// gets the served tensor, the base the records patch. The records of a
+// chunk go to the backend in batches, one per destination buffer.
+func (r *Receiver) scatterDelta(w *write, part []byte, last bool, wrote *[]span) error {
+	first := int64(w.target.Offset / 2)
+	err := w.delta.feed(part, func(rec deltaRecord, region int64) error {
+		if rec.count == 0 {
+			return nil
+		}
+		if !w.changed {
+			w.changed = true
+			if w.dst == w.target.Buffer {
+				*wrote = append(*wrote, span{w.target.Buffer, w.target.Offset, w.target.Size(), w.info.Name})
+			} else if !w.copied {
+				if err := r.deltas.StageCopy(w.dst, w.target.Offset, w.target.Buffer, w.target.Offset, w.target.Size()); err != nil {
+					return err
+				}
+				w.copied = true
+			}
+		}
+		n := regionLen(w.delta.n, region)
+		if w.target.IsExpert() {
+			w.markExperts(rec, region, n)
+		}
+		if r.batch.dst != w.dst {
+			if err := r.flushDeltas(); err != nil {
+				return err
+			}
+			r.batch.dst = w.dst
+		}
+		b := &r.batch
+		var sp kernels.DeltaSpan
+		sp, b.masks, b.values = rec.span(first, region, n, b.masks, b.values)
+		b.spans = append(b.spans, sp)
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if last {
+		if err := w.delta.done(); err != nil {
+			return fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+	}
 	return nil
+}
+
+// markExperts records which experts of expert tensor w the record of
+// region (n elements) changes.
+func (w *write) markExperts(rec deltaRecord, region int64, n int) {
+	count := int64(w.target.Experts[1] - w.target.Experts[0])
+	per := max(w.delta.n/count, 1) // elements an expert
+	if w.experts == nil {
+		w.experts = make([]bool, count)
+	}
+	lo := region * DeltaRegionElems
+	for e := lo / per; e < count && e*per < lo+int64(n); e++ {
+		a, b := max(lo, e*per)-lo, min(lo+int64(n), (e+1)*per)-lo
+		if !w.experts[e] && rec.changedIn(int(a), int(b)) {
+			w.experts[e] = true
+		}
+	}
+}
+
+// deltaBatch gathers delta records for one buffer, to be written in one
+// call of the backend.
+type deltaBatch struct {
+	dst           *kernels.Buffer
+	spans         []kernels.DeltaSpan
+	masks, values []byte
+}
+
+func (b *deltaBatch) reset() {
+	b.dst, b.spans, b.masks, b.values = nil, b.spans[:0], b.masks[:0], b.values[:0]
+}
+
+// flushDeltas writes the records gathered.
+func (r *Receiver) flushDeltas() error {
+	b := &r.batch
+	if len(b.spans) == 0 {
+		b.reset()
+		return nil
+	}
+	err := r.deltas.StageScatterBF16(kernels.HostScatterBF16{Dst: b.dst, Len: b.dst.Len(), Spans: b.spans, Masks: b.masks, Values: b.values})
+	b.reset()
+	return err
 }
 
 // checkFinite rejects a NaN or Inf among the BF16 values of part, which
@@ -1231,10 +1361,15 @@ func (r *Receiver) receiveTimings(ws []*write) map[int]*LayerTiming {
 // commit copies staged tensors into the live buffers, requantizes the
 // touched experts in place and moves the version, at a step boundary.
 func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map[int]*LayerTiming, st *Status) error {
+	// The experts to requantize: every one of a whole expert tensor, and
+	// those whose BF16 values a delta tensor changed.
 	experts := map[int][]int{}
 	for _, w := range ws {
 		if w.target.IsExpert() {
 			for e := w.target.Experts[0]; e < w.target.Experts[1]; e++ {
+				if w.isDelta() && (w.experts == nil || !w.experts[e-w.target.Experts[0]]) {
+					continue
+				}
 				experts[w.layer] = append(experts[w.layer], e)
 			}
 		}
@@ -1247,8 +1382,8 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 		be := r.m.Backend()
 		changed = true
 		for _, w := range ws {
-			if w.dst == w.target.Buffer {
-				continue
+			if w.dst == w.target.Buffer || (w.isDelta() && !w.changed) {
+				continue // written in place, or a delta that changed nothing
 			}
 			t0 := time.Now()
 			dst, err := w.target.Buffer.ByteRange(w.target.Offset, w.target.Size())

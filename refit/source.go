@@ -27,12 +27,33 @@ import (
 // bounded by the header whatever the checkpoint's size. The checkpoint's
 // files must not change until Close.
 type Source struct {
-	path  string
-	files []*stfile.File
-	segs  []sourceSeg // the header, then the tensors' data, in stream order
-	size  int64
-	names []string // in stream order
-	full  bool
+	path    string
+	files   []*stfile.File
+	segs    []sourceSeg // the header, then the tensors' data, in stream order
+	size    int64
+	names   []string    // in stream order
+	tensors []srcTensor // in stream order
+	full    bool
+}
+
+// srcTensor is one tensor of a Source.
+type srcTensor struct {
+	name  string
+	shape []uint64
+	data  []byte
+}
+
+// readTensor reads tensor i's bytes from off into p.
+func (s *Source) readTensor(i int, p []byte, off int64) error {
+	if s.segs == nil {
+		return fmt.Errorf("refit: source %s: read after close", s.path)
+	}
+	t := s.tensors[i]
+	if off < 0 || off > int64(len(t.data))-int64(len(p)) {
+		return fmt.Errorf("refit: source %s: tensor %s: %d bytes at %d of %d", s.path, t.name, len(p), off, len(t.data))
+	}
+	copy(p, t.data[off:])
+	return nil
 }
 
 // sourceSeg is a run of stream bytes starting at off.
@@ -164,44 +185,19 @@ func (s *Source) assemble(tensors []stfile.Tensor, only *regexp.Regexp, total in
 		return fmt.Errorf("%d selected tensors are not BF16 (a version holds BF16 tensors only): %s", len(bad), listSome(bad, 10))
 	}
 	slices.SortFunc(tensors, func(a, b stfile.Tensor) int { return naturalCompare(a.Name, b.Name) })
-
-	// The header: {"name":{"dtype":"BF16","shape":[...],"data_offsets":[b,e]},...}
-	// in stream order, padded with spaces to a multiple of 8 bytes.
-	var js strings.Builder
-	js.WriteByte('{')
-	var at int64
+	entries := make([]headerOut, len(tensors))
 	for i, t := range tensors {
-		if i > 0 {
-			js.WriteByte(',')
-		}
-		name, _ := json.Marshal(t.Name) // a string always encodes
-		js.Write(name)
-		js.WriteString(`:{"dtype":"BF16","shape":[`)
-		for j, d := range t.Shape {
-			if j > 0 {
-				js.WriteByte(',')
-			}
-			js.WriteString(strconv.FormatUint(d, 10))
-		}
-		end := at + int64(len(t.Data))
-		fmt.Fprintf(&js, `],"data_offsets":[%d,%d]}`, at, end)
-		at = end
+		entries[i] = headerOut{name: t.Name, dtype: "BF16", shape: t.Shape, size: int64(len(t.Data))}
 	}
-	js.WriteByte('}')
-	for (8+js.Len())%8 != 0 {
-		js.WriteByte(' ')
+	head, err := versionHeader(entries)
+	if err != nil {
+		return err
 	}
-	if js.Len() > MaxHeaderBytes {
-		return fmt.Errorf("a header of %d bytes for %d tensors: at most %d", js.Len(), len(tensors), MaxHeaderBytes)
-	}
-	head := make([]byte, 8+js.Len())
-	binary.LittleEndian.PutUint64(head, uint64(js.Len()))
-	copy(head[8:], js.String())
-
 	s.segs = append(s.segs[:0], sourceSeg{off: 0, data: head})
 	s.size = int64(len(head))
 	for _, t := range tensors {
 		s.names = append(s.names, t.Name)
+		s.tensors = append(s.tensors, srcTensor{name: t.Name, shape: t.Shape, data: t.Data})
 		if len(t.Data) > 0 {
 			s.segs = append(s.segs, sourceSeg{off: s.size, data: t.Data})
 			s.size += int64(len(t.Data))
@@ -211,6 +207,52 @@ func (s *Source) assemble(tensors []stfile.Tensor, only *regexp.Regexp, total in
 		return fmt.Errorf("a stream of %d bytes: at most %d go in a version", s.size, MaxStreamBytes)
 	}
 	return nil
+}
+
+// headerOut is one tensor entry of a header the publisher writes.
+type headerOut struct {
+	name  string
+	dtype string
+	shape []uint64
+	size  int64 // bytes of its data
+}
+
+// versionHeader returns the first bytes of a version stream of the
+// tensors, in this order: the 8-byte length and the JSON header
+// {"name":{"dtype":"BF16","shape":[...],"data_offsets":[b,e]},...}, padded
+// with spaces to a multiple of 8 bytes.
+func versionHeader(entries []headerOut) ([]byte, error) {
+	var js strings.Builder
+	js.WriteByte('{')
+	var at int64
+	for i, t := range entries {
+		if i > 0 {
+			js.WriteByte(',')
+		}
+		name, _ := json.Marshal(t.name) // a string always encodes
+		js.Write(name)
+		fmt.Fprintf(&js, `:{"dtype":%q,"shape":[`, t.dtype)
+		for j, d := range t.shape {
+			if j > 0 {
+				js.WriteByte(',')
+			}
+			js.WriteString(strconv.FormatUint(d, 10))
+		}
+		end := at + t.size
+		fmt.Fprintf(&js, `],"data_offsets":[%d,%d]}`, at, end)
+		at = end
+	}
+	js.WriteByte('}')
+	for (8+js.Len())%8 != 0 {
+		js.WriteByte(' ')
+	}
+	if js.Len() > MaxHeaderBytes {
+		return nil, fmt.Errorf("a header of %d bytes for %d tensors: at most %d", js.Len(), len(entries), MaxHeaderBytes)
+	}
+	head := make([]byte, 8+js.Len())
+	binary.LittleEndian.PutUint64(head, uint64(js.Len()))
+	copy(head[8:], js.String())
+	return head, nil
 }
 
 // Size is the stream's length in bytes.

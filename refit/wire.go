@@ -445,6 +445,17 @@ type Header struct {
 // DataStart is the stream offset of the data section.
 func (h Header) DataStart() int64 { return 8 + h.Len }
 
+// deltaTensors counts the delta tensors (DeltaDType).
+func (h Header) deltaTensors() int {
+	n := 0
+	for _, t := range h.Tensors {
+		if t.DType == DeltaDType {
+			n++
+		}
+	}
+	return n
+}
+
 // HeaderLen reads the 8-byte little-endian header length at the start of a
 // stream; ok is false while fewer than 8 bytes are known.
 func HeaderLen(prefix []byte) (n int64, ok bool, err error) {
@@ -463,7 +474,8 @@ func HeaderLen(prefix []byte) (n int64, ok bool, err error) {
 // object from the first byte, spaces after it, no key twice, tensor entries
 // of exactly dtype, shape and data_offsets, string metadata), every entry
 // has a known dtype, a shape whose size matches its byte range (for BF16: 2
-// bytes an element), and the data ranges tile the data section exactly,
+// bytes an element; for a delta tensor, DeltaDType, between the least and
+// the most its regions' records take), and the data ranges tile the data section exactly,
 // without gaps or overlaps, whatever the order of the keys. Tensors are
 // returned in data order.
 func ParseHeader(js []byte, total int64) (Header, error) {
@@ -503,6 +515,14 @@ func ParseHeader(js []byte, total int64) (Header, error) {
 		}
 		if t.Begin < 0 || t.End < t.Begin {
 			return h, fmt.Errorf("%w: tensor %q: data offsets %v", ErrProtocol, name, e.DataOffsets)
+		}
+		if e.DType == DeltaDType {
+			// Records of its regions: as many bytes as they take.
+			if lo, hi := deltaBytesRange(elems); t.End-t.Begin < lo || t.End-t.Begin > hi {
+				return h, fmt.Errorf("%w: tensor %q: %s%v in %d bytes: its records take %d to %d", ErrProtocol, name, e.DType, e.Shape, t.End-t.Begin, lo, hi)
+			}
+			h.Tensors = append(h.Tensors, t)
+			continue
 		}
 		size := dtypeSize(e.DType)
 		if size == 0 {

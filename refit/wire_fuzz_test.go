@@ -247,6 +247,9 @@ func FuzzParseHeader(f *testing.F) {
 	f.Add([]byte(`{"__metadata__":7,"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}`), uint32(2))
 	f.Add([]byte(`{"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]},"__metadata__":{"data_offsets":[0,2]}}`), uint32(2))
 	f.Add([]byte(`{"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2],"DTYPE":"F32"}}`), uint32(2))
+	f.Add([]byte(`{"d":{"dtype":"BF16_DELTA","shape":[70000],"data_offsets":[0,16]}}`), uint32(16))
+	f.Add([]byte(`{"d":{"dtype":"BF16_DELTA","shape":[3],"data_offsets":[2,16]},"s":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]}}`), uint32(16))
+	f.Add([]byte(`{"d":{"dtype":"BF16_DELTA","shape":[0],"data_offsets":[0,0]}}`), uint32(0))
 	f.Fuzz(func(t *testing.T, js []byte, dataLen uint32) {
 		// The one-pass decode gives what the two passes give.
 		fast, ferr := headerEntries(js)
@@ -291,6 +294,9 @@ func FuzzParseHeader(f *testing.F) {
 			}
 			if size := dtypeSize(ti.DType); size > 0 && elems*size != ti.End-ti.Begin {
 				t.Fatalf("tensor %q: %s%v in %d bytes", ti.Name, ti.DType, ti.Shape, ti.End-ti.Begin)
+			}
+			if lo, hi := deltaBytesRange(elems); ti.DType == DeltaDType && (ti.End-ti.Begin < lo || ti.End-ti.Begin > hi) {
+				t.Fatalf("delta tensor %q: %v in %d bytes, outside [%d, %d]", ti.Name, ti.Shape, ti.End-ti.Begin, lo, hi)
 			}
 		}
 		if at != int64(dataLen) {

@@ -20,7 +20,8 @@ import (
 )
 
 const publishUsage = `Usage: rollout-worker publish --nats-url URL --model-id ID --version N|next
-       --from DIR|FILE.safetensors [--only REGEX] [--wait-workers K --timeout D]
+       --from DIR|FILE.safetensors [--only REGEX] [--base DIR|FILE.safetensors [--base-version B]]
+       [--wait-workers K --timeout D]
        [--sign-key SEEDFILE] [--nats-creds FILE | --nats-nkey FILE] [--tls-ca FILE ...]
 
 Publish a weight version to the rollout workers over NATS JetStream
@@ -36,6 +37,15 @@ REGEX happens to match every tensor); the workers keep the other tensors.
 When the next version must be full (an earlier version was announced and
 never completed: refit/PROTOCOL.md, "After a status other than applied"),
 --only is overridden: every tensor goes out, and the output says why.
+
+With --base, the version is a delta on the newest version published (or
+--base-version B, which must be it), whose weights --base holds (a
+checkpoint of the same form as --from): only the tensors of --from (those
+--only selects) that differ from --base go out, each as the BF16 elements
+that changed, by index list or bitmap, whichever is smaller, or whole where
+that is smaller (refit/PROTOCOL.md, "Delta tensors"). Workers that serve
+another version answer needs_full. When the next version must be full, the
+whole checkpoint goes out instead, and the output says why.
 
 N must be newer than the last published version, and not the number of an
 attempt that did not finish. --version next takes one above the highest
@@ -68,6 +78,9 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.Var(&version, "version", "version `number`, > 0 and newer than the last published, or next: one above the highest in the stream and bucket (required)")
 	from := fs.String("from", "", "model `directory` or .safetensors file (required)")
 	only := fs.String("only", "", "publish only tensors whose name matches this Go `regexp` (a partial version)")
+	base := fs.String("base", "", "publish a delta against the checkpoint in this `directory` or .safetensors file: the weights of the newest version published")
+	var baseVersion versionFlag
+	fs.Var(&baseVersion, "base-version", "the version `number` --base holds (default: the newest version published); the delta is refused if another version is newer")
 	waitWorkers := fs.Int("wait-workers", 0, "after publishing, wait for this many workers' statuses")
 	timeout := fs.Duration("timeout", 5*time.Minute, "how long --wait-workers waits for the statuses")
 	chunkBytes := fs.Int("chunk-bytes", 0, "chunk size in bytes, at most min(4 MiB, the server's max_payload - 4 KiB) (default min(1 MiB, the server's max_payload - 4 KiB))")
@@ -95,6 +108,10 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--chunk-bytes must not be negative, not %d", *chunkBytes)
 	case *inflight <= 0:
 		return usageErrorf("--max-inflight-bytes must be positive, not %d", *inflight)
+	case baseVersion.next:
+		return usageErrorf("--base-version takes a number")
+	case baseVersion.set && *base == "":
+		return usageErrorf("--base-version needs --base")
 	}
 	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes}
 	switch *storage {
@@ -131,6 +148,15 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	log := zap.New(zapcore.NewCore(zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig()), zapcore.AddSync(stderr), level))
 	defer log.Sync()
 
+	var delta *refit.DeltaSource
+	if *base != "" {
+		// Both checkpoints are read once here, side by side, to size the
+		// delta: before anything is announced.
+		if delta, err = refit.OpenDelta(*from, *base, re); err != nil {
+			return err
+		}
+		defer delta.Close()
+	}
 	src, err := refit.OpenSource(*from, re)
 	if err != nil {
 		return err
@@ -154,18 +180,32 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			return err
 		}
 	}
-	if !src.Full() {
+	if !src.Full() || delta != nil {
 		// After a version some worker did not apply, the next is full
 		// (refit/PROTOCOL.md): the checkpoint holds every tensor.
 		switch err := pub.FullVersionNeeded(ctx); {
 		case errors.Is(err, refit.ErrFullVersionNeeded):
-			fmt.Fprintf(stdout, "%v\n  publishing every tensor of %s, not only those --only selects\n", err, *from)
+			what := "not only those --only selects"
+			if delta != nil {
+				what = "not a delta on " + *base
+			}
+			fmt.Fprintf(stdout, "%v\n  publishing every tensor of %s, %s\n", err, *from, what)
+			delta = nil
 			if src, err = refit.OpenSource(*from, nil); err != nil {
 				return err
 			}
 			defer src.Close()
 		case err != nil:
 			return err
+		}
+	}
+	var onVersion uint64
+	if delta != nil {
+		onVersion = baseVersion.n
+		if !baseVersion.set {
+			if onVersion, err = pub.NewestVersion(ctx); err != nil {
+				return err
+			}
 		}
 	}
 	var statuses *refit.StatusCollector
@@ -178,11 +218,19 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	}
 
 	start := time.Now()
-	m, err := pub.Publish(ctx, v, src, src.Size(), src.Full())
+	var m refit.Manifest
+	if delta != nil {
+		m, err = pub.PublishDelta(ctx, v, onVersion, delta, delta.Size())
+	} else {
+		m, err = pub.Publish(ctx, v, src, src.Size(), src.Full())
+	}
 	if err != nil {
 		return err
 	}
 	writeManifestSummary(stdout, m, time.Since(start))
+	if delta != nil {
+		writeDeltaSummary(stdout, m, delta.Stats())
+	}
 	if statuses == nil {
 		return nil
 	}
@@ -213,10 +261,11 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 }
 
 // versionFlag is --version: a number, or "next" for the publisher's next
-// version (refit.Publisher.NextVersion).
+// version (refit.Publisher.NextVersion). set says it was given.
 type versionFlag struct {
 	n    uint64
 	next bool
+	set  bool
 }
 
 func (f *versionFlag) String() string {
@@ -231,15 +280,23 @@ func (f *versionFlag) String() string {
 
 func (f *versionFlag) Set(s string) error {
 	if s == "next" {
-		f.n, f.next = 0, true
+		f.n, f.next, f.set = 0, true, true
 		return nil
 	}
 	n, err := strconv.ParseUint(s, 10, 64)
 	if err != nil {
 		return errors.New("want a number from 1 to 18446744073709551615, or next")
 	}
-	f.n, f.next = n, false
+	f.n, f.next, f.set = n, false, true
 	return nil
+}
+
+// writeDeltaSummary prints what a delta version held.
+func writeDeltaSummary(w io.Writer, m refit.Manifest, st refit.DeltaStats) {
+	fmt.Fprintf(w, "  a delta on version %d: %d of %d tensors changed (%d sent as deltas, %d whole), %d of %d elements\n",
+		m.Base, st.Changed, st.Tensors, st.DeltaTensors, st.Changed-st.DeltaTensors, st.ChangedElements, st.Elements)
+	fmt.Fprintf(w, "  %d bytes, %.2f%% of the %d bytes of the same tensors whole\n",
+		st.Bytes, 100*float64(st.Bytes)/float64(max(st.FullBytes, 1)), st.FullBytes)
 }
 
 // writeManifestSummary prints what was published.

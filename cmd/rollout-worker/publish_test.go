@@ -3,10 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -205,6 +208,72 @@ func TestPublishCommand(t *testing.T) {
 	code, _, stderr = pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "2", "--from", dir)
 	if code != 1 || !strings.Contains(stderr, "refit: publish version 2: not newer than version 2") {
 		t.Errorf("republish: exit %d, stderr:\n%s", code, stderr)
+	}
+}
+
+// TestPublishCommandDelta: publish --base sends the tensors that differ
+// from the base checkpoint as delta tensors (or whole, where that is
+// smaller), as a delta on the newest version published; --base-version
+// must name that version.
+func TestPublishCommandDelta(t *testing.T) {
+	srv := refittest.StartServer(t)
+	dir, tensors := pubtModel(t)
+	// Two tensors change: three elements of one, every element of another.
+	next := slices.Clone(tensors)
+	next[0].Data = slices.Clone(tensors[0].Data)
+	for _, i := range []int{1, 100, 511} {
+		next[0].Data[2*i] ^= 0x01
+	}
+	next[3].Data = slices.Clone(tensors[3].Data)
+	for i := 0; i < len(next[3].Data); i += 2 {
+		next[3].Data[i] ^= 0x01
+	}
+	nextDir := t.TempDir()
+	if err := stfile.Write(filepath.Join(nextDir, "model.safetensors"), next, nil); err != nil {
+		t.Fatal(err)
+	}
+	code, stdout, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "m", "--version", "1", "--from", dir)
+	if code != 0 {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	code, stdout, stderr = pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "m", "--version", "2", "--from", nextDir,
+		"--base", dir, "--base-version", "7")
+	if code != 1 || !strings.Contains(stderr, "a delta on version 7, but the newest version published is 1") {
+		t.Fatalf("wrong --base-version: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	code, stdout, stderr = pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "m", "--version", "next", "--from", nextDir,
+		"--base", filepath.Join(dir, "model.safetensors"), "--chunk-bytes", "100")
+	if code != 0 {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	data, m := pubtVersion(t, srv.URL(), "m", 2)
+	if m.Full || m.Base != 1 || m.Tensors != 2 || m.TotalBytes != int64(len(data)) {
+		t.Fatalf("manifest %+v", m)
+	}
+	n := binary.LittleEndian.Uint64(data)
+	h, err := refit.ParseHeader(data[8:8+n], int64(len(data)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, ti := range h.Tensors {
+		got = append(got, ti.Name+" "+ti.DType)
+	}
+	if want := []string{tensors[0].Name + " " + refit.DeltaDType, tensors[3].Name + " BF16"}; !slices.Equal(got, want) {
+		t.Errorf("tensors %q, want %q", got, want)
+	}
+	for _, want := range []string{
+		"published partial version 2 of model m",
+		"a delta on version 1: 2 of 5 tensors changed (1 sent as deltas, 1 whole), 1027 of 2592 elements",
+		fmt.Sprintf("%d bytes, ", len(data)),
+	} {
+		if !strings.Contains(stdout, want) {
+			t.Errorf("stdout lacks %q:\n%s", want, stdout)
+		}
+	}
+	code, _, stderr = pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "m", "--version", "3", "--from", nextDir, "--base-version", "2")
+	if code != 2 || !strings.Contains(stderr, "--base-version needs --base") {
+		t.Errorf("--base-version alone: exit %d\nstderr:\n%s", code, stderr)
 	}
 }
 

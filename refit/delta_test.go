@@ -1,0 +1,288 @@
+package refit
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
+	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/policy"
+)
+
+// perturb returns a copy of the BF16 bytes old with about frac of its
+// elements changed to other finite values (at least one when frac > 0).
+func perturb(r *rand.Rand, old []byte, frac float64) []byte {
+	out := slices.Clone(old)
+	n := len(old) / 2
+	change := func(i int) {
+		v := bf16.ToFloat32(binary.LittleEndian.Uint16(out[2*i:]))
+		w := bf16.FromFloat32(v + float32(r.NormFloat64())*0.01 + 1e-3)
+		if w == binary.LittleEndian.Uint16(out[2*i:]) {
+			w ^= 1
+		}
+		binary.LittleEndian.PutUint16(out[2*i:], w)
+	}
+	hit := false
+	for i := range n {
+		if r.Float64() < frac {
+			change(i)
+			hit = true
+		}
+	}
+	if frac > 0 && !hit && n > 0 {
+		change(r.IntN(n))
+	}
+	return out
+}
+
+// encodeDeltaTensor encodes the delta of a whole tensor, region by region.
+func encodeDeltaTensor(old, new []byte) []byte {
+	var out []byte
+	for at := 0; at < len(new); at += 2 * DeltaRegionElems {
+		end := min(len(new), at+2*DeltaRegionElems)
+		out, _ = appendDeltaRecord(out, old[at:end], new[at:end])
+	}
+	return out
+}
+
+// decodeDelta applies the records of a delta tensor to a copy of old,
+// feeding the decoder the bytes in pieces cut at cuts.
+func decodeDelta(old, enc []byte, cuts ...int) ([]byte, error) {
+	out := slices.Clone(old)
+	d := newDeltaDecoder(int64(len(old) / 2))
+	var spans []kernels.DeltaSpan
+	var masks, values []byte
+	emit := func(rec deltaRecord, region int64) error {
+		var s kernels.DeltaSpan
+		s, masks, values = rec.span(0, region, regionLen(d.n, region), masks, values)
+		spans = append(spans, s)
+		return nil
+	}
+	prev := 0
+	for _, c := range append(cuts, len(enc)) {
+		if err := d.feed(enc[prev:c], emit); err != nil {
+			return nil, err
+		}
+		prev = c
+	}
+	if err := d.done(); err != nil {
+		return nil, err
+	}
+	// The spans are what the backend takes: apply them as the op's
+	// definition has it.
+	for _, s := range spans {
+		if err := kernels.CheckDeltaSpan(s, len(old)/2, masks, values); err != nil {
+			return nil, err
+		}
+		m, v := masks[4*s.Mask:], values[2*s.Value:]
+		k := 0
+		for j := range int(s.Len) {
+			var hit bool
+			if s.Form == kernels.DeltaIndices {
+				hit = k < int(s.Count) && int(binary.LittleEndian.Uint16(m[2*k:])) == j
+			} else {
+				hit = binary.LittleEndian.Uint32(m[4*(j/32):])&(1<<(j%32)) != 0
+			}
+			if hit {
+				copy(out[2*(int(s.Start)+j):], v[2*k:2*k+2])
+				k++
+			}
+		}
+	}
+	return out, nil
+}
+
+// TestDeltaRoundTrip: the records of a tensor, from nothing to everything
+// changed, decode (in one piece, or cut anywhere, records split across
+// pieces) to exactly the new tensor; each record takes the smaller form,
+// the index list on a tie.
+func TestDeltaRoundTrip(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for _, n := range []int{1, 31, 33, 1000, DeltaRegionElems, DeltaRegionElems + 77, 3*DeltaRegionElems - 5} {
+		for _, frac := range []float64{0, 0.001, 0.01, 0.05, 0.2, 1} {
+			old := make([]byte, 2*n)
+			for i := range old {
+				old[i] = byte(r.Uint32())
+			}
+			for i := 0; i < len(old); i += 2 { // finite values
+				old[i+1] &= 0xbf
+			}
+			new := perturb(r, old, frac)
+			enc := encodeDeltaTensor(old, new)
+			cuts := [][]int{nil, {1}, {3, 8, 9}, {len(enc) / 2}, {len(enc) - 1}}
+			if len(enc) < 10 {
+				cuts = [][]int{nil}
+			}
+			for _, c := range cuts {
+				got, err := decodeDelta(old, enc, c...)
+				if err != nil {
+					t.Fatalf("n %d, %.3f changed, cut at %v: %v", n, frac, c, err)
+				}
+				if !bytes.Equal(got, new) {
+					t.Fatalf("n %d, %.3f changed, cut at %v: decodes to other values", n, frac, c)
+				}
+			}
+			// Every record is the smaller form.
+			for at, region := 0, int64(0); at < len(enc); region++ {
+				l := regionLen(int64(n), region)
+				size, err := deltaRecordLen(enc[at:], l)
+				if err != nil {
+					t.Fatal(err)
+				}
+				k := int(binary.LittleEndian.Uint32(enc[at+4:]))
+				want, form := DeltaRecordSize(l, k)
+				if size != want || int(enc[at]) != form {
+					t.Fatalf("n %d region %d: %d of %d changed: form %d of %d bytes, want form %d of %d", n, region, k, l, enc[at], size, form, want)
+				}
+				at += size
+			}
+		}
+	}
+	// Where the two forms take the same bytes, the index list is chosen:
+	// 64 elements (2 bitmap words), 4 changed: 8+16 either way.
+	if size, form := DeltaRecordSize(64, 4); size != 24 || form != DeltaIndexList {
+		t.Errorf("tie: form %d of %d bytes, want the index list of 24", form, size)
+	}
+	if _, form := DeltaRecordSize(64, 5); form != DeltaBitmap {
+		t.Errorf("5 of 64 changed: form %d, want the bitmap", form)
+	}
+}
+
+// TestDeltaRecordErrors: a malformed record is refused, naming the region.
+func TestDeltaRecordErrors(t *testing.T) {
+	old := make([]byte, 2*100)
+	new := slices.Clone(old)
+	for _, i := range []int{3, 7, 50} {
+		binary.LittleEndian.PutUint16(new[2*i:], bf16.FromFloat32(1))
+	}
+	idx := encodeDeltaTensor(old, new) // an index list: 8 + 3*4 bytes
+	for i := 0; i < len(new); i += 2 {
+		binary.LittleEndian.PutUint16(new[i:], bf16.FromFloat32(float32(i)))
+	}
+	bm := encodeDeltaTensor(old, new) // a bitmap: 8 + 16 + 99*2 (element 0 stays 0)
+	if idx[0] != DeltaIndexList || bm[0] != DeltaBitmap {
+		t.Fatalf("forms %d and %d", idx[0], bm[0])
+	}
+	edit := func(b []byte, f func(b []byte)) []byte {
+		b = slices.Clone(b)
+		f(b)
+		return b
+	}
+	for _, c := range []struct {
+		name string
+		enc  []byte
+	}{
+		{"unknown form", edit(idx, func(b []byte) { b[0] = 2 })},
+		{"reserved byte", edit(idx, func(b []byte) { b[2] = 1 })},
+		{"count above the region", edit(idx, func(b []byte) { binary.LittleEndian.PutUint32(b[4:], 101) })},
+		{"index repeated", edit(idx, func(b []byte) { copy(b[10:12], b[8:10]) })},
+		{"index decreasing", edit(idx, func(b []byte) { binary.LittleEndian.PutUint16(b[12:], 4) })},
+		{"index past the region", edit(idx, func(b []byte) { binary.LittleEndian.PutUint16(b[12:], 100) })},
+		{"NaN", edit(idx, func(b []byte) { binary.LittleEndian.PutUint16(b[len(b)-2:], 0x7fc0) })},
+		{"Inf", edit(bm, func(b []byte) { binary.LittleEndian.PutUint16(b[len(b)-2:], 0xff80) })},
+		{"bitmap count", edit(bm, func(b []byte) { b[8] &^= 2 })},
+		{"bitmap past the region", edit(bm, func(b []byte) { b[8+12] ^= 0x18 })}, // element 99 moved to 100
+		{"truncated", idx[:len(idx)-1]},
+		{"bytes after the last region", append(slices.Clone(idx), 0)},
+		{"header only", idx[:5]},
+	} {
+		_, err := decodeDelta(old, c.enc)
+		if err == nil {
+			t.Errorf("%s: accepted", c.name)
+		} else if !errors.Is(err, ErrProtocol) && c.name != "truncated" && c.name != "header only" {
+			t.Errorf("%s: %v, not a protocol error", c.name, err)
+		}
+	}
+}
+
+// TestChangedIn: whether a record changes elements of a range, for both
+// forms, against the elements it changes.
+func TestChangedIn(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for _, frac := range []float64{0.002, 0.05, 0.5} {
+		const n = 300
+		old := make([]byte, 2*n)
+		new := perturb(r, old, frac)
+		rec, err := parseDeltaRecord(encodeDeltaTensor(old, new), n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 2000 {
+			a := r.IntN(n + 1)
+			b := a + r.IntN(n+1-a)
+			want := !bytes.Equal(old[2*a:2*b], new[2*a:2*b])
+			if got := rec.changedIn(a, b); got != want {
+				t.Fatalf("form %d: changed in [%d, %d): %v, want %v", rec.form, a, b, got, want)
+			}
+		}
+	}
+}
+
+// TestMarkExperts: a delta of a fused expert tensor marks exactly the
+// experts whose elements changed, whatever the regions' boundaries.
+func TestMarkExperts(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, per := range []int{100, 2048, 50000, 100000} {
+		const E = 8
+		n := E * per
+		old := make([]byte, 2*n)
+		new := slices.Clone(old)
+		want := make([]bool, E)
+		for _, e := range []int{1, 4, 7} {
+			i := e*per + r.IntN(per)
+			new[2*i] = 1
+			want[e] = true
+		}
+		w := &write{target: policy.Target{Experts: [2]int{0, E}}, delta: newDeltaDecoder(int64(n))}
+		err := w.delta.feed(encodeDeltaTensor(old, new), func(rec deltaRecord, region int64) error {
+			w.markExperts(rec, region, regionLen(int64(n), region))
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(w.experts, want) {
+			t.Errorf("%d elements an expert: marked %v, want %v", per, w.experts, want)
+		}
+	}
+}
+
+// TestDeltaBytesRange: the header's bounds on a delta tensor's bytes hold
+// the records of nothing and of everything changed.
+func TestDeltaBytesRange(t *testing.T) {
+	for _, n := range []int{1, 2, 31, 32, 33, DeltaRegionElems, 2*DeltaRegionElems + 1} {
+		lo, hi := deltaBytesRange(int64(n))
+		old := make([]byte, 2*n)
+		none := encodeDeltaTensor(old, old)
+		all := encodeDeltaTensor(old, perturb(rand.New(rand.NewPCG(1, 1)), old, 1))
+		if int64(len(none)) != lo || int64(len(all)) > hi {
+			t.Errorf("%d elements: records of %d and %d bytes, bounds [%d, %d]", n, len(none), len(all), lo, hi)
+		}
+	}
+}
+
+// FuzzDeltaTensor feeds arbitrary bytes to the decoder of a delta tensor:
+// it never panics; decoding in one piece or in two gives the same result;
+// and what it accepts the backend accepts too (every span passes
+// kernels.CheckDeltaSpan).
+func FuzzDeltaTensor(f *testing.F) {
+	old := make([]byte, 2*200)
+	new := perturb(rand.New(rand.NewPCG(3, 3)), old, 0.02)
+	f.Add(encodeDeltaTensor(old, new), uint32(200), uint16(7))
+	f.Add(encodeDeltaTensor(old, perturb(rand.New(rand.NewPCG(4, 4)), old, 0.5)), uint32(200), uint16(30))
+	f.Add([]byte{1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0x80, 0x3f}, uint32(3), uint16(9))
+	f.Add([]byte{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, uint32(DeltaRegionElems+1), uint16(8))
+	f.Fuzz(func(t *testing.T, enc []byte, nn uint32, cut uint16) {
+		old := make([]byte, 2*int(nn%(3*DeltaRegionElems)))
+		whole, err1 := decodeDelta(old, enc)
+		c := int(cut) % (len(enc) + 1)
+		split, err2 := decodeDelta(old, enc, c)
+		if (err1 == nil) != (err2 == nil) || !bytes.Equal(whole, split) {
+			t.Fatalf("one piece: %v; cut at %d: %v", err1, c, err2)
+		}
+	})
+}

@@ -1,0 +1,248 @@
+package refit
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"regexp"
+	"slices"
+	"sort"
+	"sync"
+)
+
+// DeltaSource is the stream of a delta version (PROTOCOL.md, "Delta
+// tensors"): the tensors of a new checkpoint that differ from a base
+// checkpoint, each as a delta tensor (the changed BF16 elements, region by
+// region, by an index list or a bitmap, whichever is smaller) or, where
+// that would not be smaller, as its whole BF16 bytes. Tensors that did not
+// change are left out. It is an io.ReaderAt for Publisher.PublishDelta.
+//
+// Nothing is held whole: NewDelta reads both checkpoints side by side once
+// to size every region's record, keeping 8 bytes a region (a region is
+// 65536 elements); ReadAt encodes the records of the bytes asked for again
+// from both checkpoints, so the bytes are the same however often a chunk is
+// read. Neither checkpoint may change until Close.
+type DeltaSource struct {
+	next, base *Source
+	head       []byte
+	size       int64
+	segs       []deltaSeg // the tensors, in stream order
+	stats      DeltaStats
+	scratch    sync.Pool // *deltaScratch
+}
+
+// deltaSeg is one tensor of a DeltaSource's stream.
+type deltaSeg struct {
+	off        int64 // stream offset of its bytes
+	size       int64
+	next, base int  // its index in next and in base
+	delta      bool // records; otherwise next's BF16 bytes
+	elems      int64
+	// at[r] is the offset of region r's record in the tensor's bytes; one
+	// entry more than the regions holds the size.
+	at []int64
+}
+
+// DeltaStats describes a delta version.
+type DeltaStats struct {
+	Tensors         int   // tensors of the new checkpoint considered
+	Changed         int   // of them, those that changed: in the stream
+	DeltaTensors    int   // of those, sent as delta tensors (the rest whole)
+	Elements        int64 // BF16 elements of the tensors considered
+	ChangedElements int64 // of them, those whose bits changed
+	// FullBytes is the size of the stream of every tensor considered, as
+	// a full (or partial) version carries them; Bytes this stream's.
+	FullBytes, Bytes int64
+}
+
+// deltaScratch holds one region of each side and its encoded record.
+type deltaScratch struct {
+	old, new, rec []byte
+}
+
+// OpenDelta opens the checkpoint at path and the one at base (a directory
+// or safetensors file each, as OpenSource takes) and assembles the delta
+// of path's tensors matching only (all if nil) against base's tensors of
+// the same names. Close closes both.
+func OpenDelta(path, base string, only *regexp.Regexp) (*DeltaSource, error) {
+	next, err := OpenSource(path, only)
+	if err != nil {
+		return nil, err
+	}
+	b, err := OpenSource(base, nil)
+	if err != nil {
+		return nil, errors.Join(err, next.Close())
+	}
+	d, err := NewDelta(next, b)
+	if err != nil {
+		return nil, errors.Join(err, next.Close(), b.Close())
+	}
+	return d, nil
+}
+
+// NewDelta assembles the delta of every tensor of next against the tensor
+// of the same name in base, which must have the same shape (and be BF16,
+// as every tensor of a Source is). Close closes both sources.
+func NewDelta(next, base *Source) (*DeltaSource, error) {
+	d := &DeltaSource{next: next, base: base}
+	d.scratch.New = func() any {
+		return &deltaScratch{old: make([]byte, 2*DeltaRegionElems), new: make([]byte, 2*DeltaRegionElems)}
+	}
+	byName := make(map[string]int, len(base.tensors))
+	for i, t := range base.tensors {
+		byName[t.name] = i
+	}
+	var problems []string
+	var entries []headerOut
+	var at int64
+	sc := d.scratch.Get().(*deltaScratch)
+	defer d.scratch.Put(sc)
+	for i, t := range next.tensors {
+		bi, ok := byName[t.name]
+		switch {
+		case !ok:
+			problems = append(problems, fmt.Sprintf("%s is not in the base checkpoint", t.name))
+			continue
+		case !slices.Equal(base.tensors[bi].shape, t.shape):
+			problems = append(problems, fmt.Sprintf("%s: shape %v, the base's is %v", t.name, t.shape, base.tensors[bi].shape))
+			continue
+		}
+		seg := deltaSeg{next: i, base: bi, elems: int64(len(t.data) / 2)}
+		d.stats.Tensors++
+		d.stats.Elements += seg.elems
+		regions := deltaRegions(seg.elems)
+		seg.at = make([]int64, regions+1)
+		var changed int64
+		for r := range regions {
+			n := regionLen(seg.elems, r)
+			old, new := sc.old[:2*n], sc.new[:2*n]
+			if err := d.region(sc, seg, r); err != nil {
+				return nil, err
+			}
+			k := countChanged(old, new)
+			size, _ := DeltaRecordSize(n, k)
+			seg.at[r+1] = seg.at[r] + int64(size)
+			changed += int64(k)
+		}
+		if changed == 0 {
+			continue
+		}
+		d.stats.Changed++
+		d.stats.ChangedElements += changed
+		seg.size = 2 * seg.elems
+		dtype := "BF16"
+		if seg.at[regions] < seg.size {
+			seg.delta, seg.size, dtype = true, seg.at[regions], DeltaDType
+			d.stats.DeltaTensors++
+		} else {
+			seg.at = nil
+		}
+		seg.off = at
+		at += seg.size
+		d.segs = append(d.segs, seg)
+		entries = append(entries, headerOut{name: t.name, dtype: dtype, shape: t.shape, size: seg.size})
+	}
+	if len(problems) > 0 {
+		return nil, fmt.Errorf("refit: delta of %s on %s: %s", next.path, base.path, listSome(problems, 10))
+	}
+	head, err := versionHeader(entries)
+	if err != nil {
+		return nil, fmt.Errorf("refit: delta of %s on %s: %w", next.path, base.path, err)
+	}
+	d.head = head
+	for i := range d.segs {
+		d.segs[i].off += int64(len(head))
+	}
+	d.size = int64(len(head)) + at
+	d.stats.FullBytes, d.stats.Bytes = next.Size(), d.size
+	if d.size > MaxStreamBytes {
+		return nil, fmt.Errorf("refit: delta of %s on %s: a stream of %d bytes: at most %d go in a version", next.path, base.path, d.size, MaxStreamBytes)
+	}
+	return d, nil
+}
+
+// region reads region r of seg's tensor from both checkpoints into sc.
+func (d *DeltaSource) region(sc *deltaScratch, seg deltaSeg, r int64) error {
+	n := regionLen(seg.elems, r)
+	off := 2 * r * DeltaRegionElems
+	if err := d.base.readTensor(seg.base, sc.old[:2*n], off); err != nil {
+		return err
+	}
+	return d.next.readTensor(seg.next, sc.new[:2*n], off)
+}
+
+// Size is the stream's length in bytes.
+func (d *DeltaSource) Size() int64 { return d.size }
+
+// Stats describes the delta.
+func (d *DeltaSource) Stats() DeltaStats { return d.stats }
+
+// Names returns the names of the tensors in the stream (those that
+// changed), in stream order.
+func (d *DeltaSource) Names() []string {
+	out := make([]string, len(d.segs))
+	for i, s := range d.segs {
+		out[i] = d.next.tensors[s.next].name
+	}
+	return out
+}
+
+// ReadAt reads stream bytes at off (io.ReaderAt), encoding the records it
+// covers. It may be called concurrently, until Close.
+func (d *DeltaSource) ReadAt(p []byte, off int64) (int, error) {
+	if off < 0 {
+		return 0, fmt.Errorf("refit: delta source: read at negative offset %d", off)
+	}
+	n := 0
+	if off < int64(len(d.head)) {
+		n = copy(p, d.head[off:])
+	}
+	// The first tensor ending after the next byte wanted.
+	i := sort.Search(len(d.segs), func(i int) bool { return d.segs[i].off+d.segs[i].size > off+int64(n) })
+	for ; i < len(d.segs) && n < len(p); i++ {
+		seg := d.segs[i]
+		rel := off + int64(n) - seg.off
+		m, err := d.readSeg(seg, p[n:min(len(p), n+int(seg.size-rel))], rel)
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	if n < len(p) {
+		return n, io.EOF
+	}
+	return n, nil
+}
+
+// readSeg fills p with seg's bytes from rel on.
+func (d *DeltaSource) readSeg(seg deltaSeg, p []byte, rel int64) (int, error) {
+	if !seg.delta {
+		if err := d.next.readTensor(seg.next, p, rel); err != nil {
+			return 0, err
+		}
+		return len(p), nil
+	}
+	sc := d.scratch.Get().(*deltaScratch)
+	defer d.scratch.Put(sc)
+	n := 0
+	r := int64(sort.Search(len(seg.at)-1, func(r int) bool { return seg.at[r+1] > rel }))
+	for ; n < len(p); r++ {
+		if err := d.region(sc, seg, r); err != nil {
+			return n, err
+		}
+		k := regionLen(seg.elems, r)
+		sc.rec, _ = appendDeltaRecord(sc.rec[:0], sc.old[:2*k], sc.new[:2*k])
+		if int64(len(sc.rec)) != seg.at[r+1]-seg.at[r] {
+			return n, fmt.Errorf("refit: delta source: tensor %s: region %d encodes to %d bytes, %d when the delta was assembled: a checkpoint changed",
+				d.next.tensors[seg.next].name, r, len(sc.rec), seg.at[r+1]-seg.at[r])
+		}
+		c := copy(p[n:], sc.rec[rel+int64(n)-seg.at[r]:])
+		n += c
+	}
+	return n, nil
+}
+
+// Close closes both checkpoints. It is idempotent.
+func (d *DeltaSource) Close() error {
+	return errors.Join(d.next.Close(), d.base.Close())
+}
