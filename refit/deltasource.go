@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"io"
 	"regexp"
+	"runtime"
 	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 )
 
 // DeltaSource is the stream of a delta version (PROTOCOL.md, "Delta
@@ -18,10 +20,12 @@ import (
 // change are left out. It is an io.ReaderAt for Publisher.PublishDelta.
 //
 // Nothing is held whole: NewDelta reads both checkpoints side by side once
-// to size every region's record, keeping 8 bytes a region (a region is
-// 65536 elements); ReadAt encodes the records of the bytes asked for again
-// from both checkpoints, so the bytes are the same however often a chunk is
-// read. Neither checkpoint may change until Close.
+// (in regions of 65536 elements, pread into two 128 KiB buffers) to size
+// every region's record, keeping 8 bytes a region; ReadAt encodes the
+// records of the bytes asked for again from both checkpoints (but for
+// regions that did not change, whose records are known), so the bytes are
+// the same however often a chunk is read. Neither checkpoint may change
+// until Close.
 type DeltaSource struct {
 	next, base *Source
 	head       []byte
@@ -92,47 +96,60 @@ func NewDelta(next, base *Source) (*DeltaSource, error) {
 	for i, t := range base.tensors {
 		byName[t.name] = i
 	}
+	// The tensors to compare, then the sizing pass over them: tensors in
+	// parallel, each region by region.
 	var problems []string
-	var entries []headerOut
-	var at int64
-	sc := d.scratch.Get().(*deltaScratch)
-	defer d.scratch.Put(sc)
+	var segs []deltaSeg
 	for i, t := range next.tensors {
 		bi, ok := byName[t.name]
 		switch {
 		case !ok:
 			problems = append(problems, fmt.Sprintf("%s is not in the base checkpoint", t.name))
-			continue
 		case !slices.Equal(base.tensors[bi].shape, t.shape):
 			problems = append(problems, fmt.Sprintf("%s: shape %v, the base's is %v", t.name, t.shape, base.tensors[bi].shape))
-			continue
+		default:
+			segs = append(segs, deltaSeg{next: i, base: bi, elems: t.size / 2})
 		}
-		seg := deltaSeg{next: i, base: bi, elems: int64(len(t.data) / 2)}
+	}
+	if len(problems) > 0 {
+		return nil, fmt.Errorf("refit: delta of %s on %s: %s", next.path, base.path, listSome(problems, 10))
+	}
+	changed := make([]int64, len(segs))
+	errs := make([]error, len(segs))
+	var nextSeg atomic.Int64
+	var wg sync.WaitGroup
+	for range min(runtime.GOMAXPROCS(0), len(segs)) {
+		wg.Go(func() {
+			sc := d.scratch.Get().(*deltaScratch)
+			defer d.scratch.Put(sc)
+			for {
+				i := int(nextSeg.Add(1) - 1)
+				if i >= len(segs) {
+					return
+				}
+				changed[i], errs[i] = d.size1(sc, &segs[i])
+			}
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	var entries []headerOut
+	var at int64
+	for i, seg := range segs {
+		t := next.tensors[seg.next]
 		d.stats.Tensors++
 		d.stats.Elements += seg.elems
-		regions := deltaRegions(seg.elems)
-		seg.at = make([]int64, regions+1)
-		var changed int64
-		for r := range regions {
-			n := regionLen(seg.elems, r)
-			old, new := sc.old[:2*n], sc.new[:2*n]
-			if err := d.region(sc, seg, r); err != nil {
-				return nil, err
-			}
-			k := countChanged(old, new)
-			size, _ := DeltaRecordSize(n, k)
-			seg.at[r+1] = seg.at[r] + int64(size)
-			changed += int64(k)
-		}
-		if changed == 0 {
+		if changed[i] == 0 {
 			continue
 		}
 		d.stats.Changed++
-		d.stats.ChangedElements += changed
+		d.stats.ChangedElements += changed[i]
 		seg.size = 2 * seg.elems
 		dtype := "BF16"
-		if seg.at[regions] < seg.size {
-			seg.delta, seg.size, dtype = true, seg.at[regions], DeltaDType
+		if end := seg.at[len(seg.at)-1]; end < seg.size {
+			seg.delta, seg.size, dtype = true, end, DeltaDType
 			d.stats.DeltaTensors++
 		} else {
 			seg.at = nil
@@ -141,9 +158,6 @@ func NewDelta(next, base *Source) (*DeltaSource, error) {
 		at += seg.size
 		d.segs = append(d.segs, seg)
 		entries = append(entries, headerOut{name: t.name, dtype: dtype, shape: t.shape, size: seg.size})
-	}
-	if len(problems) > 0 {
-		return nil, fmt.Errorf("refit: delta of %s on %s: %s", next.path, base.path, listSome(problems, 10))
 	}
 	head, err := versionHeader(entries)
 	if err != nil {
@@ -159,6 +173,24 @@ func NewDelta(next, base *Source) (*DeltaSource, error) {
 		return nil, fmt.Errorf("refit: delta of %s on %s: a stream of %d bytes: at most %d go in a version", next.path, base.path, d.size, MaxStreamBytes)
 	}
 	return d, nil
+}
+
+// size1 sizes the records of seg's regions (seg.at) and returns the
+// number of elements that changed.
+func (d *DeltaSource) size1(sc *deltaScratch, seg *deltaSeg) (changed int64, err error) {
+	regions := deltaRegions(seg.elems)
+	seg.at = make([]int64, regions+1)
+	for r := range regions {
+		n := regionLen(seg.elems, r)
+		if err := d.region(sc, *seg, r); err != nil {
+			return 0, err
+		}
+		k := countChanged(sc.old[:2*n], sc.new[:2*n])
+		size, _ := DeltaRecordSize(n, k)
+		seg.at[r+1] = seg.at[r] + int64(size)
+		changed += int64(k)
+	}
+	return changed, nil
 }
 
 // region reads region r of seg's tensor from both checkpoints into sc.
@@ -227,6 +259,13 @@ func (d *DeltaSource) readSeg(seg deltaSeg, p []byte, rel int64) (int, error) {
 	n := 0
 	r := int64(sort.Search(len(seg.at)-1, func(r int) bool { return seg.at[r+1] > rel }))
 	for ; n < len(p); r++ {
+		if seg.at[r+1]-seg.at[r] == deltaRecordHeader {
+			// Nothing changed (the sizing pass counted): the record is
+			// its header, an empty index list, and neither side is read.
+			sc.rec = append(sc.rec[:0], make([]byte, deltaRecordHeader)...)
+			n += copy(p[n:], sc.rec[rel+int64(n)-seg.at[r]:])
+			continue
+		}
 		if err := d.region(sc, seg, r); err != nil {
 			return n, err
 		}

@@ -1,6 +1,7 @@
 // Package refit is the weight-version protocol over NATS JetStream
 // (PROTOCOL.md): the Publisher, which streams a BF16 safetensors checkpoint
-// (or a subset) as one version, and the Receiver in the worker, which
+// (or a subset, or a delta on the previous version: DeltaSource) as one
+// version, reading it in chunks (Source), and the Receiver in the worker, which
 // verifies every chunk as it arrives, writes it straight into the resident
 // BF16 expert stacks or into staging buffers, validates the version as a
 // whole, commits it at the engine's step boundary (staged copies, in-place

@@ -22,44 +22,56 @@ import (
 
 // Source is the safetensors byte stream of a version, assembled from the
 // selected tensors of a checkpoint without copying them: a new header,
-// then each tensor's bytes read straight from the checkpoint's memory
-// mapping. It is an io.ReaderAt for Publisher.Publish; memory stays
-// bounded by the header whatever the checkpoint's size. The checkpoint's
-// files must not change until Close.
+// then each tensor's bytes read from the checkpoint's files into the
+// caller's buffer (pread: stfile.Reader), only when asked for. It is an
+// io.ReaderAt for Publisher.Publish. Memory stays bounded by the header
+// (and the caller's buffers) whatever the checkpoint's size: no page of
+// the checkpoint is mapped, so none counts in the process's resident
+// memory. The checkpoint's files must not change until Close.
 type Source struct {
 	path    string
-	files   []*stfile.File
-	segs    []sourceSeg // the header, then the tensors' data, in stream order
-	size    int64
-	names   []string    // in stream order
+	files   []*stfile.Reader
+	head    []byte      // the stream's length and JSON header
 	tensors []srcTensor // in stream order
+	size    int64
+	names   []string // in stream order
 	full    bool
+	closed  bool
 }
 
-// srcTensor is one tensor of a Source.
+// srcTensor is one tensor of a Source: its bytes are those at off in file
+// r, and at stream in the stream.
 type srcTensor struct {
-	name  string
-	shape []uint64
-	data  []byte
+	name   string
+	shape  []uint64
+	r      *stfile.Reader
+	off    int64
+	size   int64
+	stream int64
 }
 
 // readTensor reads tensor i's bytes from off into p.
 func (s *Source) readTensor(i int, p []byte, off int64) error {
-	if s.segs == nil {
+	if s.closed {
 		return fmt.Errorf("refit: source %s: read after close", s.path)
 	}
 	t := s.tensors[i]
-	if off < 0 || off > int64(len(t.data))-int64(len(p)) {
-		return fmt.Errorf("refit: source %s: tensor %s: %d bytes at %d of %d", s.path, t.name, len(p), off, len(t.data))
+	if off < 0 || off > t.size-int64(len(p)) {
+		return fmt.Errorf("refit: source %s: tensor %s: %d bytes at %d of %d", s.path, t.name, len(p), off, t.size)
 	}
-	copy(p, t.data[off:])
+	if len(p) == 0 {
+		return nil
+	}
+	if _, err := t.r.ReadAt(p, t.off+off); err != nil {
+		return fmt.Errorf("refit: source %s: tensor %s: %w", s.path, t.name, err)
+	}
 	return nil
 }
 
-// sourceSeg is a run of stream bytes starting at off.
-type sourceSeg struct {
-	off  int64
-	data []byte
+// checkpointTensor is a tensor of a checkpoint file, and the file.
+type checkpointTensor struct {
+	stfile.TensorInfo
+	r *stfile.Reader
 }
 
 // OpenSource opens the checkpoint at path and assembles the stream of its
@@ -84,7 +96,7 @@ func OpenSource(path string, only *regexp.Regexp) (*Source, error) {
 	}
 	total := len(tensors)
 	if only != nil {
-		tensors = slices.DeleteFunc(tensors, func(t stfile.Tensor) bool { return !only.MatchString(t.Name) })
+		tensors = slices.DeleteFunc(tensors, func(t checkpointTensor) bool { return !only.MatchString(t.Name) })
 	}
 	s.full = len(tensors) == total
 	if err := s.assemble(tensors, only, total); err != nil {
@@ -93,8 +105,8 @@ func OpenSource(path string, only *regexp.Regexp) (*Source, error) {
 	return s, nil
 }
 
-// open maps the checkpoint's files and returns all its tensors.
-func (s *Source) open() ([]stfile.Tensor, error) {
+// open opens the checkpoint's files and returns all its tensors.
+func (s *Source) open() ([]checkpointTensor, error) {
 	fi, err := os.Stat(s.path)
 	if err != nil {
 		return nil, err
@@ -127,7 +139,7 @@ func (s *Source) open() ([]stfile.Tensor, error) {
 	for name, file := range index.WeightMap {
 		byFile[file] = append(byFile[file], name)
 	}
-	var all []stfile.Tensor
+	var all []checkpointTensor
 	for _, file := range slices.Sorted(maps.Keys(byFile)) {
 		if !filepath.IsLocal(file) {
 			return nil, fmt.Errorf("%s: shard %q is not a file in the model directory", policy.IndexFileName, file)
@@ -141,10 +153,10 @@ func (s *Source) open() ([]stfile.Tensor, error) {
 	return all, nil
 }
 
-// openFile maps one safetensors file and returns the named tensors (all
-// if names is nil).
-func (s *Source) openFile(path string, names []string) ([]stfile.Tensor, error) {
-	f, err := stfile.Open(path)
+// openFile opens one safetensors file (its header read, none of its data)
+// and returns the named tensors (all if names is nil).
+func (s *Source) openFile(path string, names []string) ([]checkpointTensor, error) {
+	f, err := stfile.OpenReader(path)
 	if err != nil {
 		return nil, err
 	}
@@ -152,19 +164,19 @@ func (s *Source) openFile(path string, names []string) ([]stfile.Tensor, error) 
 	if names == nil {
 		names = f.Names()
 	}
-	out := make([]stfile.Tensor, 0, len(names))
+	out := make([]checkpointTensor, 0, len(names))
 	for _, name := range names {
 		t, err := f.Tensor(name)
 		if err != nil {
 			return nil, fmt.Errorf("%s lists %s in %s: %w", policy.IndexFileName, name, filepath.Base(path), err)
 		}
-		out = append(out, t)
+		out = append(out, checkpointTensor{t, f})
 	}
 	return out, nil
 }
 
 // assemble checks the selected tensors and lays out the stream.
-func (s *Source) assemble(tensors []stfile.Tensor, only *regexp.Regexp, total int) error {
+func (s *Source) assemble(tensors []checkpointTensor, only *regexp.Regexp, total int) error {
 	if len(tensors) == 0 {
 		if only != nil {
 			return fmt.Errorf("no tensor name matches %q (of %d tensors)", only, total)
@@ -184,24 +196,21 @@ func (s *Source) assemble(tensors []stfile.Tensor, only *regexp.Regexp, total in
 		slices.SortFunc(bad, naturalCompare)
 		return fmt.Errorf("%d selected tensors are not BF16 (a version holds BF16 tensors only): %s", len(bad), listSome(bad, 10))
 	}
-	slices.SortFunc(tensors, func(a, b stfile.Tensor) int { return naturalCompare(a.Name, b.Name) })
+	slices.SortFunc(tensors, func(a, b checkpointTensor) int { return naturalCompare(a.Name, b.Name) })
 	entries := make([]headerOut, len(tensors))
 	for i, t := range tensors {
-		entries[i] = headerOut{name: t.Name, dtype: "BF16", shape: t.Shape, size: int64(len(t.Data))}
+		entries[i] = headerOut{name: t.Name, dtype: "BF16", shape: t.Shape, size: t.Size}
 	}
 	head, err := versionHeader(entries)
 	if err != nil {
 		return err
 	}
-	s.segs = append(s.segs[:0], sourceSeg{off: 0, data: head})
+	s.head = head
 	s.size = int64(len(head))
 	for _, t := range tensors {
 		s.names = append(s.names, t.Name)
-		s.tensors = append(s.tensors, srcTensor{name: t.Name, shape: t.Shape, data: t.Data})
-		if len(t.Data) > 0 {
-			s.segs = append(s.segs, sourceSeg{off: s.size, data: t.Data})
-			s.size += int64(len(t.Data))
-		}
+		s.tensors = append(s.tensors, srcTensor{name: t.Name, shape: t.Shape, r: t.r, off: t.Offset, size: t.Size, stream: s.size})
+		s.size += t.Size
 	}
 	if s.size > MaxStreamBytes {
 		return fmt.Errorf("a stream of %d bytes: at most %d go in a version", s.size, MaxStreamBytes)
@@ -264,23 +273,30 @@ func (s *Source) Names() []string { return slices.Clone(s.names) }
 // Full reports whether every tensor of the checkpoint is in the stream.
 func (s *Source) Full() bool { return s.full }
 
-// ReadAt reads stream bytes at off (io.ReaderAt). It may be called
-// concurrently, until Close.
+// ReadAt reads stream bytes at off (io.ReaderAt): the header from memory,
+// tensor bytes from the checkpoint's files straight into p. It may be
+// called concurrently, until Close.
 func (s *Source) ReadAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, fmt.Errorf("refit: source %s: read at negative offset %d", s.path, off)
 	}
-	if s.segs == nil {
+	if s.closed {
 		return 0, fmt.Errorf("refit: source %s: read after close", s.path)
 	}
-	// The last segment starting at or before off.
-	i := sort.Search(len(s.segs), func(i int) bool { return s.segs[i].off > off }) - 1
 	n := 0
-	for ; i < len(s.segs) && n < len(p); i++ {
-		seg := s.segs[i]
-		if at := off + int64(n) - seg.off; at < int64(len(seg.data)) {
-			n += copy(p[n:], seg.data[at:])
+	if off < int64(len(s.head)) {
+		n = copy(p, s.head[off:])
+	}
+	// The first tensor ending after the next byte wanted.
+	i := sort.Search(len(s.tensors), func(i int) bool { return s.tensors[i].stream+s.tensors[i].size > off+int64(n) })
+	for ; i < len(s.tensors) && n < len(p); i++ {
+		t := s.tensors[i]
+		at := off + int64(n) - t.stream
+		m := int(min(int64(len(p)-n), t.size-at))
+		if err := s.readTensor(i, p[n:n+m], at); err != nil {
+			return n, err
 		}
+		n += m
 	}
 	if n < len(p) {
 		return n, io.EOF
@@ -288,13 +304,13 @@ func (s *Source) ReadAt(p []byte, off int64) (int, error) {
 	return n, nil
 }
 
-// Close unmaps the checkpoint's files. It is idempotent.
+// Close closes the checkpoint's files. It is idempotent.
 func (s *Source) Close() error {
 	var errs []error
 	for _, f := range s.files {
 		errs = append(errs, f.Close())
 	}
-	s.files, s.segs = nil, nil
+	s.files, s.closed = nil, true
 	return errors.Join(errs...)
 }
 

@@ -22,6 +22,15 @@
 //     mapping fault (SIGBUS). Tools open files they (or a finished job) wrote
 //     and do not share them with writers.
 //
+// # Streaming
+//
+// OpenReader reads and checks only the header (the same checks as Open)
+// and hands out each tensor's place in the file (TensorInfo); its bytes are
+// read with Reader.ReadAt (pread). No page of the file is mapped, so
+// nothing of it counts in the process's resident memory: what a process
+// that streams checkpoints larger than its memory uses (the refit
+// publisher). It works the same on every system.
+//
 // # Writing
 //
 // Write serializes tensors with safetensors.SerializeToWriter into a

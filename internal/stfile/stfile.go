@@ -67,7 +67,10 @@ const maxInt = int(^uint(0) >> 1)
 
 // check reports whether t is well-formed: a valid dtype and exactly
 // NumElements*DType.Size data bytes.
-func (t Tensor) check() error {
+func (t Tensor) check() error { return t.checkLen(len(t.Data)) }
+
+// checkLen is check for a tensor of size data bytes.
+func (t Tensor) checkLen(size int) error {
 	if t.DType > lastDType {
 		return fmt.Errorf("invalid dtype %d", uint8(t.DType))
 	}
@@ -75,8 +78,8 @@ func (t Tensor) check() error {
 	if !ok || uint64(n) > uint64(maxInt)/t.DType.Size() {
 		return fmt.Errorf("shape %v is too large", t.Shape)
 	}
-	if want := n * int(t.DType.Size()); len(t.Data) != want {
-		return fmt.Errorf("%s shape %v needs %d data bytes, have %d", t.DType, t.Shape, want, len(t.Data))
+	if want := n * int(t.DType.Size()); size != want {
+		return fmt.Errorf("%s shape %v needs %d data bytes, have %d", t.DType, t.Shape, want, size)
 	}
 	return nil
 }
