@@ -99,8 +99,9 @@ func checkServes(t *testing.T, what string, w *worker, dir string, recipe moe.Re
 // with that checkpoint does (so the touched NVFP4 experts were
 // requantized), under the per_token and the bf16 recipes (the latter
 // stages every delta tensor: the served tensor is copied into staging,
-// patched, and copied back at the commit). A delta that changes a single
-// expert requantizes only that one.
+// patched, and copied back at the commit). A delta that changes one
+// element of one expert touches that expert's layer only (which experts a
+// delta marks for requantization: TestMarkExperts, TestRefitDeltaFused).
 func TestRefitDelta(t *testing.T) {
 	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16} {
 		t.Run(string(recipe), func(t *testing.T) {
@@ -146,8 +147,7 @@ func TestRefitDelta(t *testing.T) {
 				prev = next
 			}
 
-			// One element of one expert: only that expert is requantized
-			// (its layer alone is listed).
+			// One element of one expert: its layer alone is listed.
 			one := perturbDir(t, prev, 20, 1e-9, regexp.MustCompile(`^model\.layers\.1\.mlp\.experts\.5\.down_proj\.`))
 			stream, stats := deltaOf(t, one, prev)
 			if stats.Changed != 1 || stats.ChangedElements != 1 {
