@@ -63,45 +63,13 @@ func editJSON(t testing.TB, v any, edits []jsonEdit) []byte {
 }
 
 // rawPublishEdited publishes version v as rawPublish does (a partial
-// version on base; chunks of chunk bytes, stopping after stopAfter chunks
-// when >= 0), its announcement and manifest as JSON changed by the edits.
-// A nil edit list of the manifest writes it as is; manifest false writes
-// none.
+// version on base, chunks of chunk bytes), its announcement and manifest
+// as JSON changed by the edits. A nil edit list writes it as is;
+// writeManifest false writes no manifest.
 func rawPublishEdited(t *testing.T, url string, v uint64, stream []byte, full bool, base uint64, chunk int, announce, manifest []jsonEdit, writeManifest bool) {
 	t.Helper()
-	ctx := context.Background()
-	p := newPublisher(t, url)
-	_, kv, err := p.ensure(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	chunks := (len(stream) + chunk - 1) / chunk
-	a := Announce{Protocol: ProtocolVersion, Model: testModel, Version: v, Full: full, Subject: VersionSubject(testModel, v),
-		TotalBytes: int64(len(stream)), ChunkBytes: chunk, Chunks: chunks}
-	if !full {
-		a.Base = base
-	}
-	if _, err := kv.Put(ctx, KeyAnnounce, editJSON(t, a, announce)); err != nil {
-		t.Fatal(err)
-	}
-	js, _ := jetstream.New(p.nc)
-	table := NewChunkTable()
-	for seq := range chunks {
-		data := stream[seq*chunk : min((seq+1)*chunk, len(stream))]
-		c := Chunk{Version: v, Seq: seq, Offset: int64(seq * chunk), Total: int64(len(stream)), Chunks: chunks, CRC: CRC32C(data)}
-		table.Add(c.Offset, len(data), c.CRC)
-		if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: a.Subject, Header: c.Header(), Data: data}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if !writeManifest {
-		return
-	}
-	m := Manifest{Announce: a, ChunkTableSHA256: table.Sum(), PublishedAt: time.Now().UTC()}
-	m.HeaderBytes, m.Tensors = headerCounts(t, stream)
-	if _, err := kv.Put(ctx, KeyManifest, editJSON(t, m, manifest)); err != nil {
-		t.Fatal(err)
-	}
+	rawPublishWith(t, url, v, stream, full, base, chunk,
+		rawOptions{protocol: ProtocolVersion, stopAfter: -1, announce: announce, manifest: manifest, noManifest: !writeManifest})
 }
 
 // TestParseManifestFields: the fields PROTOCOL.md defines for the

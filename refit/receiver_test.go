@@ -6,7 +6,6 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
-	"encoding/json"
 	"fmt"
 	"math"
 	"os"
@@ -366,6 +365,23 @@ func rawPublish(t *testing.T, url string, v uint64, stream []byte, full bool, ba
 // an older publisher).
 func rawPublishProtocol(t *testing.T, protocol int, url string, v uint64, stream []byte, full bool, base uint64, chunk int, stopAfter int, mutate func(seq int, h nats.Header, data []byte) []byte) {
 	t.Helper()
+	rawPublishWith(t, url, v, stream, full, base, chunk, rawOptions{protocol: protocol, stopAfter: stopAfter, mutate: mutate})
+}
+
+// rawOptions are the ways a raw publish departs from a correct one.
+type rawOptions struct {
+	protocol  int                                              // ProtocolVersion or Protocol1
+	stopAfter int                                              // chunks sent before giving up (< 0: all)
+	mutate    func(seq int, h nats.Header, data []byte) []byte // chunk payloads as sent
+	// announce and manifest edit the JSON written to the bucket.
+	announce, manifest []jsonEdit
+	noManifest         bool // send the chunks but write no manifest
+}
+
+// rawPublishWith publishes version v by hand (announcement, chunks,
+// manifest), as o says; see rawPublish.
+func rawPublishWith(t *testing.T, url string, v uint64, stream []byte, full bool, base uint64, chunk int, o rawOptions) {
+	t.Helper()
 	ctx := context.Background()
 	p := newPublisher(t, url)
 	_, kv, err := p.ensure(ctx)
@@ -373,42 +389,43 @@ func rawPublishProtocol(t *testing.T, protocol int, url string, v uint64, stream
 		t.Fatal(err)
 	}
 	chunks := (len(stream) + chunk - 1) / chunk
-	a := Announce{Protocol: protocol, Model: testModel, Version: v, Full: full, Subject: VersionSubject(testModel, v),
+	a := Announce{Protocol: o.protocol, Model: testModel, Version: v, Full: full, Subject: VersionSubject(testModel, v),
 		TotalBytes: int64(len(stream)), ChunkBytes: chunk, Chunks: chunks}
 	if !full {
 		a.Base = base
 	}
-	put := func(key string, val any) {
-		b, _ := json.Marshal(val)
-		if _, err := kv.Put(ctx, key, b); err != nil {
-			t.Fatal(err)
-		}
+	if _, err := kv.Put(ctx, KeyAnnounce, editJSON(t, a, o.announce)); err != nil {
+		t.Fatal(err)
 	}
-	put(KeyAnnounce, a)
 	js, _ := jetstream.New(p.nc)
 	table := NewChunkTable()
 	for seq := range chunks {
-		if seq == stopAfter {
+		if seq == o.stopAfter {
 			return
 		}
 		data := stream[seq*chunk : min((seq+1)*chunk, len(stream))]
-		c := Chunk{Protocol: protocol, Version: v, Seq: seq, Offset: int64(seq * chunk), Total: int64(len(stream)), Chunks: chunks, CRC: CRC32C(data)}
+		c := Chunk{Protocol: o.protocol, Version: v, Seq: seq, Offset: int64(seq * chunk), Total: int64(len(stream)), Chunks: chunks, CRC: CRC32C(data)}
 		table.Add(c.Offset, len(data), c.CRC)
 		msg := &nats.Msg{Subject: a.Subject, Header: c.Header(), Data: data}
-		if mutate != nil {
-			msg.Data = mutate(seq, msg.Header, slices.Clone(data))
+		if o.mutate != nil {
+			msg.Data = o.mutate(seq, msg.Header, slices.Clone(data))
 		}
 		if _, err := js.PublishMsg(ctx, msg); err != nil {
 			t.Fatal(err)
 		}
 	}
-	m := Manifest{Announce: a, ChunkTableSHA256: table.Sum(), PublishedAt: time.Now()}
+	if o.noManifest {
+		return
+	}
+	m := Manifest{Announce: a, ChunkTableSHA256: table.Sum(), PublishedAt: time.Now().UTC()}
 	m.HeaderBytes, m.Tensors = headerCounts(t, stream)
-	if protocol == Protocol1 {
+	if o.protocol == Protocol1 {
 		sum := sha256.Sum256(stream)
 		m.ChunkTableSHA256, m.SHA256 = "", hex.EncodeToString(sum[:])
 	}
-	put(KeyManifest, m)
+	if _, err := kv.Put(ctx, KeyManifest, editJSON(t, m, o.manifest)); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // headerCounts returns the manifest's header_bytes and tensors for stream:
