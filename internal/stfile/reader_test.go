@@ -110,15 +110,7 @@ func TestReader(t *testing.T) {
 // with Open (which checks the same file through a mapping) and never
 // panics.
 func FuzzOpenReader(f *testing.F) {
-	good := validFile(f)
-	f.Add(good)
-	for _, n := range []int{0, 7, 8, 9, 16, len(good) / 2, len(good) - 1} {
-		f.Add(good[:n])
-	}
-	f.Add(header(`{"a":{"dtype":"U8","shape":[],"data_offsets":[0,1]}}`, []byte{7}))
-	f.Add(header(`{"a":{"dtype":"U8","shape":[18446744073709551615],"data_offsets":[0,18446744073709551615]}}`, nil))
-	f.Add(header(`{"__metadata__":null}`, nil))
-	f.Add(header(`null`, nil))
+	addFileSeeds(f)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		path := filepath.Join(t.TempDir(), "fuzz.safetensors")
 		if err := os.WriteFile(path, data, 0o600); err != nil {

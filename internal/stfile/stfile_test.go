@@ -321,9 +321,10 @@ func TestOpenErrors(t *testing.T) {
 	}
 }
 
-// FuzzOpen feeds arbitrary bytes to Open as a file: it must return an error
-// or a File whose tensors are all consistent, never panic.
-func FuzzOpen(f *testing.F) {
+// addFileSeeds seeds a fuzz test of a safetensors file reader: a valid
+// file, its truncations and single-byte corruptions, and headers at the
+// edges (zero-length tensors, overflowing shapes, null values).
+func addFileSeeds(f *testing.F) {
 	good := validFile(f)
 	f.Add(good)
 	for _, n := range []int{0, 7, 8, 9, 16, len(good) / 2, len(good) - 1} {
@@ -339,7 +340,12 @@ func FuzzOpen(f *testing.F) {
 	f.Add(header(`{"a":{"dtype":"U8","shape":[18446744073709551615],"data_offsets":[0,18446744073709551615]}}`, nil))
 	f.Add(header(`{"__metadata__":null}`, nil))
 	f.Add(header(`null`, nil))
+}
 
+// FuzzOpen feeds arbitrary bytes to Open as a file: it must return an error
+// or a File whose tensors are all consistent, never panic.
+func FuzzOpen(f *testing.F) {
+	addFileSeeds(f)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		path := filepath.Join(t.TempDir(), "fuzz.safetensors")
 		if err := os.WriteFile(path, data, 0o600); err != nil {
