@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -102,10 +103,13 @@ var (
 // liveness and aliasing are exact: views of one allocation are compared
 // with each other, views of different allocations never overlap.
 type allocation struct {
-	be    *Backend
-	ptr   drv.DevicePtr
-	size  int
-	freed bool // set on the owner thread by Free; read there too
+	be   *Backend
+	ptr  drv.DevicePtr
+	size int
+	// freed is set by Free on the owner thread. It is atomic so that Live
+	// reads it on any goroutine without a round trip to the owner thread:
+	// a graph replay checks every buffer it references, hundreds a step.
+	freed atomic.Bool
 }
 
 // loadedKernel is a kernel's registry entry and its function.
@@ -244,7 +248,7 @@ func (be *Backend) own(op, name string, b *kernels.Buffer) error {
 	if !ok || a.be != be {
 		return fmt.Errorf("cuda: %s: %s %v: %w", op, name, b, kernels.ErrForeignBuffer)
 	}
-	if a.freed {
+	if a.freed.Load() {
 		return fmt.Errorf("cuda: %s: %s %v was freed", op, name, b)
 	}
 	return nil
@@ -298,7 +302,7 @@ func (be *Backend) Free(b *kernels.Buffer) error {
 		if err := c.Free(a.ptr); err != nil {
 			return fmt.Errorf("cuda: free %v: %w", b, err)
 		}
-		a.freed = true
+		a.freed.Store(true)
 		return nil
 	})
 }
@@ -313,9 +317,7 @@ func (be *Backend) Live(b *kernels.Buffer) bool {
 	if !ok || a.be != be {
 		return false
 	}
-	live := false
-	be.dev.Do(func(*drv.Ctx) error { live = !a.freed; return nil })
-	return live
+	return !a.freed.Load()
 }
 
 // span checks that [off, off+n) lies inside b.

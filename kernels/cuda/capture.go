@@ -166,7 +166,7 @@ func (g *graph) Launch() error {
 			return errors.New("cuda: graph launch: the graph was destroyed")
 		}
 		for _, b := range g.bufs {
-			if a := b.Owner().(*allocation); a.freed {
+			if a := b.Owner().(*allocation); a.freed.Load() {
 				return fmt.Errorf("cuda: graph launch: buffer %v is no longer live", b)
 			}
 		}
