@@ -68,10 +68,14 @@ func (g gemmLaunch) run(be *Backend) error {
 		g.offsets, g.e, g.r, g.kp, g.act, g.out, g.outN, g.outFmt)
 }
 
-// gemmNarrowN is the widest output gemm_narrow computes (the router's
-// experts): the choice depends on the shape of w and on alignment, never
-// on M, so a row's bits never depend on the batch.
-const gemmNarrowN = 1024
+// gemmNarrowN is the widest output the narrow GEMMs compute: the grid's
+// y limit (65535 blocks of 8 columns). Every dense GEMM of the model (the
+// router, q/k/v/o, the LM head) is narrower, so all of them stream their
+// weights through gemm_narrow at every batch size: the generic tiled
+// kernel, staged for large M, read a decode step's weights at a few
+// percent of the memory bandwidth. The choice depends on the shape of w
+// and on alignment, never on M, so a row's bits never depend on the batch.
+const gemmNarrowN = 65535 * 8
 
 // gemmWideM is the row count from which narrow GEMMs take 32 x 32 blocks
 // (gemm_narrow_wide) instead of 16 x 8 ones: the same bits
@@ -99,7 +103,20 @@ func packedAligned(op, name string, q kernels.NVFP4) error {
 }
 
 // Gemm computes dst = a * w^T (BF16 tensor cores, FP32 accumulation).
-func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
+func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error { return be.gemm(dst, a, w, gemmAuto) }
+
+// gemmPath picks the dense GEMM's kernel family: gemmAuto is the
+// production choice (narrow wherever its shape and alignment allow); the
+// others force one family, for tests that compare them.
+type gemmPath int
+
+const (
+	gemmAuto gemmPath = iota
+	gemmForceNarrow
+	gemmForceGeneric
+)
+
+func (be *Backend) gemm(dst, a, w *kernels.Buffer, path gemmPath) error {
 	var m, n, k int
 	validate := func() (err error) {
 		m, n, k, err = kernels.ValidateGemm(dst, a, w)
@@ -110,7 +127,11 @@ func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
 		if m == 0 || n == 0 {
 			return nil
 		}
-		if n <= gemmNarrowN && a.Addr()%4 == 0 && w.Addr()%4 == 0 && k%2 == 0 {
+		narrowOK := n <= gemmNarrowN && a.Addr()%4 == 0 && w.Addr()%4 == 0 && k%2 == 0
+		if path == gemmForceNarrow && !narrowOK {
+			return fmt.Errorf("cuda: gemm: the narrow kernels cannot take %dx%d * %dx%d", m, k, n, k)
+		}
+		if narrowOK && path != gemmForceGeneric {
 			out := outBF16
 			if dst.DType() == kernels.F32 {
 				out = outF32
