@@ -98,7 +98,7 @@ func TestServeDrainsOnSIGTERM(t *testing.T) {
 				seed := uint64(c*1000 + i)
 				n := 1 + i%3
 				s, err := client.Generate(ctx, rollout.GenerateRequest{Schema: rollout.Schema, Prompt: []int32{1, 2, 3, int32(c)}, N: n,
-					Temperature: 1, MaxTokens: 20 + (i%4)*330, Seed: &seed}) // short ones finish, long ones (up to 1010 of the context of 1024) are cut by the drain
+					Temperature: 1, MaxTokens: 20 + ((c+i)%4)*330, Seed: &seed}) // short ones finish, long ones (up to 1010 of the context of 1024) are cut by the drain
 				if err != nil {
 					mu.Lock()
 					total.refused++
@@ -151,7 +151,20 @@ func TestServeDrainsOnSIGTERM(t *testing.T) {
 			}
 		}()
 	}
-	time.Sleep(1500 * time.Millisecond) // under load
+	// Under load: every fourth client started with a long request (1010
+	// tokens), so once a few short ones are complete the long ones are
+	// still running and the drain has something to cut, on any machine.
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		mu.Lock()
+		complete := total.complete
+		mu.Unlock()
+		if complete >= 3 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests complete after 20 s; stderr:\n%s", complete, stderr.String())
+		}
+	}
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
