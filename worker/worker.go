@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/rollout-worker/rollout-worker/cudagraph"
+	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
@@ -40,6 +41,11 @@ type Config struct {
 	Seed     uint64 // of the random model
 	Recipe   moe.Recipe
 	Device   string // auto, cpu or cuda (see OpenBackend)
+
+	// Backend, when set, is an open backend the worker runs on instead of
+	// opening Device; the worker does not close it. A process that embeds
+	// the worker next to other users of the device passes its own.
+	Backend kernels.Backend
 
 	ModelID, WorkerID string
 	Limits            rollout.Limits
@@ -122,11 +128,14 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 			err = errors.Join(err, w.Close())
 		}
 	}()
-	be, closeBackend, err := OpenBackend(cfg.Device, log.Named("backend"))
-	if err != nil {
-		return nil, err
+	be := cfg.Backend
+	if be == nil {
+		var closeBackend func() error
+		if be, closeBackend, err = OpenBackend(cfg.Device, log.Named("backend")); err != nil {
+			return nil, err
+		}
+		w.closeBackend = closeBackend
 	}
-	w.closeBackend = closeBackend
 	var mc policy.Config
 	switch {
 	case cfg.ModelDir != "" && cfg.Layers != 0:

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
 	"github.com/rollout-worker/rollout-worker/worker"
@@ -89,7 +90,13 @@ func newLogger(w io.Writer, format string) (*zap.Logger, error) {
 	return zap.New(zapcore.NewCore(enc, zapcore.AddSync(w), zap.InfoLevel)), nil
 }
 
-func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err error) {
+func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	return serve(ctx, args, stdout, stderr, nil)
+}
+
+// serve is runServe on be when be is not nil (the worker's Config.Backend):
+// the tests run serve on a backend that fails on demand.
+func serve(ctx context.Context, args []string, stdout, stderr io.Writer, be kernels.Backend) (err error) {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
@@ -193,6 +200,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) (err
 		log.Info("http listening", zap.String("addr", ln.Addr().String()))
 	}
 
+	cfg.Backend = be
 	if w, err = worker.New(ctx, nc, cfg, log, reg); err != nil {
 		return err
 	}
