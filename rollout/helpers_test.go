@@ -47,17 +47,26 @@ type worker struct {
 	reg *prometheus.Registry
 }
 
+// testModelOptions is the memory plan of the tests' workers.
+var testModelOptions = policy.ModelOptions{Recipe: moe.RecipeBF16, MaxTokens: 256, MaxSeqs: 64,
+	MaxLogitRows: 64, KVPages: 1024, PageSize: 16}
+
 // startWorker loads the model in dir, runs its engine at version 1 and
 // serves it on url under cfg (Model, Vocab and the model fields filled in).
 // Everything stops when the test ends.
 func startWorker(t testing.TB, url, dir string, cfg Config) *worker {
 	t.Helper()
+	return startWorkerWith(t, url, dir, cfg, testModelOptions)
+}
+
+// startWorkerWith is startWorker with the model loaded under opts.
+func startWorkerWith(t testing.TB, url, dir string, cfg Config, opts policy.ModelOptions) *worker {
+	t.Helper()
 	be, err := cpu.New(cpu.Config{Workers: 1}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := policy.LoadModel(be, dir, policy.ModelOptions{Recipe: moe.RecipeBF16, MaxTokens: 256, MaxSeqs: 64,
-		MaxLogitRows: 64, KVPages: 1024, PageSize: 16})
+	m, err := policy.LoadModel(be, dir, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -727,14 +727,18 @@ func (j *job) sendSample(smp policy.Sample) {
 	data, err := json.Marshal(r)
 	for _, drop := range []struct {
 		what string
+		has  bool // the message carries it: only what is there is dropped
 		f    func()
 	}{
-		{"routed_experts", func() { r.RoutedExperts = nil }},
-		{"logprobs", func() { r.LogProbs = nil }},
-		{"tokens and versions", func() { r.Tokens, r.Versions = []int32{}, []uint64{} }},
+		{"routed_experts", r.RoutedExperts != nil, func() { r.RoutedExperts = nil }},
+		{"logprobs", r.LogProbs != nil, func() { r.LogProbs = nil }},
+		{"tokens and versions", true, func() { r.Tokens, r.Versions = []int32{}, []uint64{} }},
 	} {
 		if err != nil || limit <= 0 || int64(len(data)) <= limit-512 {
 			break
+		}
+		if !drop.has {
+			continue
 		}
 		r.Warning += fmt.Sprintf("%s omitted: the message of %d bytes exceeds the server's max payload of %d; ", drop.what, len(data), limit)
 		drop.f()

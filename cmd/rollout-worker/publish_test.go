@@ -466,6 +466,36 @@ func TestPublishCommandSecured(t *testing.T) {
 	}
 }
 
+// TestCommandsRedactCredentials: serve and generate, refused by a server
+// for a wrong password, name the server in their error without the
+// password, for one URL and for a list.
+func TestCommandsRedactCredentials(t *testing.T) {
+	url, _ := pubtSecureServer(t)
+	wrong := strings.Replace(url, "nats://", "nats://alice:wr0ng-pw@", 1)
+	two := wrong + "," + strings.Replace(wrong, "wr0ng-pw", "an0ther-pw", 1)
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"serve", []string{"serve", "--preset", "tiny", "--nats-url", wrong, "--http-addr", "127.0.0.1:0"}},
+		{"serve, two servers", []string{"serve", "--preset", "tiny", "--nats-url", two, "--http-addr", "127.0.0.1:0"}},
+		{"generate", []string{"generate", "--nats-url", wrong, "--prompt", "1,2,3"}},
+		{"generate, two servers", []string{"generate", "--nats-url", two, "--prompt", "1,2,3"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, stdout, stderr := pubtRun(t, tc.args...)
+			if code != 1 || !strings.Contains(stderr, "nats://alice:xxxxx@127.0.0.1:") {
+				t.Fatalf("exit %d, want 1 and the redacted URL in\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+			}
+			for _, pw := range []string{"wr0ng-pw", "an0ther-pw"} {
+				if strings.Contains(stdout+stderr, pw) {
+					t.Fatalf("output shows the password %q:\n%s%s", pw, stdout, stderr)
+				}
+			}
+		})
+	}
+}
+
 // pubtSyncBuffer is a bytes.Buffer for output written by another goroutine.
 type pubtSyncBuffer struct {
 	mu sync.Mutex
