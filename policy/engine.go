@@ -70,6 +70,11 @@ type EngineConfig struct {
 	Version uint64
 	// Metrics, when set, receives the loop's metrics.
 	Metrics *EngineMetrics
+	// KVOnDemand: samples take KV pages as they grow, instead of reserving
+	// their whole max_tokens on admission; when the cache runs out the
+	// youngest samples are preempted and recomputed later, bitwise as if
+	// they had not been (sched.Config.OnDemand).
+	KVOnDemand bool
 }
 
 // StepRunner runs a decode-only step of n sequences: it may pad to a
@@ -115,17 +120,23 @@ type EngineStats struct {
 	KVPagesUsed int64  // pages held by sequences after the last step
 	Waiting     int64  // requests waiting for admission after the last step
 	Running     int64  // samples decoding after the last step
+	// Preemptions: samples and prompts whose KV pages were taken back
+	// (KVOnDemand); Recomputed: tokens prefilled again because of them.
+	Preemptions, Recomputed uint64
+	Preempted               int64 // samples waiting to be recomputed after the last step
 }
 
 type engineStats struct {
 	steps, graphSteps, tokens, generated, failed atomic.Uint64
-	pages, waiting, running                      atomic.Int64
+	preemptions, recomputed                      atomic.Uint64
+	pages, waiting, running, preempted           atomic.Int64
 }
 
 // Stats returns the loop's counters; safe from any goroutine.
 func (e *Engine) Stats() EngineStats {
 	return EngineStats{Steps: e.stats.steps.Load(), GraphSteps: e.stats.graphSteps.Load(), Tokens: e.stats.tokens.Load(),
-		Generated: e.stats.generated.Load(), Failed: e.stats.failed.Load(), KVPagesUsed: e.stats.pages.Load(), Waiting: e.stats.waiting.Load(), Running: e.stats.running.Load()}
+		Generated: e.stats.generated.Load(), Failed: e.stats.failed.Load(), KVPagesUsed: e.stats.pages.Load(), Waiting: e.stats.waiting.Load(), Running: e.stats.running.Load(),
+		Preemptions: e.stats.preemptions.Load(), Recomputed: e.stats.recomputed.Load(), Preempted: e.stats.preempted.Load()}
 }
 
 type boundary struct {
@@ -153,7 +164,7 @@ func NewEngine(m *Model, cfg EngineConfig) *Engine {
 	o := m.opts
 	e := &Engine{m: m, cfg: cfg, wake: make(chan struct{}, 1), exec: newModelExecutor(m, cfg.Graphs)}
 	e.sched = sched.New(sched.Config{PageSize: o.PageSize, KVPages: o.KVPages, MaxPagesPerSeq: o.maxPagesPerSeq(m.cfg),
-		MaxTokens: o.MaxTokens, MaxSeqs: o.MaxSeqs, MaxLogitRows: o.MaxLogitRows, TopK: m.cfg.TopK}, (*sink)(e))
+		MaxTokens: o.MaxTokens, MaxSeqs: o.MaxSeqs, MaxLogitRows: o.MaxLogitRows, TopK: m.cfg.TopK, OnDemand: cfg.KVOnDemand}, (*sink)(e))
 	e.pages = e.sched.Pages()
 	e.version.Store(cfg.Version)
 	return e
@@ -176,8 +187,8 @@ func (e *Engine) Submit(req Request) (*Handle, error) {
 	}
 	h := &Handle{id: req.ID, samples: make(chan Sample, req.N), abort: make(chan struct{})}
 	r := e.sched.NewReq(req, h)
-	if r.Reserved() > e.m.opts.KVPages {
-		return nil, fmt.Errorf("policy: request %q needs %d KV pages, the cache has %d: %w", req.ID, r.Reserved(), e.m.opts.KVPages, ErrTooLarge)
+	if need := r.Needs(e.sched.Config()); need > e.m.opts.KVPages {
+		return nil, fmt.Errorf("policy: request %q needs %d KV pages, the cache has %d: %w", req.ID, need, e.m.opts.KVPages, ErrTooLarge)
 	}
 	if err := e.post(r); err != nil {
 		return nil, err
@@ -368,7 +379,12 @@ func (e *Engine) commit(p *sched.Plan, res *sched.Results, start time.Time) erro
 	e.stats.pages.Store(int64(e.pages.InUse()))
 	e.stats.waiting.Store(int64(e.sched.Waiting()))
 	e.stats.running.Store(int64(e.sched.Running()))
+	e.stats.preempted.Store(int64(e.sched.Preempted()))
+	ss := e.sched.Stats()
+	prevPre, prevRe := e.stats.preemptions.Swap(ss.Preemptions), e.stats.recomputed.Swap(ss.Recomputed)
 	if m := e.cfg.Metrics; m != nil {
+		m.preemptions.Add(float64(ss.Preemptions - prevPre))
+		m.tokens.WithLabelValues("recomputed").Add(float64(ss.Recomputed - prevRe))
 		kind := "eager"
 		if res.Graph {
 			kind = "graph"
@@ -383,6 +399,7 @@ func (e *Engine) commit(p *sched.Plan, res *sched.Results, start time.Time) erro
 		m.pagesTotal.Set(float64(e.m.opts.KVPages))
 		m.waiting.Set(float64(e.sched.Waiting()))
 		m.running.Set(float64(e.sched.Running()))
+		m.preempted.Set(float64(e.sched.Preempted()))
 	}
 	return err
 }

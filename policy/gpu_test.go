@@ -13,7 +13,9 @@ import (
 // eager execution (bitwise, no recapture), graphs across a weight commit
 // (bitwise equal to a fresh GPU model loaded with the new weights, no
 // recapture), determinism, scoring, chunked prefill, continuous batching,
-// the sampling distribution and the KV cache sized from free memory. It
+// preempted samples bitwise equal to unpreempted ones (KV pages on
+// demand), the sampling distribution and the KV cache sized from free
+// memory. It
 // skips where there is no GPU.
 func TestGPUEngine(t *testing.T) {
 	be := cudatest.Use(t, &testBackend)
@@ -29,6 +31,8 @@ func TestGPUEngine(t *testing.T) {
 		{"ScoreMatchesGeneration", TestScoreMatchesGeneration},
 		{"LongPromptsChunked", TestLongPromptsChunked},
 		{"ContinuousBatching", TestContinuousBatching},
+		{"PreemptedEqualsUnpreempted", TestPreemptedEqualsUnpreempted},
+		{"LongTailThroughSmallCache", TestLongTailThroughSmallCache},
 		{"VersionsAcrossCommit", TestVersionsAcrossCommit},
 		{"RoutedExperts", TestRoutedExperts},
 		{"SamplingDistribution", TestSamplingDistribution},

@@ -15,6 +15,10 @@ type EngineMetrics struct {
 	pagesTotal prometheus.Gauge
 	waiting    prometheus.Gauge
 	running    prometheus.Gauge
+	// With KV pages on demand: preemptions, and samples waiting to be
+	// recomputed.
+	preemptions prometheus.Counter
+	preempted   prometheus.Gauge
 }
 
 // NewEngineMetrics makes the metrics and registers them on reg (nil: not
@@ -31,7 +35,7 @@ func NewEngineMetrics(reg prometheus.Registerer) (*EngineMetrics, error) {
 		batchSeqs: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "rollout_worker_engine_batch_sequences",
 			Help: "Sequences in one step.", Buckets: sizes}),
 		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "rollout_worker_engine_tokens_total",
-			Help: "Tokens forwarded (prompt and decode) and generated (sampled)."}, []string{"kind"}),
+			Help: "Tokens forwarded (prompt and decode), generated (sampled), and recomputed (prefilled again after a preemption)."}, []string{"kind"}),
 		pagesInUse: prometheus.NewGauge(prometheus.GaugeOpts{Name: "rollout_worker_kv_pages_in_use",
 			Help: "KV-cache pages held by sequences."}),
 		pagesTotal: prometheus.NewGauge(prometheus.GaugeOpts{Name: "rollout_worker_kv_pages",
@@ -40,9 +44,13 @@ func NewEngineMetrics(reg prometheus.Registerer) (*EngineMetrics, error) {
 			Help: "Requests queued for admission (waiting for KV pages)."}),
 		running: prometheus.NewGauge(prometheus.GaugeOpts{Name: "rollout_worker_engine_running_sequences",
 			Help: "Samples being decoded."}),
+		preemptions: prometheus.NewCounter(prometheus.CounterOpts{Name: "rollout_worker_engine_preemptions_total",
+			Help: "Samples and prompts whose KV pages were taken back to let older samples grow (KV pages on demand)."}),
+		preempted: prometheus.NewGauge(prometheus.GaugeOpts{Name: "rollout_worker_engine_preempted_sequences",
+			Help: "Preempted samples waiting to be recomputed."}),
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.steps, m.stepTime, m.batchToks, m.batchSeqs, m.tokens, m.pagesInUse, m.pagesTotal, m.waiting, m.running} {
+		for _, c := range []prometheus.Collector{m.steps, m.stepTime, m.batchToks, m.batchSeqs, m.tokens, m.pagesInUse, m.pagesTotal, m.waiting, m.running, m.preemptions, m.preempted} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

@@ -53,6 +53,10 @@ type Config struct {
 	KVPages, PageSize, MaxBatchTokens, MaxSeqs int
 	KVMemoryFraction                           float64 // with KVPages 0
 	Graphs                                     bool
+	// KVOnDemand: samples take KV pages as they grow, and the youngest
+	// are preempted and recomputed when the cache runs out
+	// (policy.EngineConfig.KVOnDemand).
+	KVOnDemand bool
 
 	// RefitTrust, when set, makes the refit receiver apply only versions
 	// signed by one of its keys (refit.ReceiverConfig.Trust).
@@ -179,12 +183,13 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 	}
 	log.Info("model loaded", zap.String("source", source), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
 		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),
-		zap.Int("kv_pages", w.m.Options().KVPages), zap.Int("page_size", cfg.PageSize), zap.Int("context", w.ctxLen))
+		zap.Int("kv_pages", w.m.Options().KVPages), zap.Int("page_size", cfg.PageSize), zap.Bool("kv_on_demand", cfg.KVOnDemand),
+		zap.Int("context", w.ctxLen))
 	em, err := policy.NewEngineMetrics(reg)
 	if err != nil {
 		return nil, err
 	}
-	ecfg := policy.EngineConfig{Metrics: em}
+	ecfg := policy.EngineConfig{Metrics: em, KVOnDemand: cfg.KVOnDemand}
 	if cfg.Graphs {
 		gm, err := cudagraph.NewMetrics(reg)
 		if err != nil {

@@ -23,5 +23,20 @@
 // of N+1 discarded at commit, its pages released only once N+1, which may
 // still write them, has been committed.
 //
+// KV pages are reserved for a request's whole max_tokens on admission, or
+// with Config.OnDemand taken as samples grow: admission then reserves the
+// prompt's pages and each sample's first page, leaving a page free for
+// every running sample, and a sample that needs a page nobody has makes
+// room by preempting the youngest work (requests are aged by admission,
+// samples of one request by index): running samples, samples being
+// recomputed, prompts being prefilled. The oldest is never preempted, so
+// something always progresses. A preempted sample keeps the tokens it has
+// emitted, frees its pages (once the step in flight that may write them is
+// committed; its row in that step is discarded) and, ahead of any new
+// request, is recomputed: its prompt and tokens prefilled again into pages
+// of its own, the last chunk's row drawing its next token. Draws are keyed
+// by (seed, sample, position) and the kernels are batch invariant, so its
+// tokens and logprobs are bitwise those it would have produced unpreempted.
+//
 // A Scheduler is driven by one goroutine (the engine's loop).
 package sched

@@ -2,11 +2,13 @@ package sched
 
 import "fmt"
 
-// Pages hands out KV-cache pages. A request reserves, on admission, the
-// most pages it can ever hold, so a running sample never waits for memory
-// and nothing is ever preempted; pages are then taken one at a time as
-// tokens arrive. Shared pages (a prompt's full pages, used by all of its
-// samples) are reference counted.
+// Pages hands out KV-cache pages. A request reserves pages on admission
+// and takes them one at a time as tokens arrive: with reservations for
+// the whole request (the default) a running sample never waits for memory;
+// with pages on demand the reservation covers only the prompt and each
+// sample's first page, and samples grow into pages nobody reserved (Grow).
+// Shared pages (a prompt's full pages, used by all of its samples) are
+// reference counted.
 type Pages struct {
 	free     []int
 	refs     []int
@@ -46,6 +48,22 @@ func (a *Pages) Take() (int, error) {
 	a.taken++
 	a.refs[p] = 1
 	return p, nil
+}
+
+// Avail returns the free pages nobody has reserved.
+func (a *Pages) Avail() int { return len(a.free) - a.reserved }
+
+// Grow hands out a free page nobody reserved, with one reference; false
+// when there is none.
+func (a *Pages) Grow() (int, bool) {
+	if a.Avail() <= 0 {
+		return 0, false
+	}
+	p := a.free[len(a.free)-1]
+	a.free = a.free[:len(a.free)-1]
+	a.taken++
+	a.refs[p] = 1
+	return p, true
 }
 
 // Share adds k references to page p.

@@ -16,6 +16,14 @@ type Config struct {
 	MaxTokens, MaxSeqs, MaxLogitRows int
 	// TopK is the experts each token routes to per layer (Routed).
 	TopK int
+	// OnDemand takes KV pages as samples grow instead of reserving a
+	// request's whole max_tokens on admission. When the cache runs out,
+	// the youngest work is preempted (its pages freed) and recomputed
+	// later from its prompt and the tokens it had drawn; with batch-
+	// invariant kernels and draws keyed by (seed, sample, position) its
+	// tokens and logprobs are bitwise those it would have produced
+	// unpreempted.
+	OnDemand bool
 }
 
 // Sink receives what the scheduler delivers and tells it about aborts.
@@ -33,19 +41,32 @@ type Req struct {
 	// Owner is the engine's handle for the request.
 	Owner any
 
-	reserved int   // pages reserved for the whole request
-	prompt   []int // pages holding the prompt
-	done     int   // prompt tokens planned for prefill
-	left     int   // samples not yet delivered
-	stop     map[int32]struct{}
-	failed   bool   // a sample could not be drawn: the others end at the next Reap
-	gone     bool   // every sample has been delivered
-	seqs     []*Seq // the samples, once forked
-	lastStep uint64 // the last step with a prefill chunk of the request
+	reserved  int    // pages reserved on admission
+	perSample int    // of them, the pages each sample reserves beyond the prompt's full pages
+	order     uint64 // admission order, from 1 (0: never admitted): smaller is older
+	prompt    []int  // pages holding the prompt
+	done      int    // prompt tokens planned for prefill
+	left      int    // samples not yet delivered
+	stop      map[int32]struct{}
+	failed    bool   // a sample could not be drawn: the others end at the next Reap
+	gone      bool   // every sample has been delivered
+	seqs      []*Seq // the samples, once forked
+	lastStep  uint64 // the last step with a prefill chunk of the request
 }
 
-// Reserved returns the most KV pages the request can ever hold.
+// Reserved returns the KV pages the request reserves on admission.
 func (r *Req) Reserved() int { return r.reserved }
+
+// Needs returns the most KV pages the request needs at once to make
+// progress: its reservation, and with pages on demand also the pages of
+// one sample grown to its max_tokens (a recomputed sample holds all of its
+// pages alone). A request that needs more than the cache can never run.
+func (r *Req) Needs(cfg Config) int {
+	if !cfg.OnDemand {
+		return r.reserved
+	}
+	return max(r.reserved, ceilDiv(len(r.Prompt)+r.Params.MaxTokens, cfg.PageSize))
+}
 
 // Seq is one running sample.
 type Seq struct {
@@ -62,6 +83,41 @@ type Seq struct {
 	copyDst  int    // a page copy the next plan must do first (-1: none)
 	copySrc  int
 	routed   []int32 // storage for Routed ids
+
+	reserve int      // pages reserved for the sample and not yet taken
+	state   seqState // running, preempted or resuming
+	done    int      // resuming: tokens of its sequence planned for recompute
+	stale   uint64   // rows of steps up to this one are discarded (preempted)
+}
+
+// seqState is where a sample is.
+type seqState uint8
+
+const (
+	seqRunning   seqState = iota // decoding (in Scheduler.running)
+	seqPreempted                 // holds no pages; waits to be recomputed (Scheduler.preempted)
+	seqResuming                  // its prompt and tokens are being recomputed (Scheduler.resume)
+)
+
+// seqLen is the length of the sequence a preempted sample recomputes: its
+// prompt and the tokens it has emitted.
+func (q *Seq) seqLen() int { return len(q.r.Prompt) + len(q.out.Tokens) }
+
+// tokenAt is token pos of that sequence.
+func (q *Seq) tokenAt(pos int) int32 {
+	if P := len(q.r.Prompt); pos >= P {
+		return q.out.Tokens[pos-P]
+	}
+	return q.r.Prompt[pos]
+}
+
+// older orders work by age: the request admitted first, then the lower
+// sample index (-1: a request not yet forked).
+func older(ra *Req, ia int, rb *Req, ib int) bool {
+	if ra.order != rb.order {
+		return ra.order < rb.order
+	}
+	return ia < ib
 }
 
 // Req returns the sample's request.
@@ -90,6 +146,12 @@ type Scheduler struct {
 	prefill []*Req
 	running []*Seq
 	spare   []*Seq
+	// With pages on demand: preempted samples waiting to be recomputed,
+	// oldest first, and those being recomputed.
+	preempted []*Seq
+	resume    []*Seq
+	admitted  uint64 // requests admitted so far (Req.order)
+	stats     Stats
 	// holdBack keeps admission from taking this many pages (a scoring job
 	// waiting for them).
 	holdBack int
@@ -118,6 +180,9 @@ func New(cfg Config, sink Sink) *Scheduler {
 	return s
 }
 
+// Config returns the scheduler's configuration.
+func (s *Scheduler) Config() Config { return s.cfg }
+
 // Pages returns the page allocator (scoring takes pages of its own from it
 // between steps).
 func (s *Scheduler) Pages() *Pages { return s.pages }
@@ -131,9 +196,23 @@ func (s *Scheduler) Waiting() int { return len(s.waiting) }
 // Running returns the samples decoding.
 func (s *Scheduler) Running() int { return len(s.running) }
 
-// Busy reports whether a step has work: a prompt to prefill or a sample to
-// decode.
-func (s *Scheduler) Busy() bool { return len(s.prefill) > 0 || len(s.running) > 0 }
+// Busy reports whether a step has work: a prompt to prefill, a sample to
+// recompute or to decode.
+func (s *Scheduler) Busy() bool { return len(s.prefill) > 0 || len(s.running) > 0 || len(s.resume) > 0 }
+
+// Stats counts the scheduler's preemptions.
+type Stats struct {
+	// Preemptions: samples and prompts whose pages were taken back.
+	Preemptions uint64
+	// Recomputed: tokens prefilled again after a preemption.
+	Recomputed uint64
+}
+
+// Stats returns the counts so far.
+func (s *Scheduler) Stats() Stats { return s.stats }
+
+// Preempted returns the samples waiting to be recomputed.
+func (s *Scheduler) Preempted() int { return len(s.preempted) }
 
 // InFlight returns the steps planned and not yet committed.
 func (s *Scheduler) InFlight() int { return int(s.planned - s.committed) }
@@ -142,17 +221,17 @@ func (s *Scheduler) InFlight() int { return int(s.planned - s.committed) }
 // it reads only the configuration, so any goroutine may call it.
 func (s *Scheduler) NewReq(req Request, owner any) *Req {
 	r := &Req{Request: req, Owner: owner, left: req.N, stop: stopSet(req.Params.Stop)}
-	r.reserved = s.reservation(r)
-	return r
-}
-
-// reservation is the most pages a request can ever hold: the prompt's full
-// pages, shared, plus for each sample the pages from the prompt's partial
-// last page to its last token.
-func (s *Scheduler) reservation(r *Req) int {
 	ps := s.cfg.PageSize
 	P := len(r.Prompt)
-	return P/ps + r.N*ceilDiv(P%ps+r.Params.MaxTokens, ps)
+	// Reserved: the prompt's full pages, shared, plus for each sample the
+	// pages from the prompt's partial last page to its last token, or with
+	// pages on demand only to its first token.
+	r.perSample = ceilDiv(P%ps+r.Params.MaxTokens, ps)
+	if s.cfg.OnDemand {
+		r.perSample = ceilDiv(P%ps+1, ps)
+	}
+	r.reserved = P/ps + r.N*r.perSample
+	return r
 }
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }
@@ -191,6 +270,7 @@ func (s *Scheduler) Reap() {
 	}
 	clear(s.running[len(keep):])
 	s.running = keep
+	s.preempted, s.resume = s.reapSeqs(s.preempted), s.reapSeqs(s.resume)
 	drop := func(list []*Req, admitted bool) []*Req {
 		out := list[:0]
 		for _, r := range list {
@@ -213,15 +293,51 @@ func (s *Scheduler) Reap() {
 	s.waiting, s.prefill = drop(s.waiting, false), drop(s.prefill, true)
 }
 
+// reapSeqs ends the samples of list whose request was aborted.
+func (s *Scheduler) reapSeqs(list []*Seq) []*Seq {
+	keep := list[:0]
+	for _, q := range list {
+		if s.aborted(q.r) {
+			s.finish(q, FinishAbort)
+			continue
+		}
+		keep = append(keep, q)
+	}
+	clear(list[len(keep):])
+	return keep
+}
+
 // Admit moves waiting requests, in order, into prefill while their page
-// reservation fits.
+// reservation fits. With pages on demand, preempted samples come first,
+// oldest first, and new requests wait while any does; admission then
+// also leaves a page free for every running sample (its next page).
 func (s *Scheduler) Admit() {
+	margin := s.holdBack
+	if s.cfg.OnDemand {
+		margin += len(s.running)
+		for len(s.preempted) > 0 {
+			q := s.preempted[0]
+			need := ceilDiv(q.seqLen()+1, s.cfg.PageSize)
+			if !s.pages.Reserve(need + margin) {
+				return
+			}
+			s.pages.Unreserve(margin)
+			q.reserve, q.state, q.done = need, seqResuming, 0
+			s.preempted[0] = nil
+			s.preempted = s.preempted[1:]
+			s.resume = append(s.resume, q)
+		}
+	}
 	for len(s.waiting) > 0 {
 		r := s.waiting[0]
-		if !s.pages.Reserve(r.reserved + s.holdBack) {
+		if !s.pages.Reserve(r.reserved + margin) {
 			return
 		}
-		s.pages.Unreserve(s.holdBack)
+		s.pages.Unreserve(margin)
+		if r.order == 0 {
+			s.admitted++
+			r.order = s.admitted
+		}
 		s.waiting[0] = nil
 		s.waiting = s.waiting[1:]
 		s.prefill = append(s.prefill, r)
@@ -231,10 +347,12 @@ func (s *Scheduler) Admit() {
 // Shutdown ends every sample of every request with FinishAbort (the engine
 // stops). Nothing may be in flight.
 func (s *Scheduler) Shutdown() {
-	for _, q := range s.running {
-		s.finish(q, FinishAbort)
+	for _, list := range [][]*Seq{s.running, s.resume, s.preempted} {
+		for _, q := range list {
+			s.finish(q, FinishAbort)
+		}
 	}
-	s.running = nil
+	s.running, s.resume, s.preempted = nil, nil, nil
 	for _, r := range append(s.waiting, s.prefill...) {
 		s.abortRequest(r)
 	}
@@ -301,6 +419,9 @@ func (s *Scheduler) Plan() (*Plan, error) {
 		p.QueryStart = append(p.QueryStart, p.QueryStart[len(p.QueryStart)-1]+int32(n))
 		return nil
 	}
+	if c.OnDemand {
+		s.makeRoom(inFlight, prev)
+	}
 	for _, q := range s.running {
 		if len(p.SeqLens) == c.MaxSeqs || len(p.Tokens) == c.MaxTokens || len(p.LogitRows) == c.MaxLogitRows {
 			break
@@ -311,9 +432,12 @@ func (s *Scheduler) Plan() (*Plan, error) {
 		}
 		pos := q.length
 		if pos/ps >= len(q.pages) {
-			pg, err := s.pages.Take()
+			pg, ok, err := s.pageFor(q)
 			if err != nil {
 				return nil, err
+			}
+			if !ok {
+				continue // no page this step (pages still held by the step in flight): it waits
 			}
 			q.pages = append(q.pages, pg)
 		}
@@ -335,6 +459,58 @@ func (s *Scheduler) Plan() (*Plan, error) {
 		q.length++
 		if err := addSeq(q.pages, q.length, 1); err != nil {
 			return nil, err
+		}
+	}
+	// Recomputations of preempted samples, oldest first: their prompt and
+	// emitted tokens prefilled again into pages of their own; the last
+	// chunk's row draws the token they were about to draw.
+	for _, q := range s.resume {
+		budget := c.MaxTokens - len(p.Tokens)
+		if budget <= 0 || len(p.SeqLens) == c.MaxSeqs {
+			break
+		}
+		L := q.seqLen()
+		if q.done == L {
+			continue // its last chunk is in flight: it runs again when that step is committed
+		}
+		n := min(budget, L-q.done)
+		last := q.done+n == L
+		if last && len(p.LogitRows)+1 > c.MaxLogitRows {
+			if n == 1 {
+				continue
+			}
+			n--
+			last = false
+		}
+		p.DecodeOnly = false
+		for i := range n {
+			pos := q.done + i
+			for pos/ps >= len(q.pages) {
+				q.reserve--
+				pg, err := s.pages.Take()
+				if err != nil {
+					return nil, err
+				}
+				q.pages = append(q.pages, pg)
+			}
+			p.Tokens = append(p.Tokens, q.tokenAt(pos))
+			p.Feed = append(p.Feed, -1)
+			p.Positions = append(p.Positions, int32(pos))
+			p.Slots = append(p.Slots, int32(q.pages[pos/ps]*ps+pos%ps))
+		}
+		q.done += n
+		q.lastStep = step
+		s.stats.Recomputed += uint64(n)
+		if err := addSeq(q.pages, q.done, n); err != nil {
+			return nil, err
+		}
+		if last {
+			q.length = L
+			q.row = int32(len(p.LogitRows))
+			p.LogitRows = append(p.LogitRows, int32(len(p.Tokens)-1))
+			p.Sampling = append(p.Sampling, q.r.row(q.index, L))
+			p.Owners = append(p.Owners, Owner{Seq: q})
+			p.Routing = p.Routing || q.r.Params.RoutedExperts
 		}
 	}
 	for _, r := range s.prefill {
@@ -389,7 +565,7 @@ func (s *Scheduler) Plan() (*Plan, error) {
 	}
 	p.PageTable = p.table[:len(p.SeqLens)*p.Width]
 	for _, q := range s.copies {
-		if !q.finished() {
+		if !q.finished() && q.copyDst >= 0 { // a preempted sample dropped its copy
 			p.Copies = append(p.Copies, PageCopy{Dst: q.copyDst, Src: q.copySrc})
 		}
 		q.copyDst = -1
@@ -428,8 +604,12 @@ func (s *Scheduler) Commit(p *Plan, res *Results) error {
 			}
 			q = r.seqs[ow.Sample]
 		}
-		if q.finished() {
-			continue // it ended after this row was planned: the row is discarded
+		if q.finished() || p.Step <= q.stale {
+			continue // it ended, or was preempted, after this row was planned: the row is discarded
+		}
+		if q.state == seqResuming {
+			s.resume = slices.DeleteFunc(s.resume, func(x *Seq) bool { return x == q })
+			q.state = seqRunning
 		}
 		q.member = p.Step
 		s.emit(q, p, res, row)
@@ -478,7 +658,7 @@ func (s *Scheduler) fork(r *Req) error {
 	want := ceilDiv(P%ps+r.Params.MaxTokens, ps) // pages of its own a sample may take
 	r.seqs = make([]*Seq, r.N)
 	for i := range r.seqs {
-		q := &Seq{r: r, index: i, length: P, copyDst: -1, lastStep: r.lastStep, out: Sample{Index: i,
+		q := &Seq{r: r, index: i, length: P, copyDst: -1, lastStep: r.lastStep, reserve: r.perSample, out: Sample{Index: i,
 			Tokens: make([]int32, 0, r.Params.MaxTokens), LogProbs: make([]float32, 0, r.Params.MaxTokens),
 			Versions: make([]uint64, 0, r.Params.MaxTokens)}}
 		if r.Params.RoutedExperts {
@@ -487,6 +667,7 @@ func (s *Scheduler) fork(r *Req) error {
 		q.pages = make([]int, 0, full+want)
 		q.pages = append(q.pages, r.prompt[:full]...) // shared: one reference each
 		if P%ps != 0 {
+			q.reserve-- // its copy of the partial page, or the page itself
 			if i == 0 {
 				q.pages = append(q.pages, r.prompt[full])
 			} else {
@@ -560,11 +741,9 @@ func (s *Scheduler) finish(q *Seq, why FinishReason) {
 	for _, pg := range q.pages {
 		s.release(pg, q.lastStep)
 	}
-	ps := s.cfg.PageSize
 	// Return the part of the reservation this sample never used.
-	want := ceilDiv(len(q.r.Prompt)%ps+q.r.Params.MaxTokens, ps)
-	own := len(q.pages) - len(q.r.Prompt)/ps
-	s.pages.Unreserve(want - own)
+	s.pages.Unreserve(q.reserve)
+	q.reserve = 0
 	q.pages = nil
 	q.routed = nil
 	r := q.r
@@ -573,4 +752,149 @@ func (s *Scheduler) finish(q *Seq, why FinishReason) {
 		r.gone = true
 	}
 	s.sink.Deliver(r, q.out, r.left == 0)
+}
+
+// pageFor takes the page sample q grows into: from its reservation, or
+// with pages on demand a page nobody reserved (ok false when there is
+// none).
+func (s *Scheduler) pageFor(q *Seq) (pg int, ok bool, err error) {
+	if q.reserve > 0 || !s.cfg.OnDemand {
+		q.reserve--
+		pg, err := s.pages.Take()
+		return pg, err == nil, err
+	}
+	pg, ok = s.pages.Grow()
+	return pg, ok, nil
+}
+
+// growsNext reports whether running sample q takes a page beyond its
+// reservation if the next step is planned now (the decode loop of Plan).
+func (s *Scheduler) growsNext(q *Seq, inFlight bool, prev uint64) bool {
+	if inFlight && q.lastStep == prev && len(q.out.Tokens)+1 >= q.r.Params.MaxTokens {
+		return false
+	}
+	return q.reserve == 0 && q.length/s.cfg.PageSize >= len(q.pages)
+}
+
+// pendingFree counts the pages that come free when the step in flight is
+// committed (at least: a page shared by several deferred releases is not
+// counted).
+func (s *Scheduler) pendingFree() int {
+	n := 0
+	for _, d := range s.deferred {
+		if s.pages.Refs(d.page) == 1 {
+			n++
+		}
+	}
+	return n
+}
+
+// makeRoom preempts the youngest work, one piece at a time, until every
+// running sample that grows into a new page this step can have one
+// (pages the step in flight still holds count as coming back). The oldest
+// piece of work is never preempted, so something always progresses; a
+// sample left without a page waits for the next step.
+func (s *Scheduler) makeRoom(inFlight bool, prev uint64) {
+	for {
+		need := 0
+		for _, q := range s.running {
+			if s.growsNext(q, inFlight, prev) {
+				need++
+			}
+		}
+		if need <= s.pages.Avail()+s.pendingFree() || !s.preemptYoungest() {
+			return
+		}
+	}
+}
+
+// preemptYoungest preempts the youngest of: running samples, samples
+// being recomputed and prompts being prefilled whose last chunk is not in
+// flight, unless it is the only one. It reports whether it preempted.
+func (s *Scheduler) preemptYoungest() bool {
+	var (
+		vq         *Seq
+		vr         *Req
+		candidates int
+	)
+	consider := func(r *Req, i int, q *Seq) {
+		candidates++
+		if vq == nil && vr == nil {
+			vq, vr = q, r
+			return
+		}
+		yr, yi := vr, -1
+		if vq != nil {
+			yr, yi = vq.r, vq.index
+		}
+		if older(yr, yi, r, i) {
+			vq, vr = q, r
+		}
+	}
+	for _, q := range s.running {
+		consider(q.r, q.index, q)
+	}
+	for _, q := range s.resume {
+		if q.done < q.seqLen() {
+			consider(q.r, q.index, q)
+		}
+	}
+	for _, r := range s.prefill {
+		if r.done < len(r.Prompt) {
+			consider(r, -1, nil)
+		}
+	}
+	if candidates < 2 {
+		return false
+	}
+	s.stats.Preemptions++
+	if vq == nil {
+		s.preemptPrompt(vr)
+		return true
+	}
+	if vq.state == seqResuming {
+		s.resume = slices.DeleteFunc(s.resume, func(x *Seq) bool { return x == vq })
+	} else {
+		s.running = slices.DeleteFunc(s.running, func(x *Seq) bool { return x == vq })
+	}
+	s.preemptSeq(vq)
+	return true
+}
+
+// preemptSeq frees the pages of a running or resuming sample (once the
+// step in flight that may write them is committed) and queues it to be
+// recomputed. Its rows in steps planned so far are discarded at commit.
+func (s *Scheduler) preemptSeq(q *Seq) {
+	for _, pg := range q.pages {
+		s.release(pg, q.lastStep)
+	}
+	s.pages.Unreserve(q.reserve)
+	q.reserve, q.done, q.copyDst = 0, 0, -1
+	q.pages = q.pages[:0]
+	q.stale = s.planned
+	q.state = seqPreempted
+	i, _ := slices.BinarySearchFunc(s.preempted, q, func(x, q *Seq) int {
+		if older(x.r, x.index, q.r, q.index) {
+			return -1
+		}
+		return 1
+	})
+	s.preempted = slices.Insert(s.preempted, i, q)
+}
+
+// preemptPrompt frees the pages of a prompt being prefilled and puts its
+// request back at the head of the queue (ahead of every request younger
+// than it), to be prefilled again from its first token.
+func (s *Scheduler) preemptPrompt(r *Req) {
+	for _, pg := range r.prompt {
+		s.release(pg, r.lastStep)
+	}
+	s.pages.Unreserve(r.reserved - len(r.prompt))
+	r.prompt, r.done = nil, 0
+	s.prefill = slices.DeleteFunc(s.prefill, func(x *Req) bool { return x == r })
+	i := 0
+	for i < len(s.waiting) && s.waiting[i].order != 0 && s.waiting[i].order < r.order {
+		i++
+	}
+	s.waiting = slices.Insert(s.waiting, i, r)
 }

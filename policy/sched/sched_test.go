@@ -281,14 +281,95 @@ var scripts = []script{
 			plan: "tok 1 21 22 23 | pos 0 0 1 2 | slot 0 4 5 6 | seq 1[0] 3[1] | rows 0 | own c>0@1", tokens: []int32{40}, inUse: 2},
 		{abort: []string{"a", "b", "c"}, plan: "", out: []string{"c/0 abort 40", "a/0 abort", "b/0 abort"}},
 	}},
+	// Pages on demand: a and b reserve one page each beyond their prompts
+	// and grow into free pages; when both need a fifth page, b (the
+	// younger) is preempted, its pages go to a, and b is recomputed from
+	// its prompt and its six tokens once a is done, then decodes on.
+	{"on demand: the youngest sample is preempted and recomputed", cfg(func(c *Config) { c.KVPages, c.OnDemand = 4, true }), []line{
+		{add: []Request{req("a", []int32{1, 2, 3}, 1, 9), req("b", []int32{5, 6, 7}, 1, 8)},
+			plan:   "tok 1 2 3 5 6 7 | pos 0 1 2 0 1 2 | slot 0 1 2 4 5 6 | seq 3[0] 3[1] | rows 2 5 | own a>0@3 b>0@3",
+			tokens: []int32{10, 11}, inUse: 2},
+		{plan: "tok 10 11 | pos 3 3 | slot 3 7 | seq 4[0] 4[1] | rows 0 1 | own a/0@4 b/0@4 | decode", tokens: []int32{12, 13}, inUse: 2},
+		{plan: "tok 12 13 | pos 4 4 | slot 8 12 | seq 5[0 2] 5[1 3] | rows 0 1 | own a/0@5 b/0@5 | decode", tokens: []int32{14, 15}, inUse: 4},
+		{plan: "tok 14 15 | pos 5 5 | slot 9 13 | seq 6[0 2] 6[1 3] | rows 0 1 | own a/0@6 b/0@6 | decode", tokens: []int32{16, 17}, inUse: 4},
+		{plan: "tok 16 17 | pos 6 6 | slot 10 14 | seq 7[0 2] 7[1 3] | rows 0 1 | own a/0@7 b/0@7 | decode", tokens: []int32{18, 19}, inUse: 4},
+		{plan: "tok 18 19 | pos 7 7 | slot 11 15 | seq 8[0 2] 8[1 3] | rows 0 1 | own a/0@8 b/0@8 | decode", tokens: []int32{20, 21}, inUse: 4},
+		{plan: "tok 20 | pos 8 | slot 12 | seq 9[0 2 3] | rows 0 | own a/0@9 | decode", tokens: []int32{22}, inUse: 3},
+		{plan: "tok 22 | pos 9 | slot 13 | seq 10[0 2 3] | rows 0 | own a/0@10 | decode", tokens: []int32{23}, inUse: 3},
+		{plan: "tok 23 | pos 10 | slot 14 | seq 11[0 2 3] | rows 0 | own a/0@11 | decode", tokens: []int32{24},
+			out: []string{"a/0 length 10 12 14 16 18 20 22 23 24"}},
+		{plan: "tok 5 6 7 11 13 15 17 19 | pos 0 1 2 3 4 5 6 7 | slot 12 13 14 15 8 9 10 11 | seq 8[3 2] | rows - | own -", inUse: 2},
+		{plan: "tok 21 | pos 8 | slot 0 | seq 9[3 2 0] | rows 0 | own b/0@9", tokens: []int32{25}, inUse: 3},
+		{plan: "tok 25 | pos 9 | slot 1 | seq 10[3 2 0] | rows 0 | own b/0@10 | decode", tokens: []int32{26},
+			out: []string{"b/0 length 11 13 15 17 19 21 25 26"}},
+	}},
+	// The same with step N+1 planned while N runs: b is preempted while its
+	// row of the step in flight draws its sixth token, which is discarded;
+	// a waits one step for b's pages, which come free when that step is
+	// committed; b's recomputation ends in the row that draws its sixth
+	// token again.
+	{"on demand, overlapped: a preempted sample's row in flight is discarded", cfg(func(c *Config) { c.KVPages, c.OnDemand = 4, true }), []line{
+		{kind: plan, add: []Request{req("a", []int32{1, 2, 3}, 1, 9), req("b", []int32{5, 6, 7}, 1, 8)},
+			plan:   "tok 1 2 3 5 6 7 | pos 0 1 2 0 1 2 | slot 0 1 2 4 5 6 | seq 3[0] 3[1] | rows 2 5 | own a>0@3 b>0@3",
+			tokens: []int32{10, 11}, inUse: 2},
+		{plan: "", inUse: 2},
+		{kind: plan, plan: "tok 10 11 | pos 3 3 | slot 3 7 | seq 4[0] 4[1] | rows 0 1 | own a/0@4 b/0@4 | decode", tokens: []int32{12, 13}, inUse: 2},
+		{plan: "tok ^0 ^1 | pos 4 4 | slot 8 12 | seq 5[0 2] 5[1 3] | rows 0 1 | own a/0@5 b/0@5 | decode", tokens: []int32{14, 15}, inUse: 4},
+		{plan: "tok ^0 ^1 | pos 5 5 | slot 9 13 | seq 6[0 2] 6[1 3] | rows 0 1 | own a/0@6 b/0@6 | decode", tokens: []int32{16, 17}, inUse: 4},
+		{plan: "tok ^0 ^1 | pos 6 6 | slot 10 14 | seq 7[0 2] 7[1 3] | rows 0 1 | own a/0@7 b/0@7 | decode", tokens: []int32{18, 19}, inUse: 4},
+		{plan: "tok ^0 ^1 | pos 7 7 | slot 11 15 | seq 8[0 2] 8[1 3] | rows 0 1 | own a/0@8 b/0@8 | decode", tokens: []int32{20, 21}, inUse: 4},
+		{plan: "", inUse: 2},
+		{kind: plan, plan: "tok 20 | pos 8 | slot 12 | seq 9[0 2 3] | rows 0 | own a/0@9 | decode", tokens: []int32{22}, inUse: 3},
+		{plan: "tok ^0 | pos 9 | slot 13 | seq 10[0 2 3] | rows 0 | own a/0@10 | decode", tokens: []int32{23}, inUse: 3},
+		{plan: "tok ^0 | pos 10 | slot 14 | seq 11[0 2 3] | rows 0 | own a/0@11 | decode", tokens: []int32{24}, inUse: 3},
+		{plan: "", out: []string{"a/0 length 10 12 14 16 18 20 22 23 24"}},
+		{kind: plan, plan: "tok 5 6 7 11 13 15 17 19 | pos 0 1 2 3 4 5 6 7 | slot 12 13 14 15 8 9 10 11 | seq 8[3 2] | rows 7 | own b/0@8",
+			tokens: []int32{21}, inUse: 2},
+		{plan: "", inUse: 2},
+		{kind: plan, plan: "tok 21 | pos 8 | slot 0 | seq 9[3 2 0] | rows 0 | own b/0@9 | decode", tokens: []int32{25}, inUse: 3},
+		{plan: "tok ^0 | pos 9 | slot 1 | seq 10[3 2 0] | rows 0 | own b/0@10 | decode", tokens: []int32{26}, inUse: 3},
+		{plan: "", out: []string{"b/0 length 11 13 15 17 19 21 25 26"}},
+	}},
+	// A prompt being prefilled is younger than a running sample: it is
+	// preempted (its pages freed, its request back at the head of the
+	// queue) and prefilled again once a is done.
+	{"on demand: a prompt being prefilled is preempted and prefilled again", cfg(func(c *Config) { c.KVPages, c.OnDemand = 5, true }), []line{
+		{add: []Request{req("a", []int32{1, 2, 3}, 1, 6), req("b", seq(31, 13), 1, 2)},
+			plan:   "tok 1 2 3 31 32 33 34 35 | pos 0 1 2 0 1 2 3 4 | slot 0 1 2 4 5 6 7 8 | seq 3[0] 5[1 2] | rows 2 | own a>0@3",
+			tokens: []int32{10}, inUse: 3},
+		{plan: "tok 10 36 37 38 39 40 41 42 | pos 3 5 6 7 8 9 10 11 | slot 3 9 10 11 12 13 14 15 | seq 4[0] 12[1 2 3] | rows 0 | own a/0@4",
+			tokens: []int32{11}, inUse: 4},
+		{plan: "tok 11 | pos 4 | slot 12 | seq 5[0 3] | rows 0 | own a/0@5 | decode", tokens: []int32{12}, inUse: 2},
+		{plan: "tok 12 | pos 5 | slot 13 | seq 6[0 3] | rows 0 | own a/0@6 | decode", tokens: []int32{13}, inUse: 2},
+		{plan: "tok 13 | pos 6 | slot 14 | seq 7[0 3] | rows 0 | own a/0@7 | decode", tokens: []int32{14}, inUse: 2},
+		{plan: "tok 14 | pos 7 | slot 15 | seq 8[0 3] | rows 0 | own a/0@8 | decode", tokens: []int32{15},
+			out: []string{"a/0 length 10 11 12 13 14 15"}},
+		{plan: "tok 31 32 33 34 35 36 37 38 | pos 0 1 2 3 4 5 6 7 | slot 12 13 14 15 0 1 2 3 | seq 8[3 0] | rows - | own -", inUse: 2},
+		{plan: "tok 39 40 41 42 43 | pos 8 9 10 11 12 | slot 8 9 10 11 4 | seq 13[3 0 2 1] | rows 4 | own b>0@13", tokens: []int32{16}, inUse: 4},
+		{plan: "tok 16 | pos 13 | slot 5 | seq 14[3 0 2 1] | rows 0 | own b/0@14 | decode", tokens: []int32{17},
+			out: []string{"b/0 length 16 17"}},
+	}},
+	{"on demand: an aborted preempted sample ends with the tokens it had", cfg(func(c *Config) { c.KVPages, c.OnDemand = 4, true }), []line{
+		{add: []Request{req("a", []int32{1, 2, 3}, 1, 7), req("b", []int32{5, 6, 7}, 1, 8)},
+			plan:   "tok 1 2 3 5 6 7 | pos 0 1 2 0 1 2 | slot 0 1 2 4 5 6 | seq 3[0] 3[1] | rows 2 5 | own a>0@3 b>0@3",
+			tokens: []int32{10, 11}, inUse: 2},
+		{plan: "tok 10 11 | pos 3 3 | slot 3 7 | seq 4[0] 4[1] | rows 0 1 | own a/0@4 b/0@4 | decode", tokens: []int32{12, 13}, inUse: 2},
+		{plan: "tok 12 13 | pos 4 4 | slot 8 12 | seq 5[0 2] 5[1 3] | rows 0 1 | own a/0@5 b/0@5 | decode", tokens: []int32{14, 15}, inUse: 4},
+		{plan: "tok 14 15 | pos 5 5 | slot 9 13 | seq 6[0 2] 6[1 3] | rows 0 1 | own a/0@6 b/0@6 | decode", tokens: []int32{16, 17}, inUse: 4},
+		{plan: "tok 16 17 | pos 6 6 | slot 10 14 | seq 7[0 2] 7[1 3] | rows 0 1 | own a/0@7 b/0@7 | decode", tokens: []int32{18, 19}, inUse: 4},
+		{plan: "tok 18 19 | pos 7 7 | slot 11 15 | seq 8[0 2] 8[1 3] | rows 0 1 | own a/0@8 b/0@8 | decode", tokens: []int32{20, 21}, inUse: 4},
+		{plan: "tok 20 | pos 8 | slot 12 | seq 9[0 2 3] | rows 0 | own a/0@9 | decode", tokens: []int32{22},
+			out: []string{"a/0 length 10 12 14 16 18 20 22"}},
+		{abort: []string{"b"}, plan: "", out: []string{"b/0 abort 11 13 15 17 19 21"}},
+	}},
 }
 
 func TestScripts(t *testing.T) {
 	for _, sc := range scripts {
 		t.Run(sc.name, func(t *testing.T) {
 			s := runScript(t, sc)
-			if s.Busy() || s.Pages().InUse() != 0 || s.Pages().Reserved() != 0 {
-				t.Fatalf("at the end: busy %v, %d pages in use, %d reserved", s.Busy(), s.Pages().InUse(), s.Pages().Reserved())
+			if s.Busy() || s.Preempted() != 0 || s.Pages().InUse() != 0 || s.Pages().Reserved() != 0 {
+				t.Fatalf("at the end: busy %v, %d preempted, %d pages in use, %d reserved", s.Busy(), s.Preempted(), s.Pages().InUse(), s.Pages().Reserved())
 			}
 		})
 	}
@@ -302,11 +383,12 @@ func (nopSink) Aborted(*Req) bool          { return false }
 // TestDecodeStepAllocatesNothing: with a fixed set of running samples,
 // planning and committing a decode step allocates nothing, whether each
 // step is committed before the next is planned or the next is planned
-// while it is in flight.
+// while it is in flight, with pages reserved or taken on demand.
 func TestDecodeStepAllocatesNothing(t *testing.T) {
-	for _, overlapped := range []bool{false, true} {
-		t.Run(fmt.Sprintf("overlapped=%v", overlapped), func(t *testing.T) {
-			c := Config{PageSize: 16, KVPages: 2048, MaxPagesPerSeq: 64, MaxTokens: 256, MaxSeqs: 64, MaxLogitRows: 256, TopK: 2}
+	for _, mode := range []struct{ overlapped, onDemand bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		overlapped := mode.overlapped
+		t.Run(fmt.Sprintf("overlapped=%v,on_demand=%v", overlapped, mode.onDemand), func(t *testing.T) {
+			c := Config{PageSize: 16, KVPages: 2048, MaxPagesPerSeq: 64, MaxTokens: 256, MaxSeqs: 64, MaxLogitRows: 256, TopK: 2, OnDemand: mode.onDemand}
 			s := New(c, nopSink{})
 			for i := range 8 {
 				s.Add(s.NewReq(req(fmt.Sprint("r", i), seq(1, 20+int32(i)), 4, 900), nil))
