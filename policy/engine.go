@@ -75,6 +75,11 @@ type EngineConfig struct {
 	// youngest samples are preempted and recomputed later, bitwise as if
 	// they had not been (sched.Config.OnDemand).
 	KVOnDemand bool
+	// PrefixCache: the KV pages of prompts' full pages are kept after
+	// their prefill and shared by later requests whose prompts start with
+	// the same tokens, under the same policy version only: a version
+	// change drops them (sched.Config.PrefixCache).
+	PrefixCache bool
 }
 
 // StepRunner runs a decode-only step of n sequences: it may pad to a
@@ -124,19 +129,27 @@ type EngineStats struct {
 	// (KVOnDemand); Recomputed: tokens prefilled again because of them.
 	Preemptions, Recomputed uint64
 	Preempted               int64 // samples waiting to be recomputed after the last step
+	// PromptTokens: prompt tokens of the requests admitted; PrefixHits:
+	// those whose KV came from the prefix cache (PrefixCache).
+	PromptTokens, PrefixHits uint64
+	CachedPages              int64  // pages the prefix cache holds after the last step
+	Evicted                  uint64 // cached pages evicted because pages ran short
 }
 
 type engineStats struct {
 	steps, graphSteps, tokens, generated, failed atomic.Uint64
 	preemptions, recomputed                      atomic.Uint64
-	pages, waiting, running, preempted           atomic.Int64
+	promptTokens, prefixHits, evicted            atomic.Uint64
+	pages, waiting, running, preempted, cached   atomic.Int64
 }
 
 // Stats returns the loop's counters; safe from any goroutine.
 func (e *Engine) Stats() EngineStats {
 	return EngineStats{Steps: e.stats.steps.Load(), GraphSteps: e.stats.graphSteps.Load(), Tokens: e.stats.tokens.Load(),
 		Generated: e.stats.generated.Load(), Failed: e.stats.failed.Load(), KVPagesUsed: e.stats.pages.Load(), Waiting: e.stats.waiting.Load(), Running: e.stats.running.Load(),
-		Preemptions: e.stats.preemptions.Load(), Recomputed: e.stats.recomputed.Load(), Preempted: e.stats.preempted.Load()}
+		Preemptions: e.stats.preemptions.Load(), Recomputed: e.stats.recomputed.Load(), Preempted: e.stats.preempted.Load(),
+		PromptTokens: e.stats.promptTokens.Load(), PrefixHits: e.stats.prefixHits.Load(), CachedPages: e.stats.cached.Load(),
+		Evicted: e.stats.evicted.Load()}
 }
 
 type boundary struct {
@@ -164,7 +177,7 @@ func NewEngine(m *Model, cfg EngineConfig) *Engine {
 	o := m.opts
 	e := &Engine{m: m, cfg: cfg, wake: make(chan struct{}, 1), exec: newModelExecutor(m, cfg.Graphs)}
 	e.sched = sched.New(sched.Config{PageSize: o.PageSize, KVPages: o.KVPages, MaxPagesPerSeq: o.maxPagesPerSeq(m.cfg),
-		MaxTokens: o.MaxTokens, MaxSeqs: o.MaxSeqs, MaxLogitRows: o.MaxLogitRows, TopK: m.cfg.TopK, OnDemand: cfg.KVOnDemand}, (*sink)(e))
+		MaxTokens: o.MaxTokens, MaxSeqs: o.MaxSeqs, MaxLogitRows: o.MaxLogitRows, TopK: m.cfg.TopK, OnDemand: cfg.KVOnDemand, PrefixCache: cfg.PrefixCache}, (*sink)(e))
 	e.pages = e.sched.Pages()
 	e.version.Store(cfg.Version)
 	return e
@@ -269,6 +282,7 @@ func (e *Engine) Run(ctx context.Context) error {
 	defer e.shutdown()
 	for {
 		e.drainInbox()
+		e.sched.SetVersion(e.version.Load()) // a weight commit drops the prefix cache
 		e.sched.Reap()
 		e.sched.Admit()
 		if !e.sched.Busy() {
@@ -380,11 +394,17 @@ func (e *Engine) commit(p *sched.Plan, res *sched.Results, start time.Time) erro
 	e.stats.waiting.Store(int64(e.sched.Waiting()))
 	e.stats.running.Store(int64(e.sched.Running()))
 	e.stats.preempted.Store(int64(e.sched.Preempted()))
+	e.stats.cached.Store(int64(e.sched.CachedPages()))
 	ss := e.sched.Stats()
+	e.stats.evicted.Store(ss.Evicted)
 	prevPre, prevRe := e.stats.preemptions.Swap(ss.Preemptions), e.stats.recomputed.Swap(ss.Recomputed)
+	prevPrompt, prevHits := e.stats.promptTokens.Swap(ss.PromptTokens), e.stats.prefixHits.Swap(ss.PrefixHits)
 	if m := e.cfg.Metrics; m != nil {
 		m.preemptions.Add(float64(ss.Preemptions - prevPre))
 		m.tokens.WithLabelValues("recomputed").Add(float64(ss.Recomputed - prevRe))
+		m.prefix.WithLabelValues("hit").Add(float64(ss.PrefixHits - prevHits))
+		m.prefix.WithLabelValues("miss").Add(float64((ss.PromptTokens - prevPrompt) - (ss.PrefixHits - prevHits)))
+		m.cachedPages.Set(float64(e.sched.CachedPages()))
 		kind := "eager"
 		if res.Graph {
 			kind = "graph"

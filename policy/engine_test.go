@@ -41,6 +41,15 @@ func newRandomModel(t testing.TB, cfg Config, opts ModelOptions, seed uint64) *M
 			t.Error(err)
 		}
 	})
+	fillRandom(t, m, seed)
+	return m
+}
+
+// fillRandom writes newRandomModel's weights for seed into m and
+// requantizes its experts.
+func fillRandom(t testing.TB, m *Model, seed uint64) {
+	t.Helper()
+	be := m.Backend()
 	targets, err := m.Tensors()
 	if err != nil {
 		t.Fatal(err)
@@ -68,7 +77,6 @@ func newRandomModel(t testing.TB, cfg Config, opts ModelOptions, seed uint64) *M
 	if err := m.Requantize(); err != nil {
 		t.Fatal(err)
 	}
-	return m
 }
 
 // testBackend returns the backend the engine tests run on: a fresh CPU

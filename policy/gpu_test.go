@@ -14,7 +14,8 @@ import (
 // (bitwise equal to a fresh GPU model loaded with the new weights, no
 // recapture), determinism, scoring, chunked prefill, continuous batching,
 // preempted samples bitwise equal to unpreempted ones (KV pages on
-// demand), the sampling distribution and the KV cache sized from free
+// demand), prefix-cache hits bitwise equal to cold prefills and none
+// across a version change, the sampling distribution and the KV cache sized from free
 // memory. It
 // skips where there is no GPU.
 func TestGPUEngine(t *testing.T) {
@@ -33,6 +34,9 @@ func TestGPUEngine(t *testing.T) {
 		{"ContinuousBatching", TestContinuousBatching},
 		{"PreemptedEqualsUnpreempted", TestPreemptedEqualsUnpreempted},
 		{"LongTailThroughSmallCache", TestLongTailThroughSmallCache},
+		{"PrefixHitEqualsCold", TestPrefixHitEqualsCold},
+		{"NoPrefixHitAcrossVersions", TestNoPrefixHitAcrossVersions},
+		{"PrefixCacheWithPreemption", TestPrefixCacheWithPreemption},
 		{"VersionsAcrossCommit", TestVersionsAcrossCommit},
 		{"RoutedExperts", TestRoutedExperts},
 		{"SamplingDistribution", TestSamplingDistribution},

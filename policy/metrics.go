@@ -19,6 +19,9 @@ type EngineMetrics struct {
 	// recomputed.
 	preemptions prometheus.Counter
 	preempted   prometheus.Gauge
+	// With the prefix cache: prompt tokens by hit or miss, pages cached.
+	prefix      *prometheus.CounterVec
+	cachedPages prometheus.Gauge
 }
 
 // NewEngineMetrics makes the metrics and registers them on reg (nil: not
@@ -48,9 +51,13 @@ func NewEngineMetrics(reg prometheus.Registerer) (*EngineMetrics, error) {
 			Help: "Samples and prompts whose KV pages were taken back to let older samples grow (KV pages on demand)."}),
 		preempted: prometheus.NewGauge(prometheus.GaugeOpts{Name: "rollout_worker_engine_preempted_sequences",
 			Help: "Preempted samples waiting to be recomputed."}),
+		prefix: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "rollout_worker_engine_prefix_tokens_total",
+			Help: "Prompt tokens of admitted requests, by result: hit (KV shared from the prefix cache) or miss (prefilled)."}, []string{"result"}),
+		cachedPages: prometheus.NewGauge(prometheus.GaugeOpts{Name: "rollout_worker_kv_pages_cached",
+			Help: "KV-cache pages the prefix cache holds (shared with requests, or idle and evictable)."}),
 	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.steps, m.stepTime, m.batchToks, m.batchSeqs, m.tokens, m.pagesInUse, m.pagesTotal, m.waiting, m.running, m.preemptions, m.preempted} {
+		for _, c := range []prometheus.Collector{m.steps, m.stepTime, m.batchToks, m.batchSeqs, m.tokens, m.pagesInUse, m.pagesTotal, m.waiting, m.running, m.preemptions, m.preempted, m.prefix, m.cachedPages} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

@@ -134,3 +134,135 @@ func TestOnDemandAdmission(t *testing.T) {
 		t.Fatal("a sample of 140 tokens was accepted by a cache of 128 slots")
 	}
 }
+
+// multiTurn returns the requests of a multi-turn episode: each turn's
+// prompt is the previous turn's prompt followed by new tokens, so every
+// turn after the first starts with a prefix the cache holds.
+func multiTurn(cfg Config, id string, seed uint64, turns int) []Request {
+	var p []int32
+	out := make([]Request, turns)
+	for i := range out {
+		p = append(p, prompt(seed+uint64(i), 9+5*i, cfg.VocabSize)...)
+		out[i] = Request{ID: fmt.Sprintf("%s-%d", id, i), Prompt: slices.Clone(p), N: 2,
+			Params: SamplingParams{Temperature: 1, MaxTokens: 12, Seed: seed + uint64(i), RoutedExperts: true}}
+	}
+	return out
+}
+
+// TestPrefixHitEqualsCold: with the prefix cache, turns of multi-turn
+// episodes share the KV pages of their common prefixes, and every sample
+// is bitwise what a cold engine (no cache) produces; hits are counted.
+func TestPrefixHitEqualsCold(t *testing.T) {
+	cfg := testConfig()
+	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken} {
+		t.Run(string(recipe), func(t *testing.T) {
+			opts := testOptions()
+			opts.Recipe = recipe
+			cold := startEngine(t, newRandomModel(t, cfg, opts, 8), EngineConfig{})
+			warm := startEngine(t, newRandomModel(t, cfg, opts, 8), EngineConfig{PrefixCache: true})
+			for ep := range 3 {
+				for _, req := range multiTurn(cfg, fmt.Sprint("ep", ep), uint64(10*ep), 4) {
+					want, got := generate(t, cold, req), generate(t, warm, req)
+					if err := sameSamples(want, got); err != nil {
+						t.Fatalf("%s, prefix cache vs cold: %v", req.ID, err)
+					}
+					if err := sameRouting(want, got); err != nil {
+						t.Fatalf("%s, prefix cache vs cold: %v", req.ID, err)
+					}
+				}
+			}
+			st := warm.Stats()
+			t.Logf("%d of %d prompt tokens from the prefix cache, %d pages cached", st.PrefixHits, st.PromptTokens, st.CachedPages)
+			if st.PrefixHits == 0 || st.PrefixHits*3 < st.PromptTokens {
+				t.Fatalf("stats %+v: want most prompt tokens of the later turns from the cache", st)
+			}
+			if cs := cold.Stats(); cs.PrefixHits != 0 || cs.CachedPages != 0 {
+				t.Fatalf("cold engine: stats %+v", cs)
+			}
+		})
+	}
+}
+
+// TestNoPrefixHitAcrossVersions: a prompt cached under one policy version
+// is not reused after a weight commit moves the version: the request
+// after the commit is prefilled whole, and its samples are bitwise those
+// of a cold engine loaded with the new weights. Under the same version the
+// same prompt does hit.
+func TestNoPrefixHitAcrossVersions(t *testing.T) {
+	cfg := testConfig()
+	opts := testOptions()
+	m := newRandomModel(t, cfg, opts, 9)
+	e := startEngine(t, m, EngineConfig{PrefixCache: true, Version: 1})
+	req := Request{ID: "p", Prompt: prompt(3, 40, cfg.VocabSize), N: 2, Params: SamplingParams{Temperature: 1, MaxTokens: 10, Seed: 3}}
+	first := generate(t, e, req)
+	hits := e.Stats().PrefixHits
+	if again := generate(t, e, req); sameSamples(first, again) != nil || e.Stats().PrefixHits == hits {
+		t.Fatalf("same prompt, same version: want a prefix hit and the same samples (hits %d -> %d)", hits, e.Stats().PrefixHits)
+	}
+
+	if err := e.AtBoundary(t.Context(), func() error {
+		fillRandom(t, m, 10)
+		e.SetVersion(2)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	hits = e.Stats().PrefixHits
+	got := generate(t, e, req)
+	if st := e.Stats(); st.PrefixHits != hits {
+		t.Fatalf("after the version change: %d prompt tokens from the cache, want 0", st.PrefixHits-hits)
+	}
+	want := generate(t, startEngine(t, newRandomModel(t, cfg, opts, 10), EngineConfig{}), req)
+	if err := sameSamples(want, got); err != nil {
+		t.Fatalf("after the version change vs a cold engine with the new weights: %v", err)
+	}
+	for _, s := range got {
+		if len(s.Versions) == 0 || s.Versions[0] != 2 {
+			t.Fatalf("sample %d versions %v, want 2", s.Index, s.Versions)
+		}
+	}
+}
+
+// TestPrefixCacheWithPreemption: the prefix cache and KV pages on demand
+// together, through a cache too small for the work: cached pages are
+// evicted when pages run short, preempted samples reuse cached prefixes
+// when recomputed, and every sample is bitwise as on a large cache.
+func TestPrefixCacheWithPreemption(t *testing.T) {
+	cfg := testConfig()
+	opts := testOptions()
+	eps := make([][]Request, 4)
+	for ep := range eps {
+		eps[ep] = multiTurn(cfg, fmt.Sprint("ep", ep), uint64(20*ep), 3)
+	}
+	var reqs []Request // turn by turn: the four episodes' first turns, then their second, ...
+	for turn := range 3 {
+		for ep := range eps {
+			reqs = append(reqs, eps[ep][turn])
+		}
+	}
+	for i := range reqs {
+		reqs[i].Params.MaxTokens = 40
+	}
+	opts.KVPages = 512
+	ref := generateAll(t, startEngine(t, newRandomModel(t, cfg, opts, 11), EngineConfig{}), reqs)
+	opts.KVPages = 24
+	e := startEngine(t, newRandomModel(t, cfg, opts, 11), EngineConfig{KVOnDemand: true, PrefixCache: true})
+	got := make([][]Sample, len(reqs))
+	for i := 0; i < len(reqs); i += 4 { // a turn at a time: later turns find earlier ones cached
+		copy(got[i:], generateAll(t, e, reqs[i:min(i+4, len(reqs))]))
+	}
+	for i := range reqs {
+		if err := sameSamples(ref[i], got[i]); err != nil {
+			t.Fatalf("%s: %v", reqs[i].ID, err)
+		}
+		if err := sameRouting(ref[i], got[i]); err != nil {
+			t.Fatalf("%s: %v", reqs[i].ID, err)
+		}
+	}
+	st := e.Stats()
+	t.Logf("%d preemptions, %d of %d prompt tokens from the cache, %d cached pages evicted, %d cached at the end",
+		st.Preemptions, st.PrefixHits, st.PromptTokens, st.Evicted, st.CachedPages)
+	if st.Preemptions == 0 || st.PrefixHits == 0 || st.Evicted == 0 {
+		t.Fatalf("stats %+v: want preemptions, prefix hits and evictions", st)
+	}
+}

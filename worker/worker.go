@@ -57,6 +57,9 @@ type Config struct {
 	// are preempted and recomputed when the cache runs out
 	// (policy.EngineConfig.KVOnDemand).
 	KVOnDemand bool
+	// PrefixCache shares the KV pages of prompt prefixes across requests
+	// under one policy version (policy.EngineConfig.PrefixCache).
+	PrefixCache bool
 
 	// RefitTrust, when set, makes the refit receiver apply only versions
 	// signed by one of its keys (refit.ReceiverConfig.Trust).
@@ -183,13 +186,13 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 	}
 	log.Info("model loaded", zap.String("source", source), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
 		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),
-		zap.Int("kv_pages", w.m.Options().KVPages), zap.Int("page_size", cfg.PageSize), zap.Bool("kv_on_demand", cfg.KVOnDemand),
+		zap.Int("kv_pages", w.m.Options().KVPages), zap.Int("page_size", cfg.PageSize), zap.Bool("kv_on_demand", cfg.KVOnDemand), zap.Bool("prefix_cache", cfg.PrefixCache),
 		zap.Int("context", w.ctxLen))
 	em, err := policy.NewEngineMetrics(reg)
 	if err != nil {
 		return nil, err
 	}
-	ecfg := policy.EngineConfig{Metrics: em, KVOnDemand: cfg.KVOnDemand}
+	ecfg := policy.EngineConfig{Metrics: em, KVOnDemand: cfg.KVOnDemand, PrefixCache: cfg.PrefixCache}
 	if cfg.Graphs {
 		gm, err := cudagraph.NewMetrics(reg)
 		if err != nil {

@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -133,5 +134,66 @@ func TestDefaultModelID(t *testing.T) {
 		if got := DefaultModelID(tc.cfg); got != tc.want {
 			t.Errorf("DefaultModelID(%+v) = %q, want %q", tc.cfg, got, tc.want)
 		}
+	}
+}
+
+// TestOnDemandPagesAndPrefixCache: a worker with KV pages on demand and
+// the prefix cache serves a request its cache could not reserve whole
+// (4 samples x 80 tokens in 128 slots), preempting as it goes, and the
+// same request again from the cached prompt, with the same samples; the
+// metrics count both.
+func TestOnDemandPagesAndPrefixCache(t *testing.T) {
+	nc := startNATS(t)
+	cfg := testConfig()
+	cfg.KVPages, cfg.KVOnDemand, cfg.PrefixCache = 8, true, true
+	reg := prometheus.NewRegistry()
+	w, err := New(context.Background(), nc, cfg, zap.NewNop(), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	if err := w.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	seed := uint64(9)
+	prompt := make([]int32, 20)
+	for i := range prompt {
+		prompt[i] = int32(3 + 7*i)
+	}
+	req := rollout.GenerateRequest{Prompt: prompt, N: 4, Temperature: 1, MaxTokens: 60, Seed: &seed, ReturnLogprobs: true}
+	c := rollout.NewClient(nc, "wt")
+	first, sum, err := c.GenerateAll(ctx, req)
+	if err != nil || len(first) != 4 || sum.Error != "" {
+		t.Fatalf("generate: %d samples, summary %+v, error %v", len(first), sum, err)
+	}
+	again, _, err := c.GenerateAll(ctx, req)
+	if err != nil || len(again) != 4 {
+		t.Fatalf("generate again: %d samples, error %v", len(again), err)
+	}
+	for i := range first {
+		a, b := first[i], again[i]
+		if a.Index != b.Index || len(a.Tokens) != 60 || !slices.Equal(a.Tokens, b.Tokens) || !slices.Equal(a.LogProbs, b.LogProbs) {
+			t.Fatalf("sample %d: %v %v vs %v %v", i, a.Tokens, a.LogProbs, b.Tokens, b.LogProbs)
+		}
+	}
+	got := map[string]float64{}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			name := mf.GetName()
+			for _, l := range m.GetLabel() {
+				name += "/" + l.GetValue()
+			}
+			got[name] = m.GetCounter().GetValue()
+		}
+	}
+	if got["rollout_worker_engine_preemptions_total"] == 0 || got["rollout_worker_engine_prefix_tokens_total/hit"] != 16 {
+		t.Fatalf("preemptions %v, prefix hit tokens %v: want preemptions and the second request's first page (16 tokens) from the cache",
+			got["rollout_worker_engine_preemptions_total"], got["rollout_worker_engine_prefix_tokens_total/hit"])
 	}
 }

@@ -118,6 +118,7 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer, be kern
 	fs.IntVar(&cfg.KVPages, "kv-pages", 0, "KV-cache pages; 0: --kv-memory-fraction of the GPU memory left after the weights (2048 on the CPU)")
 	fs.Float64Var(&cfg.KVMemoryFraction, "kv-memory-fraction", 0.9, "with --kv-pages 0, the fraction of free GPU memory the KV cache takes")
 	fs.BoolVar(&cfg.KVOnDemand, "kv-on-demand", false, "take KV pages as samples grow instead of reserving each request's max_tokens on admission; when the cache runs out the youngest samples are preempted and recomputed (bitwise the same tokens)")
+	fs.BoolVar(&cfg.PrefixCache, "prefix-cache", false, "keep the KV pages of prompt prefixes and share them with later requests that start with the same tokens, under the same policy version (a refit drops them)")
 	fs.IntVar(&cfg.PageSize, "page-size", 16, "tokens a KV page")
 	fs.IntVar(&cfg.MaxBatchTokens, "max-batch-tokens", 512, "tokens one step carries")
 	fs.IntVar(&cfg.MaxSeqs, "max-seqs", 64, "sequences one step carries")

@@ -14,6 +14,9 @@ type Pages struct {
 	refs     []int
 	taken    int
 	reserved int // promised to admitted requests, not yet taken
+	// cache, when set, holds pages of prompt prefixes that nobody else
+	// may hold: they are evicted when pages run short.
+	cache *prefixCache
 }
 
 // NewPages returns an allocator of n pages. Take hands out low pages first.
@@ -25,10 +28,16 @@ func NewPages(n int) *Pages {
 	return a
 }
 
-// Reserve promises n pages; false when they are not available.
+// Reserve promises n pages, evicting cached prefixes as needed; false
+// when they are not available (nothing is evicted then).
 func (a *Pages) Reserve(n int) bool {
-	if a.taken+a.reserved+n > len(a.refs) {
-		return false
+	if short := a.taken + a.reserved + n - len(a.refs); short > 0 {
+		if a.cache == nil || a.cache.evictable() < short {
+			return false
+		}
+		for range short {
+			a.cache.evictOne()
+		}
 	}
 	a.reserved += n
 	return true
@@ -53,10 +62,20 @@ func (a *Pages) Take() (int, error) {
 // Avail returns the free pages nobody has reserved.
 func (a *Pages) Avail() int { return len(a.free) - a.reserved }
 
-// Grow hands out a free page nobody reserved, with one reference; false
-// when there is none.
+// Reclaimable returns Avail plus the cached prefix pages Grow and Reserve
+// may evict.
+func (a *Pages) Reclaimable() int {
+	n := a.Avail()
+	if a.cache != nil {
+		n += a.cache.evictable()
+	}
+	return n
+}
+
+// Grow hands out a free page nobody reserved, with one reference,
+// evicting a cached prefix if it must; false when there is none.
 func (a *Pages) Grow() (int, bool) {
-	if a.Avail() <= 0 {
+	if a.Avail() <= 0 && (a.cache == nil || !a.cache.evictOne()) {
 		return 0, false
 	}
 	p := a.free[len(a.free)-1]

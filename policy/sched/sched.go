@@ -24,6 +24,12 @@ type Config struct {
 	// tokens and logprobs are bitwise those it would have produced
 	// unpreempted.
 	OnDemand bool
+	// PrefixCache keeps the KV pages of prompts' full pages after their
+	// prefill, keyed by the tokens and the policy version (SetVersion): a
+	// request whose prompt starts with a cached prefix shares those pages
+	// and prefills only the rest. Cached pages nobody uses are evicted,
+	// least recently used first, when pages run short.
+	PrefixCache bool
 }
 
 // Sink receives what the scheduler delivers and tells it about aborts.
@@ -52,6 +58,10 @@ type Req struct {
 	gone      bool   // every sample has been delivered
 	seqs      []*Seq // the samples, once forked
 	lastStep  uint64 // the last step with a prefill chunk of the request
+	// kvVersion is the policy version its prompt's KV is computed under;
+	// mixed: a chunk ran under another (its pages are not cached).
+	kvVersion uint64
+	mixed     bool
 }
 
 // Reserved returns the KV pages the request reserves on admission.
@@ -152,6 +162,8 @@ type Scheduler struct {
 	resume    []*Seq
 	admitted  uint64 // requests admitted so far (Req.order)
 	stats     Stats
+	cache     *prefixCache // nil without Config.PrefixCache
+	version   uint64       // the policy version steps run under (SetVersion)
 	// holdBack keeps admission from taking this many pages (a scoring job
 	// waiting for them).
 	holdBack int
@@ -166,6 +178,10 @@ type Scheduler struct {
 // New returns a scheduler delivering to sink.
 func New(cfg Config, sink Sink) *Scheduler {
 	s := &Scheduler{cfg: cfg, sink: sink, pages: NewPages(cfg.KVPages)}
+	if cfg.PrefixCache {
+		s.cache = newPrefixCache(cfg.PageSize, s.pages)
+		s.pages.cache = s.cache
+	}
 	for i := range s.plans {
 		p := &s.plans[i]
 		p.Width = cfg.MaxPagesPerSeq
@@ -206,10 +222,64 @@ type Stats struct {
 	Preemptions uint64
 	// Recomputed: tokens prefilled again after a preemption.
 	Recomputed uint64
+	// PromptTokens: prompt tokens of the requests admitted; PrefixHits:
+	// those of them whose KV came from the prefix cache.
+	PromptTokens, PrefixHits uint64
+	// Evicted: cached prefix pages evicted because pages ran short.
+	Evicted uint64
+}
+
+// SetVersion sets the policy version the next steps run under; a change
+// drops the prefix cache. Call it before Admit.
+func (s *Scheduler) SetVersion(v uint64) {
+	s.version = v
+	if s.cache != nil {
+		s.cache.setVersion(v)
+	}
+}
+
+// CachedPages returns the pages the prefix cache holds.
+func (s *Scheduler) CachedPages() int {
+	if s.cache == nil {
+		return 0
+	}
+	return s.cache.size()
+}
+
+// lookup shares the cached pages of the longest prefix of the sequence
+// tok(0) .. tok(n-1) (full pages only, and never the page of its last
+// token, which is prefilled to draw from) and returns them.
+func (s *Scheduler) lookup(tok func(i int) int32, n int) []int {
+	if s.cache == nil {
+		return nil
+	}
+	hit := s.cache.match(tok, (n-1)/s.cfg.PageSize)
+	if len(hit) == 0 {
+		return nil
+	}
+	pages := make([]int, len(hit))
+	for i, e := range hit {
+		pages[i] = e.page
+		s.pages.Share(e.page, 1)
+	}
+	return pages
+}
+
+// unshare drops the references lookup took.
+func (s *Scheduler) unshare(pages []int) {
+	for _, pg := range pages {
+		s.pages.Release(pg)
+	}
 }
 
 // Stats returns the counts so far.
-func (s *Scheduler) Stats() Stats { return s.stats }
+func (s *Scheduler) Stats() Stats {
+	st := s.stats
+	if s.cache != nil {
+		st.Evicted = s.cache.evicted
+	}
+	return st
+}
 
 // Preempted returns the samples waiting to be recomputed.
 func (s *Scheduler) Preempted() int { return len(s.preempted) }
@@ -318,11 +388,14 @@ func (s *Scheduler) Admit() {
 		for len(s.preempted) > 0 {
 			q := s.preempted[0]
 			need := ceilDiv(q.seqLen()+1, s.cfg.PageSize)
-			if !s.pages.Reserve(need + margin) {
+			hit := s.lookup(q.tokenAt, q.seqLen())
+			if !s.pages.Reserve(need - len(hit) + margin) {
+				s.unshare(hit)
 				return
 			}
 			s.pages.Unreserve(margin)
-			q.reserve, q.state, q.done = need, seqResuming, 0
+			q.reserve, q.state, q.done = need-len(hit), seqResuming, len(hit)*s.cfg.PageSize
+			q.pages = append(q.pages[:0], hit...)
 			s.preempted[0] = nil
 			s.preempted = s.preempted[1:]
 			s.resume = append(s.resume, q)
@@ -330,7 +403,9 @@ func (s *Scheduler) Admit() {
 	}
 	for len(s.waiting) > 0 {
 		r := s.waiting[0]
-		if !s.pages.Reserve(r.reserved + margin) {
+		hit := s.lookup(func(i int) int32 { return r.Prompt[i] }, len(r.Prompt))
+		if !s.pages.Reserve(r.reserved - len(hit) + margin) {
+			s.unshare(hit)
 			return
 		}
 		s.pages.Unreserve(margin)
@@ -338,6 +413,10 @@ func (s *Scheduler) Admit() {
 			s.admitted++
 			r.order = s.admitted
 		}
+		r.prompt, r.done = hit, len(hit)*s.cfg.PageSize
+		r.kvVersion, r.mixed = s.version, false
+		s.stats.PromptTokens += uint64(len(r.Prompt))
+		s.stats.PrefixHits += uint64(r.done)
 		s.waiting[0] = nil
 		s.waiting = s.waiting[1:]
 		s.prefill = append(s.prefill, r)
@@ -524,6 +603,7 @@ func (s *Scheduler) Plan() (*Plan, error) {
 		}
 		n := min(budget, P-r.done)
 		last := r.done+n == P
+		r.mixed = r.mixed || r.kvVersion != s.version
 		if last && len(p.LogitRows)+r.N > c.MaxLogitRows {
 			if n == 1 {
 				continue // its sampling rows do not fit this step; others may
@@ -685,6 +765,9 @@ func (s *Scheduler) fork(r *Req) error {
 	for _, pg := range r.prompt[:full] {
 		s.pages.Share(pg, r.N-1)
 	}
+	if s.cache != nil && !r.mixed && r.kvVersion == s.version {
+		s.cache.insert(r.Prompt, r.prompt[:full])
+	}
 	// The request's reservation moves to its samples: the shared full pages
 	// are accounted once, in the prompt pages already taken.
 	r.prompt = nil
@@ -802,7 +885,7 @@ func (s *Scheduler) makeRoom(inFlight bool, prev uint64) {
 				need++
 			}
 		}
-		if need <= s.pages.Avail()+s.pendingFree() || !s.preemptYoungest() {
+		if need <= s.pages.Reclaimable()+s.pendingFree() || !s.preemptYoungest() {
 			return
 		}
 	}

@@ -108,13 +108,14 @@ const (
 // line is one line of a script: requests to submit and abort, then a
 // step planned and/or committed with fake sampled tokens.
 type line struct {
-	kind   int
-	add    []Request
-	abort  []string
-	plan   string  // the plan, rendered ("" when nothing runs)
-	tokens []int32 // the sampled token of each logit row (Unsampled: none)
-	out    []string
-	inUse  int // pages in use afterwards
+	kind    int
+	version uint64 // when set, SetVersion(version) first
+	add     []Request
+	abort   []string
+	plan    string  // the plan, rendered ("" when nothing runs)
+	tokens  []int32 // the sampled token of each logit row (Unsampled: none)
+	out     []string
+	inUse   int // pages in use afterwards
 }
 
 type script struct {
@@ -150,6 +151,9 @@ func runScript(t *testing.T, sc script) *Scheduler {
 		}
 		for _, id := range l.abort {
 			k.abort[id] = true
+		}
+		if l.version != 0 {
+			s.SetVersion(l.version)
 		}
 		if l.kind != commit {
 			s.Reap()
@@ -362,14 +366,32 @@ var scripts = []script{
 			out: []string{"a/0 length 10 12 14 16 18 20 22"}},
 		{abort: []string{"b"}, plan: "", out: []string{"b/0 abort 11 13 15 17 19 21"}},
 	}},
+	// The prefix cache: a's full prompt pages stay cached after it ends; b,
+	// whose prompt starts with them, shares them and prefills only its
+	// last four tokens, and its own full pages join the cache; after a
+	// version change nothing is cached and c, b's prompt again, is
+	// prefilled whole.
+	{"prefix cache: a prompt shares the cached pages of its prefix, under one version only", cfg(func(c *Config) { c.PrefixCache = true }), []line{
+		{version: 1, add: []Request{req("a", seq(1, 9), 1, 1)},
+			plan: "tok 1 2 3 4 5 6 7 8 | pos 0 1 2 3 4 5 6 7 | slot 0 1 2 3 4 5 6 7 | seq 8[0 1] | rows - | own -", inUse: 2},
+		{plan: "tok 9 | pos 8 | slot 8 | seq 9[0 1 2] | rows 0 | own a>0@9", tokens: []int32{30},
+			out: []string{"a/0 length 30"}, inUse: 2},
+		{add: []Request{req("b", append(seq(1, 9), 20, 21, 22), 1, 1)},
+			plan: "tok 9 20 21 22 | pos 8 9 10 11 | slot 8 9 10 11 | seq 12[0 1 2] | rows 3 | own b>0@12", tokens: []int32{31},
+			out: []string{"b/0 length 31"}, inUse: 3},
+		{version: 2, add: []Request{req("c", append(seq(1, 9), 20, 21, 22), 1, 1)},
+			plan: "tok 1 2 3 4 5 6 7 8 | pos 0 1 2 3 4 5 6 7 | slot 0 1 2 3 4 5 6 7 | seq 8[0 1] | rows - | own -", inUse: 2},
+		{plan: "tok 9 20 21 22 | pos 8 9 10 11 | slot 8 9 10 11 | seq 12[0 1 2] | rows 3 | own c>0@12", tokens: []int32{32},
+			out: []string{"c/0 length 32"}, inUse: 3},
+	}},
 }
 
 func TestScripts(t *testing.T) {
 	for _, sc := range scripts {
 		t.Run(sc.name, func(t *testing.T) {
 			s := runScript(t, sc)
-			if s.Busy() || s.Preempted() != 0 || s.Pages().InUse() != 0 || s.Pages().Reserved() != 0 {
-				t.Fatalf("at the end: busy %v, %d preempted, %d pages in use, %d reserved", s.Busy(), s.Preempted(), s.Pages().InUse(), s.Pages().Reserved())
+			if s.Busy() || s.Preempted() != 0 || s.Pages().InUse() != s.CachedPages() || s.Pages().Reserved() != 0 {
+				t.Fatalf("at the end: busy %v, %d preempted, %d pages in use (%d cached), %d reserved", s.Busy(), s.Preempted(), s.Pages().InUse(), s.CachedPages(), s.Pages().Reserved())
 			}
 		})
 	}
