@@ -82,7 +82,7 @@ func TestNoReplySubject(t *testing.T) {
 // its tokens, in that order and only as far as needed, and says so in its
 // warning; the summary still counts every sample and token.
 func TestSampleOverMaxPayload(t *testing.T) {
-	const maxPayload = 4096
+	const maxPayload = 2048
 	srv := refittest.StartServer(t, refittest.WithMaxPayload(maxPayload))
 	startWorker(t, srv.URL(), tinyModelDir(t), Config{})
 	c := NewClient(refittest.Connect(t, srv.URL()), testModel)
@@ -96,11 +96,11 @@ func TestSampleOverMaxPayload(t *testing.T) {
 		wantOmitted       []string // in this order
 		tokens, lps, rout bool     // what the sample still carries
 	}{
-		{"fits", 100, true, true, nil, true, true, true},
-		{"routed experts dropped", 300, false, true, []string{"routed_experts"}, true, false, false},
-		{"logprobs dropped", 300, true, false, []string{"logprobs"}, true, false, false},
-		{"both dropped", 300, true, true, []string{"routed_experts", "logprobs"}, true, false, false},
-		{"tokens dropped too", 1000, true, true, []string{"routed_experts", "logprobs", "tokens and versions"}, false, false, false},
+		{"fits", 20, true, true, nil, true, true, true},
+		{"routed experts dropped", 100, false, true, []string{"routed_experts"}, true, false, false},
+		{"logprobs dropped", 100, true, false, []string{"logprobs"}, true, false, false},
+		{"both dropped", 100, true, true, []string{"routed_experts", "logprobs"}, true, false, false},
+		{"tokens dropped too", 400, true, true, []string{"routed_experts", "logprobs", "tokens and versions"}, false, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, sum, err := c.GenerateAll(ctx, GenerateRequest{Prompt: prompt(4), N: 2, Temperature: 1, MaxTokens: tc.maxTokens,
@@ -124,7 +124,7 @@ func TestSampleOverMaxPayload(t *testing.T) {
 					}
 					rest = rest[i+len(what):]
 				}
-				if strings.Count(r.Warning, omitted) != len(tc.wantOmitted) || (len(tc.wantOmitted) > 0 && !strings.Contains(r.Warning, "max payload of 4096")) {
+				if strings.Count(r.Warning, omitted) != len(tc.wantOmitted) || (len(tc.wantOmitted) > 0 && !strings.Contains(r.Warning, "max payload of 2048")) {
 					t.Errorf("sample %d warning %q: want exactly %q omitted", r.Index, r.Warning, tc.wantOmitted)
 				}
 				if has := len(r.Tokens) == tc.maxTokens && len(r.Versions) == tc.maxTokens; has != tc.tokens || (!tc.tokens && (len(r.Tokens) != 0 || len(r.Versions) != 0)) {

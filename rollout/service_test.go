@@ -478,8 +478,19 @@ func TestDiscovery(t *testing.T) {
 			t.Errorf("endpoints %v: want %s on rollout.tiny.%s", subjects, ep, ep)
 		}
 	}
+	// The micro library counts a request once its handler returns, which
+	// may be just after the client has its reply: wait for both.
 	var stats micro.Stats
-	ask(micro.StatsVerb, "", &stats)
+	waitFor(t, func() bool {
+		stats = micro.Stats{}
+		ask(micro.StatsVerb, "", &stats)
+		for _, e := range stats.Endpoints {
+			if e.Name == "generate" {
+				return e.NumRequests == 2
+			}
+		}
+		return false
+	})
 	if stats.Name != ServiceName || stats.Version != Release || len(stats.Endpoints) != 4 {
 		t.Fatalf("stats %+v", stats)
 	}

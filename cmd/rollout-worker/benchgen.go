@@ -31,7 +31,14 @@ write the points.
 
 --mode rollouts: whole rollouts through the engine (continuous batching,
 prefill, decode through graphs): --requests requests of --n samples
-submitted at once; generated tokens/s and rollouts/s.
+submitted at once; generated tokens/s and rollouts/s. --stop-prob gives
+the responses long-tailed lengths (stop ids that end a sample with about
+that probability per token, up to --max-tokens); --kv-pages sizes the KV
+cache (0: enough to reserve every request whole) and --kv-modes runs the
+same requests on the same cache with pages reserved up front and/or taken
+on demand (preempting and recomputing), one after the other: tokens/s,
+lengths, KV pages in use (mean, peak), samples decoding (mean),
+preemptions and recomputed tokens, side by side.
 
 Without --model, the preset's seeded random weights (the ones init-model
 writes) are initialised in memory, with no checkpoint on disk.
@@ -68,12 +75,15 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 	maxTokens := fs.Int("max-tokens", 64, "rollouts: tokens generated per sample")
 	temperature := fs.Float64("temperature", 1, "rollouts: sampling temperature")
 	graphs := fs.Bool("graphs", true, "rollouts: replay decode steps from captured graphs (steps always do)")
+	stopProb := fs.Float64("stop-prob", 0, "rollouts: per-token probability, roughly, that a sample stops (long-tailed lengths; 0: every sample runs to --max-tokens)")
+	kvPages := fs.Int("kv-pages", 0, "rollouts: KV-cache pages of 16 tokens (0: enough to reserve every request whole)")
+	kvModes := fs.String("kv-modes", "reserve", "rollouts: comma-separated KV page modes run one after the other on the same cache: reserve, on-demand")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	only := map[string][]string{
 		"steps":    {"recipes", "batches", "contexts", "steps", "warmup", "csv", "plot"},
-		"rollouts": {"recipe", "requests", "n", "prompt-len", "max-tokens", "temperature", "graphs"},
+		"rollouts": {"recipe", "requests", "n", "prompt-len", "max-tokens", "temperature", "graphs", "stop-prob", "kv-pages", "kv-modes"},
 	}
 	set := setFlags(fs)
 	for m, names := range only {
@@ -107,8 +117,23 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		if err != nil {
 			return err
 		}
+		var onDemand []bool
+		for _, m := range strings.Split(*kvModes, ",") {
+			switch strings.TrimSpace(m) {
+			case "reserve":
+				onDemand = append(onDemand, false)
+			case "on-demand":
+				onDemand = append(onDemand, true)
+			default:
+				return usageErrorf("--kv-modes: %q: want reserve or on-demand", m)
+			}
+		}
+		if *kvPages < 0 || *stopProb < 0 || *stopProb >= 1 {
+			return usageErrorf("--kv-pages must be >= 0 and --stop-prob in [0, 1)")
+		}
 		return benchRollouts(ctx, stdout, stderr, *device, load, cfg, recipe, genbench.Config{Requests: *requests, N: *n,
-			PromptLen: *promptLen, MaxTokens: *maxTokens, Params: policy.SamplingParams{Temperature: float32(*temperature)}, Seed: *seed}, *graphs)
+			PromptLen: *promptLen, MaxTokens: *maxTokens, Params: policy.SamplingParams{Temperature: float32(*temperature)}, Seed: *seed,
+			StopProb: *stopProb}, *graphs, *kvPages, onDemand)
 	case "steps":
 	default:
 		return usageErrorf("--mode %q: want steps or rollouts", *mode)
@@ -191,7 +216,7 @@ func benchDecode(ctx context.Context, be kernels.Backend, load func(kernels.Back
 
 // benchRollouts runs whole rollouts through the engine.
 func benchRollouts(ctx context.Context, stdout, stderr io.Writer, device string, load func(kernels.Backend, policy.ModelOptions) (*policy.Model, error),
-	cfg policy.Config, recipe moe.Recipe, gc genbench.Config, graphs bool) (err error) {
+	cfg policy.Config, recipe moe.Recipe, gc genbench.Config, graphs bool, kvPages int, onDemand []bool) (err error) {
 	be, closeBackend, err := newBackend(device, nil)
 	if err != nil {
 		return err
@@ -200,8 +225,11 @@ func benchRollouts(ctx context.Context, stdout, stderr io.Writer, device string,
 	const pageSize = 16
 	seqs := gc.Requests * gc.N
 	perRequest := gc.PromptLen/pageSize + gc.N*((gc.PromptLen%pageSize+gc.MaxTokens+pageSize-1)/pageSize)
+	if kvPages == 0 {
+		kvPages = gc.Requests * perRequest
+	}
 	opts := policy.ModelOptions{Recipe: recipe, MaxSeqs: min(seqs, 256), MaxTokens: max(256, min(seqs, 256)),
-		PageSize: pageSize, KVPages: gc.Requests * perRequest}
+		PageSize: pageSize, KVPages: kvPages}
 	opts.MaxLogitRows = opts.MaxTokens
 	m, err := load(be, opts)
 	if err != nil {
@@ -217,14 +245,37 @@ func benchRollouts(ctx context.Context, stdout, stderr io.Writer, device string,
 		defer func() { err = errors.Join(err, g.Close()) }()
 		ecfg.Graphs = g
 	}
-	fmt.Fprintf(stderr, "bench generate: %s, %d layers, hidden %d, %d experts top-%d, vocab %d, recipe %s, %s backend\n",
-		cfg.Architecture, cfg.Layers, cfg.Hidden, cfg.Experts, cfg.TopK, cfg.VocabSize, recipe, be.Name())
-	res, err := genbench.Run(ctx, m, ecfg, gc)
-	if err != nil {
-		return err
+	fmt.Fprintf(stderr, "bench generate: %s, %d layers, hidden %d, %d experts top-%d, vocab %d, recipe %s, %s backend, %d KV pages of %d tokens\n",
+		cfg.Architecture, cfg.Layers, cfg.Hidden, cfg.Experts, cfg.TopK, cfg.VocabSize, recipe, be.Name(), kvPages, pageSize)
+	if len(onDemand) == 1 && !onDemand[0] {
+		res, err := genbench.Run(ctx, m, ecfg, gc)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "rollouts %d, generated tokens %d, wall %.2fs: %.1f tokens/s, %.2f rollouts/s (%d steps, %d from graphs)\n",
+			res.Samples, res.Tokens, res.Wall.Seconds(), res.TokensPerSecond(), res.SamplesPerSecond(), res.Engine.Steps, res.Engine.GraphSteps)
+		return nil
 	}
-	fmt.Fprintf(stdout, "rollouts %d, generated tokens %d, wall %.2fs: %.1f tokens/s, %.2f rollouts/s (%d steps, %d from graphs)\n",
-		res.Samples, res.Tokens, res.Wall.Seconds(), res.TokensPerSecond(), res.SamplesPerSecond(), res.Engine.Steps, res.Engine.GraphSteps)
+	fmt.Fprintln(stdout, "| KV pages | rollouts | tokens | mean / longest | stopped | wall (s) | tokens/s | vs first | KV pages in use, mean / peak | samples decoding, mean | preemptions | recomputed tokens |")
+	fmt.Fprintln(stdout, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	var first float64
+	for _, od := range onDemand {
+		ecfg.KVOnDemand = od
+		res, err := genbench.Run(ctx, m, ecfg, gc)
+		if err != nil {
+			return fmt.Errorf("kv pages on demand %v: %w", od, err)
+		}
+		mode := "reserved"
+		if od {
+			mode = "on demand"
+		}
+		if first == 0 {
+			first = res.TokensPerSecond()
+		}
+		fmt.Fprintf(stdout, "| %s | %d | %d | %.0f / %d | %d | %.2f | %.1f | %.2fx | %.0f / %d of %d | %.1f | %d | %d |\n",
+			mode, res.Samples, res.Tokens, res.MeanLength(), res.Longest, res.Stopped, res.Wall.Seconds(), res.TokensPerSecond(),
+			res.TokensPerSecond()/first, res.MeanPages, res.PeakPages, kvPages, res.MeanRunning, res.Engine.Preemptions, res.Engine.Recomputed)
+	}
 	return nil
 }
 
