@@ -403,7 +403,7 @@ func (s *Scheduler) Admit() {
 	}
 	for len(s.waiting) > 0 {
 		r := s.waiting[0]
-		hit := s.lookup(func(i int) int32 { return r.Prompt[i] }, len(r.Prompt))
+		hit := s.lookup(r.promptAt, len(r.Prompt))
 		if !s.pages.Reserve(r.reserved - len(hit) + margin) {
 			s.unshare(hit)
 			return
@@ -498,6 +498,21 @@ func (s *Scheduler) Plan() (*Plan, error) {
 		p.QueryStart = append(p.QueryStart, p.QueryStart[len(p.QueryStart)-1]+int32(n))
 		return nil
 	}
+	// chunk sizes the next prefill chunk of a sequence with rest tokens
+	// to go under the step's budget; a last chunk needs rows sampling rows,
+	// and when they do not fit it stops one token short (ok false: nothing
+	// of it fits this step).
+	chunk := func(budget, rest, rows int) (n int, last, ok bool) {
+		n = min(budget, rest)
+		last = n == rest
+		if last && len(p.LogitRows)+rows > c.MaxLogitRows {
+			if n == 1 {
+				return 0, false, false
+			}
+			n, last = n-1, false
+		}
+		return n, last, true
+	}
 	if c.OnDemand {
 		s.makeRoom(inFlight, prev)
 	}
@@ -552,30 +567,13 @@ func (s *Scheduler) Plan() (*Plan, error) {
 		if q.done == L {
 			continue // its last chunk is in flight: it runs again when that step is committed
 		}
-		n := min(budget, L-q.done)
-		last := q.done+n == L
-		if last && len(p.LogitRows)+1 > c.MaxLogitRows {
-			if n == 1 {
-				continue
-			}
-			n--
-			last = false
+		n, last, ok := chunk(budget, L-q.done, 1)
+		if !ok {
+			continue
 		}
-		p.DecodeOnly = false
-		for i := range n {
-			pos := q.done + i
-			for pos/ps >= len(q.pages) {
-				q.reserve--
-				pg, err := s.pages.Take()
-				if err != nil {
-					return nil, err
-				}
-				q.pages = append(q.pages, pg)
-			}
-			p.Tokens = append(p.Tokens, q.tokenAt(pos))
-			p.Feed = append(p.Feed, -1)
-			p.Positions = append(p.Positions, int32(pos))
-			p.Slots = append(p.Slots, int32(q.pages[pos/ps]*ps+pos%ps))
+		q.reserve -= ceilDiv(q.done+n, ps) - len(q.pages) // the pages the chunk takes come from its reservation
+		if err := s.prefillChunk(p, &q.pages, q.tokenAt, q.done, n); err != nil {
+			return nil, err
 		}
 		q.done += n
 		q.lastStep = step
@@ -601,30 +599,13 @@ func (s *Scheduler) Plan() (*Plan, error) {
 		if r.done == P {
 			continue // its last chunk is in flight: it forks when that step is committed
 		}
-		n := min(budget, P-r.done)
-		last := r.done+n == P
-		r.mixed = r.mixed || r.kvVersion != s.version
-		if last && len(p.LogitRows)+r.N > c.MaxLogitRows {
-			if n == 1 {
-				continue // its sampling rows do not fit this step; others may
-			}
-			n--
-			last = false
+		n, last, ok := chunk(budget, P-r.done, r.N)
+		if !ok {
+			continue // its sampling rows do not fit this step; others may
 		}
-		p.DecodeOnly = false
-		for i := range n {
-			pos := r.done + i
-			for pos/ps >= len(r.prompt) {
-				pg, err := s.pages.Take()
-				if err != nil {
-					return nil, err
-				}
-				r.prompt = append(r.prompt, pg)
-			}
-			p.Tokens = append(p.Tokens, r.Prompt[pos])
-			p.Feed = append(p.Feed, -1)
-			p.Positions = append(p.Positions, int32(pos))
-			p.Slots = append(p.Slots, int32(r.prompt[pos/ps]*ps+pos%ps))
+		r.mixed = r.mixed || r.kvVersion != s.version
+		if err := s.prefillChunk(p, &r.prompt, r.promptAt, r.done, n); err != nil {
+			return nil, err
 		}
 		r.done += n
 		r.lastStep = step
@@ -835,6 +816,30 @@ func (s *Scheduler) finish(q *Seq, why FinishReason) {
 		r.gone = true
 	}
 	s.sink.Deliver(r, q.out, r.left == 0)
+}
+
+// promptAt is token i of the request's prompt.
+func (r *Req) promptAt(i int) int32 { return r.Prompt[i] }
+
+// prefillChunk adds tokens from .. from+n-1 of a sequence (tok) to the
+// plan, taking reserved pages into *pages as positions reach them.
+func (s *Scheduler) prefillChunk(p *Plan, pages *[]int, tok func(int) int32, from, n int) error {
+	ps := s.cfg.PageSize
+	p.DecodeOnly = false
+	for pos := from; pos < from+n; pos++ {
+		for pos/ps >= len(*pages) {
+			pg, err := s.pages.Take()
+			if err != nil {
+				return err
+			}
+			*pages = append(*pages, pg)
+		}
+		p.Tokens = append(p.Tokens, tok(pos))
+		p.Feed = append(p.Feed, -1)
+		p.Positions = append(p.Positions, int32(pos))
+		p.Slots = append(p.Slots, int32((*pages)[pos/ps]*ps+pos%ps))
+	}
+	return nil
 }
 
 // pageFor takes the page sample q grows into: from its reservation, or
