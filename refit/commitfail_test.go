@@ -3,30 +3,15 @@ package refit
 import (
 	"errors"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
+	"github.com/rollout-worker/rollout-worker/kernels/cpu/cputest"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/refit/refittest"
 )
-
-// requantFaultBackend is the CPU backend whose requantization (a
-// per-matrix Quantize) fails once armed: a device fault in the middle of a
-// commit, after the BF16 weights were already written.
-type requantFaultBackend struct {
-	*cpu.Backend
-	armed atomic.Bool
-}
-
-func (b *requantFaultBackend) Quantize(args kernels.QuantizeArgs) error {
-	if b.armed.Load() && args.Mode == kernels.PerMatrix {
-		return errors.New("injected device fault")
-	}
-	return b.Backend.Quantize(args)
-}
 
 // TestRefitCommitFailureIsFatal: a commit that fails after the live weights
 // changed cannot be rolled back, so the version is rejected as fatal and
@@ -36,7 +21,7 @@ func TestRefitCommitFailureIsFatal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	be := &requantFaultBackend{Backend: base}
+	be := &cputest.RequantFault{Backend: base}
 	prev := testBackend
 	testBackend = func(testing.TB) kernels.Backend { return be }
 	t.Cleanup(func() { testBackend = prev })
@@ -45,7 +30,7 @@ func TestRefitCommitFailureIsFatal(t *testing.T) {
 	a, b := modelDir(t, 81), modelDir(t, 82)
 	statuses := watchStatuses(t, srv.URL())
 	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
-	be.armed.Store(true)
+	be.Armed.Store(true)
 	publish(t, newPublisher(t, srv.URL()), 1, subset(t, b, nil), true)
 
 	st := statuses.wait(t, "w", 1)

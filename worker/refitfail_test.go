@@ -2,36 +2,20 @@ package worker
 
 import (
 	"context"
-	"errors"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
-	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
+	"github.com/rollout-worker/rollout-worker/kernels/cpu/cputest"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
 )
-
-// requantFaultBackend is the CPU backend whose requantization (a
-// per-matrix Quantize) fails once armed: a device fault in a commit.
-type requantFaultBackend struct {
-	*cpu.Backend
-	armed atomic.Bool
-}
-
-func (b *requantFaultBackend) Quantize(args kernels.QuantizeArgs) error {
-	if b.armed.Load() && args.Mode == kernels.PerMatrix {
-		return errors.New("injected device fault")
-	}
-	return b.Backend.Quantize(args)
-}
 
 // TestRefitFailureFailsTheWorker: when the refit receiver stops on its own
 // (here: a commit fails on the device after the weights changed), the
@@ -41,7 +25,7 @@ func TestRefitFailureFailsTheWorker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	be := &requantFaultBackend{Backend: base}
+	be := &cputest.RequantFault{Backend: base}
 	cfg := testConfig()
 	cfg.Backend = be
 	nc := startNATS(t)
@@ -75,7 +59,7 @@ func TestRefitFailureFailsTheWorker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	be.armed.Store(true)
+	be.Armed.Store(true)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	if _, err := p.Publish(ctx, 1, f, fi.Size(), true); err != nil {
