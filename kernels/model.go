@@ -94,6 +94,19 @@ type AttentionArgs struct {
 	SeqLens    *Buffer // I32 [S]
 	QueryStart *Buffer // I32 [S+1]
 	Scale      float32
+	// Scratch (optional) lets a backend spread one sequence's positions
+	// over more of the device, for decode at long contexts; its size comes
+	// from the backend's AttentionScratch. The result is the same bits
+	// with or without it.
+	Scratch *Buffer
+}
+
+// AttentionScratcher is a backend that can use AttentionArgs.Scratch.
+type AttentionScratcher interface {
+	// AttentionScratch returns the bytes of scratch an attention of up to
+	// seqs sequences, each up to maxLen positions, needs for the given
+	// geometry (0: the backend has no use for it).
+	AttentionScratch(seqs, qHeads, kvHeads, d, maxLen int) int
 }
 
 // UnsampledToken is the token Sample writes for a row it cannot draw from.
@@ -331,7 +344,11 @@ func (a AttentionArgs) Validate() (AttentionShape, error) {
 	if !(a.Scale > 0) {
 		return s, fmt.Errorf("kernels: attention: scale %v must be positive", a.Scale)
 	}
-	return s, disjoint("attention", []operand{{"out", a.Out}}, []operand{{"q", a.Q}, {"cache.k", a.Cache.K}, {"cache.v", a.Cache.V},
+	outs := []operand{{"out", a.Out}}
+	if a.Scratch != nil {
+		outs = append(outs, operand{"scratch", a.Scratch})
+	}
+	return s, disjoint("attention", outs, []operand{{"q", a.Q}, {"cache.k", a.Cache.K}, {"cache.v", a.Cache.V},
 		{"page table", a.PageTable}, {"seq lens", a.SeqLens}, {"query start", a.QueryStart}})
 }
 

@@ -33,7 +33,10 @@ type workspace struct {
 	q, attn   *kernels.Buffer // BF16 [MaxTokens, Hq, D]
 	k, v      *kernels.Buffer // BF16 [MaxTokens, Hkv, D]
 	sel       *kernels.Buffer // BF16 [MaxLogitRows, H]
-	logits    *kernels.Buffer // F32 [MaxLogitRows, V]
+	// attScratch lets the backend spread a decode row's attention over
+	// more of the device (kernels.AttentionScratcher); nil if it has no use.
+	attScratch *kernels.Buffer
+	logits     *kernels.Buffer // F32 [MaxLogitRows, V]
 
 	// Sampling parameters (inputs) and results, one row per logit row.
 	temperature, topP, logprobs                  *kernels.Buffer // F32
@@ -77,6 +80,11 @@ func newWorkspace(m *Model, buf func(kernels.DType, ...int) *kernels.Buffer) wor
 	}
 	if ws.inputs == nil {
 		return ws // buf failed; alloc reports it
+	}
+	if sc, ok := m.be.(kernels.AttentionScratcher); ok {
+		if n := sc.AttentionScratch(S, c.Heads, c.KVHeads, c.HeadDim, width*o.PageSize); n > 0 {
+			ws.attScratch = buf(kernels.F32, (n+3)/4)
+		}
 	}
 	in, v := ws.inputs, kernels.Views{}
 	ws.ids, ws.pos, ws.slots, ws.feed = v.View(in, lay.ids, kernels.I32, T), v.View(in, lay.pos, kernels.I32, T),
@@ -148,7 +156,7 @@ func (m *Model) step(sh Shape) error {
 			func() error { return be.KVWrite(kernels.KVWriteArgs{Cache: l.kv, K: k, V: vv, Slots: slots}) },
 			func() error {
 				return be.Attention(kernels.AttentionArgs{Out: attn, Q: q, Cache: l.kv, PageTable: pageTable,
-					SeqLens: seqLens, QueryStart: queryStart, Scale: scale})
+					SeqLens: seqLens, QueryStart: queryStart, Scale: scale, Scratch: ws.attScratch})
 			},
 			mark("projections"),
 			func() error { return be.Gemm(tmp, attn2, l.o) },

@@ -105,19 +105,37 @@ func (be *Backend) KVWrite(a kernels.KVWriteArgs) error {
 	})
 }
 
-// Attention is causal GQA over the paged cache: one block per (query row,
-// KV head), serving the KV head's group of query heads.
-func (be *Backend) Attention(a kernels.AttentionArgs) error {
+// Attention is causal GQA over the paged cache. Geometries att_tc is built
+// for (attDims, attGroups) run on tensor cores: a block per (query row, KV
+// head, z), where only the first row of each tile of a sequence's rows
+// works, and a decode row's positions spread over gridDim.z blocks when
+// there is scratch. Other geometries take att_generic: one block per
+// (query row, KV head). Neither the kernel nor a row's bits depend on the
+// batch (attention.cu).
+func (be *Backend) Attention(a kernels.AttentionArgs) error { return be.attention(a, false) }
+
+// attention is Attention, on att_generic whatever the geometry when
+// generic is set (for tests that compare the two).
+func (be *Backend) attention(a kernels.AttentionArgs, generic bool) error {
 	var s kernels.AttentionShape
-	var shared int
+	var shared, groups int
+	var tc bool
 	validate := func() (err error) {
 		if s, err = a.Validate(); err != nil {
 			return err
 		}
-		shared = attentionShared(s.QHeads/s.Cache.KVHeads, s.Cache.D)
+		group, d := s.QHeads/s.Cache.KVHeads, s.Cache.D
+		_, tc = be.kernels[attKernel{d, group}]
+		tc = tc && !generic
+		if tc {
+			shared = attTCSmem(d)
+			groups = (s.MaxPages*s.Cache.PageSize + attTCGroupLen - 1) / attTCGroupLen
+		} else {
+			shared = attentionShared(group, d)
+		}
 		if shared > be.info.SharedOptin {
 			return fmt.Errorf("cuda: attention: %d query heads per kv head of dim %d need %d bytes of shared memory, the device has %d",
-				s.QHeads/s.Cache.KVHeads, s.Cache.D, shared, be.info.SharedOptin)
+				group, d, shared, be.info.SharedOptin)
 		}
 		return nil
 	}
@@ -126,11 +144,46 @@ func (be *Backend) Attention(a kernels.AttentionArgs) error {
 			return nil
 		}
 		cs := s.Cache
-		return be.launch(kAttention, drv.Dim3{X: s.Tq, Y: cs.KVHeads}, drv.Dim3{X: attThreads}, shared,
+		if !tc {
+			return be.launch(kAttention, drv.Dim3{X: s.Tq, Y: cs.KVHeads}, drv.Dim3{X: attThreads}, shared,
+				be.errw, ptr(a.Out), ptr(a.Q), ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.PageTable), ptr(a.SeqLens), ptr(a.QueryStart),
+				int32(s.Tq), int32(s.QHeads), int32(cs.KVHeads), int32(cs.D), int32(cs.PageSize), int32(cs.Pages),
+				int32(s.S), int32(s.MaxPages), a.Scale)
+		}
+		// z: enough blocks for two a multiprocessor when every row decodes
+		// (empty ones exit at once), never more than a row has groups, and
+		// 1 (no scratch needed) unless the scratch holds the launch's
+		// sequences.
+		rows := s.Tq * cs.KVHeads
+		z, scratch := max(1, min(groups, (2*be.info.SMs+rows-1)/rows)), drv.DevicePtr(0)
+		if a.Scratch == nil || a.Scratch.Size() < attScratchBytes(s.S, cs.KVHeads, groups, cs.D) {
+			z = 1
+		}
+		if z > 1 {
+			scratch = ptr(a.Scratch)
+		}
+		return be.launch(attKernel{cs.D, s.QHeads / cs.KVHeads}, drv.Dim3{X: s.Tq, Y: cs.KVHeads, Z: z}, drv.Dim3{X: attTCThreads}, shared,
 			be.errw, ptr(a.Out), ptr(a.Q), ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.PageTable), ptr(a.SeqLens), ptr(a.QueryStart),
-			int32(s.Tq), int32(s.QHeads), int32(cs.KVHeads), int32(cs.D), int32(cs.PageSize), int32(cs.Pages),
-			int32(s.S), int32(s.MaxPages), a.Scale)
+			scratch, int32(s.Tq), int32(s.QHeads), int32(cs.KVHeads), int32(cs.PageSize), int32(cs.Pages),
+			int32(s.S), int32(s.MaxPages), int32(groups), a.Scale)
 	})
+}
+
+// AttentionScratch is the scratch Attention uses to spread a decode row's
+// positions over several blocks (kernels.AttentionScratcher): 0 for a
+// geometry att_tc does not serve. Only launches of fewer rows than two a
+// multiprocessor spread, so it is sized for at most that many sequences;
+// a launch of more sequences runs without it (the same bits, fewer
+// blocks).
+func (be *Backend) AttentionScratch(seqs, qHeads, kvHeads, d, maxLen int) int {
+	if kvHeads <= 0 || qHeads%kvHeads != 0 {
+		return 0
+	}
+	if _, ok := be.kernels[attKernel{d, qHeads / kvHeads}]; !ok {
+		return 0
+	}
+	seqs = min(seqs, (2*be.info.SMs+kvHeads-1)/kvHeads)
+	return attScratchBytes(seqs, kvHeads, (maxLen+attTCGroupLen-1)/attTCGroupLen, d)
 }
 
 // Sample draws one token per row: one block of sampleThreads per row.

@@ -92,6 +92,17 @@ type tileKernel struct {
 	swiglu, ks2 bool
 }
 
+// attKernel is att_tc<d, group>, attention on tensor cores for head dim d
+// and group query heads per KV head (attention.cu).
+type attKernel struct{ d, group int }
+
+// attDims and attGroups are the geometries att_tc is built for; others
+// take att_generic.
+var (
+	attDims   = []int{16, 32, 64, 128}
+	attGroups = []int{1, 2, 4, 8, 16}
+)
+
 // wsKernel is the warp-specialised wgmma NVFP4 grouped GEMM of rows-row
 // tiles (128 or 192).
 type wsKernel struct {
@@ -128,8 +139,10 @@ const (
 	copyThreads     = 128  // embed, kv write, rope: one block per token
 	normMaxThreads  = 256  // rmsnorm: one block per row
 	addThreads      = 256  // add: grid-stride
-	attTile         = 64   // attention: positions per shared-memory tile (model.cu MODEL_ATT_TILE)
-	attThreads      = 256  // attention: threads per (query row, kv head) (MODEL_ATT_THREADS)
+	attTile         = 64   // att_generic: positions per shared-memory tile (attention.cu ATT_G_TILE)
+	attThreads      = 256  // att_generic: threads per (query row, kv head) (ATT_G_THREADS)
+	attTCThreads    = 128  // att_tc: ATT_WARPS warps
+	attTCGroupLen   = 512  // att_tc: positions a block joins at once (ATT_GROUPLEN)
 	sampleThreads   = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
 	logprobsThreads = 512  // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
 	scatterThreads  = 256  // scatter bf16: one block per span (MODEL_SCATTER_THREADS)
@@ -173,7 +186,23 @@ func routeSmem(e, k int) int { return routeWarps * (e*5 + k*4) }
 // 32 per-warp counters and an offset per expert, and one more offset.
 func permuteSmem(e int) int { return (32*e + e + 1) * 4 }
 
-// attentionShared is the dynamic shared memory of model_attention for a
+// attTCSmem is att_tc's dynamic shared memory for head dim d (AttTC<D>::SMEM):
+// 4 warps' two stages of 32 K and 32 V rows (padded by 8 elements), two
+// 16 x d FP32 areas a warp, the per-row maxima and sums, a flag.
+func attTCSmem(d int) int { return 4*2*(2*32*(d+8))*2 + 4*2*16*d*4 + 2*4*16*4 + 16 }
+
+// attScratchEntry is the floats of one group partial in att_tc's scratch
+// (AttTC<D>::ENTRY): the 16 x d accumulators and 16 maxima and sums.
+func attScratchEntry(d int) int { return 16*d + 32 }
+
+// attScratchBytes is the scratch att_tc needs for s sequences of kvHeads
+// KV heads and groups partials each: a counter per (sequence, KV head),
+// rounded up to 4, then the entries.
+func attScratchBytes(s, kvHeads, groups, d int) int {
+	return 4 * ((s*kvHeads+3)&^3 + s*kvHeads*groups*attScratchEntry(d))
+}
+
+// attentionShared is the dynamic shared memory of att_generic for a
 // group of query heads per KV head and head dim d: the K and V tiles (rows
 // padded by 8 elements), the tile's row offsets, then FP32 q, accumulators,
 // scores and three per-head values.
@@ -268,15 +297,21 @@ func kernelRegistry() []kernelSpec {
 		plain(kGemmNarrow, "gemm_narrow", "gemm_narrow.cu", 512, 0, true),
 		plain(kGemmNarrow8, "gemm_narrow8", "gemm_narrow.cu", 512, 0, true),
 		plain(kGemmNarrowWide, "gemm_narrow_wide", "gemm_narrow.cu", 512, gemmWideSmem, true),
-		plain(kEmbed, "model_embed", "model.cu", copyThreads, 0, false),
-		perLaunch(plain(kRMSNorm, "model_rmsnorm", "model.cu", 0, 0, false), normMaxThreads),
-		plain(kAdd, "model_add", "model.cu", addThreads, 0, false),
-		plain(kRoPE, "model_rope", "model.cu", copyThreads, 0, false),
-		plain(kKVWrite, "model_kv_write", "model.cu", copyThreads, 0, false),
-		plain(kAttention, "model_attention", "model.cu", attThreads, smemPerLaunch, false),
+		plain(kEmbed, "model_embed", "model.cu", copyThreads, 0, true),
+		perLaunch(plain(kRMSNorm, "model_rmsnorm", "model.cu", 0, 0, true), normMaxThreads),
+		plain(kAdd, "model_add", "model.cu", addThreads, 0, true),
+		plain(kRoPE, "model_rope", "model.cu", copyThreads, 0, true),
+		plain(kKVWrite, "model_kv_write", "model.cu", copyThreads, 0, true),
+		plain(kAttention, "att_generic", "attention.cu", attThreads, smemPerLaunch, false),
 		plain(kSample, "model_sample", "model.cu", sampleThreads, 0, false),
 		plain(kLogProbs, "model_logprobs", "model.cu", logprobsThreads, 0, false),
 		plain(kScatterBF16, "model_scatter_bf16", "model.cu", scatterThreads, 0, false),
+	}
+	for _, d := range attDims {
+		for _, g := range attGroups {
+			ks = append(ks, kernelSpec{key: attKernel{d, g}, name: fmt.Sprintf("att_tc_d%d_g%d", d, g), unit: "attention.cu",
+				expr: fmt.Sprintf("rw::att_tc<%d, %d>", d, g), threads: attTCThreads, smem: attTCSmem(d)})
+		}
 	}
 	for _, per := range []int{1, 2, 4, 8} {
 		ks = append(ks,

@@ -33,6 +33,7 @@ func compileUnits() []unitSpec {
 	return []unitSpec{
 		{file: "dispatch.cu"},
 		{file: "model.cu"},
+		{file: "attention.cu", perKernel: true},
 		{file: "gemm_generic.cu"},
 		{file: "gemm_ws.cu", minArch: archWGMMA, perKernel: true},
 		{file: "gemm_stream.cu", perKernel: true},

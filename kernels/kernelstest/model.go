@@ -212,8 +212,8 @@ type attnSetup struct {
 	q                               [][]uint16 // per sequence: [len, qh, d]
 }
 
-func newAttnSetup(t *testing.T, be kernels.Backend, r *rand.Rand) *attnSetup {
-	s := &attnSetup{pages: 16, ps: 4, kvh: 2, qh: 4, d: 16, maxPages: 5, scale: 0.25, lens: []int{9, 3, 17}}
+func newAttnSetup(t *testing.T, be kernels.Backend, r *rand.Rand, g attnGeometry) *attnSetup {
+	s := &attnSetup{pages: g.pages, ps: g.ps, kvh: g.kvh, qh: g.qh, d: g.d, maxPages: g.maxPages, scale: g.scale, lens: g.lens}
 	n := s.pages * s.ps * s.kvh * s.d
 	// Unused slots hold values too: reading one would change a result.
 	s.ck, s.cv = randBF16(r, n, 1), randBF16(r, n, 1)
@@ -231,26 +231,52 @@ func newAttnSetup(t *testing.T, be kernels.Backend, r *rand.Rand) *attnSetup {
 	return s
 }
 
+// attnGeometry is an attnSetup's cache and sequences.
+type attnGeometry struct {
+	name                            string
+	pages, ps, kvh, qh, d, maxPages int
+	scale                           float32
+	lens                            []int
+	cases                           []attnCase
+}
+
+// attnCase attends the last nq[i] positions of every sequence i.
+type attnCase struct {
+	name string
+	nq   []int
+}
+
 // run attends the last nq[i] positions of sequences seqs[i] in one call and
 // returns the output rows.
 func (s *attnSetup) run(t *testing.T, be kernels.Backend, seqs, nq []int) []uint16 {
 	t.Helper()
-	var table, lens, start []int32
+	lens := make([]int, len(seqs))
+	for i, seq := range seqs {
+		lens[i] = s.lens[seq]
+	}
+	return s.runAt(t, be, seqs, nq, lens, nil)
+}
+
+// runAt is run with sequence i cut to its first lens[i] positions, and
+// the given scratch (nil: none).
+func (s *attnSetup) runAt(t *testing.T, be kernels.Backend, seqs, nq, lens []int, scratch *kernels.Buffer) []uint16 {
+	t.Helper()
+	var table, lens32, start []int32
 	var q []uint16
 	start = append(start, 0)
 	for i, seq := range seqs {
-		l := s.lens[seq]
+		l := lens[i]
 		table = append(table, s.table[seq]...)
-		lens = append(lens, int32(l))
+		lens32 = append(lens32, int32(l))
 		start = append(start, start[i]+int32(nq[i]))
-		q = append(q, s.q[seq][(l-nq[i])*s.qh*s.d:]...)
+		q = append(q, s.q[seq][(l-nq[i])*s.qh*s.d:l*s.qh*s.d]...)
 	}
 	tq := int(start[len(seqs)])
 	out := alloc(t, be, kernels.BF16, tq, s.qh, s.d)
 	err := be.Attention(kernels.AttentionArgs{
 		Out: out, Q: bf16Buf(t, be, q, tq, s.qh, s.d), Cache: s.cache,
-		PageTable: i32Buf(t, be, table, len(seqs), s.maxPages), SeqLens: i32Buf(t, be, lens, len(seqs)),
-		QueryStart: i32Buf(t, be, start, len(seqs)+1), Scale: s.scale,
+		PageTable: i32Buf(t, be, table, len(seqs), s.maxPages), SeqLens: i32Buf(t, be, lens32, len(seqs)),
+		QueryStart: i32Buf(t, be, start, len(seqs)+1), Scale: s.scale, Scratch: scratch,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -291,44 +317,92 @@ func (s *attnSetup) ref(seq, pos int) []float64 {
 	return out
 }
 
+// attnGeometries are testAttention's: a small cache, and one at a real
+// model's head geometry (8 query heads a KV head of 128) whose sequences
+// are long enough for a backend to split their positions.
+var attnGeometries = []attnGeometry{
+	{name: "small", pages: 16, ps: 4, kvh: 2, qh: 4, d: 16, maxPages: 5, scale: 0.25, lens: []int{9, 3, 17},
+		cases: []attnCase{{"prefill", []int{9, 3, 17}}, {"decode", []int{1, 1, 1}}, {"chunked", []int{4, 1, 17}}}},
+	{name: "long", pages: 120, ps: 16, kvh: 2, qh: 16, d: 128, maxPages: 70, scale: 0.088, lens: []int{1100, 530, 45},
+		cases: []attnCase{{"decode", []int{1, 1, 1}}, {"chunked", []int{64, 1, 45}}}},
+}
+
 func testAttention(t *testing.T, be kernels.Backend) {
-	s := newAttnSetup(t, be, rand.New(rand.NewPCG(31, 32)))
-	all := []int{0, 1, 2}
-	rowLen := s.qh * s.d
-	for _, tc := range []struct {
-		name string
-		nq   []int
-	}{
-		{"prefill", s.lens},
-		{"decode", []int{1, 1, 1}},
-		{"chunked", []int{4, 1, 17}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got := s.run(t, be, all, tc.nq)
-			var ref []float64
-			for seq, n := range tc.nq {
-				for j := range n {
-					ref = append(ref, s.ref(seq, s.lens[seq]-n+j)...)
+	for gi, g := range attnGeometries {
+		t.Run(g.name, func(t *testing.T) {
+			s := newAttnSetup(t, be, rand.New(rand.NewPCG(31, uint64(32+gi))), g)
+			all := []int{0, 1, 2}
+			rowLen := s.qh * s.d
+			byCase := map[string][]uint16{}
+			for _, tc := range g.cases {
+				t.Run(tc.name, func(t *testing.T) {
+					got := s.run(t, be, all, tc.nq)
+					byCase[tc.name] = got
+					var ref []float64
+					for seq, n := range tc.nq {
+						for j := range n {
+							ref = append(ref, s.ref(seq, s.lens[seq]-n+j)...)
+						}
+					}
+					var maxRef float64
+					for _, v := range ref {
+						maxRef = max(maxRef, math.Abs(v))
+					}
+					for i, g := range got {
+						if !closeTo(bf16Val(g), ref[i], maxRef) {
+							t.Fatalf("out[%d,%d,%d] = %g, want %g (max %g)", i/rowLen, i/s.d%s.qh, i%s.d, bf16Val(g), ref[i], maxRef)
+						}
+					}
+					// Batch invariance: each sequence alone gives the same bits.
+					row := 0
+					for seq, n := range tc.nq {
+						alone := s.run(t, be, []int{seq}, []int{n})
+						if !slices.Equal(alone, got[row*rowLen:(row+n)*rowLen]) {
+							t.Fatalf("sequence %d: output changes with the batch", seq)
+						}
+						row += n
+					}
+				})
+			}
+			// A row prefilled with others equals the same position decoded
+			// alone (the sequence cut just after it), bitwise, and a
+			// backend's scratch changes no bit.
+			t.Run("PrefillEqualsDecode", func(t *testing.T) {
+				tc := g.cases[len(g.cases)-1]
+				got, ok := byCase[tc.name]
+				if !ok {
+					t.Skip("the prefill case did not run")
 				}
-			}
-			var maxRef float64
-			for _, v := range ref {
-				maxRef = max(maxRef, math.Abs(v))
-			}
-			for i, g := range got {
-				if !closeTo(bf16Val(g), ref[i], maxRef) {
-					t.Fatalf("out[%d,%d,%d] = %g, want %g (max %g)", i/rowLen, i/s.d%s.qh, i%s.d, bf16Val(g), ref[i], maxRef)
+				row := 0
+				for seq, n := range tc.nq {
+					for _, j := range []int{0, n / 2, n - 1} {
+						pos := s.lens[seq] - n + j
+						dec := s.runAt(t, be, []int{seq}, []int{1}, []int{pos + 1}, nil)
+						if !slices.Equal(dec, got[(row+j)*rowLen:(row+j+1)*rowLen]) {
+							t.Fatalf("sequence %d position %d: decoded alone differs from its prefill row", seq, pos)
+						}
+					}
+					row += n
 				}
-			}
-			// Batch invariance: each sequence alone gives the same bits.
-			row := 0
-			for seq, n := range tc.nq {
-				alone := s.run(t, be, []int{seq}, []int{n})
-				if !slices.Equal(alone, got[row*rowLen:(row+n)*rowLen]) {
-					t.Fatalf("sequence %d: output changes with the batch", seq)
+				sc, ok := be.(kernels.AttentionScratcher)
+				if !ok {
+					return
 				}
-				row += n
-			}
+				n := sc.AttentionScratch(len(all), s.qh, s.kvh, s.d, s.maxPages*s.ps)
+				if n == 0 {
+					return
+				}
+				scratch := alloc(t, be, kernels.F32, (n+3)/4)
+				for _, nq := range [][]int{{1, 1, 1}, tc.nq} {
+					lens := []int{s.lens[0], s.lens[1], s.lens[2]}
+					with := s.runAt(t, be, all, nq, lens, scratch)
+					again := s.runAt(t, be, all, nq, lens, scratch) // the counters were left ready
+					without := s.runAt(t, be, all, nq, lens, nil)
+					if !slices.Equal(with, without) || !slices.Equal(again, without) {
+						t.Fatalf("queries %v: output changes with scratch", nq)
+					}
+				}
+			})
 		})
 	}
 }

@@ -29,6 +29,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c,
 struct __nv_bfloat16 { unsigned short x; }; struct __nv_bfloat162 { __nv_bfloat16 x, y; };
 __nv_bfloat16 __float2bfloat16_rn(float); float __bfloat162float(__nv_bfloat16);
 template <typename T> T __ldg(const T *p) { return *p; }
+template <typename T> T __ldcg(const T *p) { return *p; }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int, int = 32) { return v; }
 template <typename T> T __shfl_sync(unsigned, T v, int, int = 32) { return v; }
 template <typename T> T __shfl_down_sync(unsigned, T v, int, int = 32) { return v; }

@@ -1,5 +1,6 @@
 // The dense model's ops (kernels/model.go): embedding, RMSNorm, residual
-// add, RoPE, KV-cache write, paged attention, sampling and log-probs, and
+// add, RoPE, KV-cache write, sampling and log-probs (attention is
+// attention.cu), and
 // the scatter of a sparse BF16 weight delta (refit). The
 // numerics follow the CPU reference (kernels/cpu/model.go) step by step:
 // every FP32 operation the CPU rounds on its own is one __fmul_rn /
@@ -11,6 +12,7 @@
 //
 // Compile unit: the model ops. Names start with model_.
 #include "numerics.cuh"
+#include "ptx.cuh"
 #include "reduce.cuh"
 #include "errors.cuh"
 
@@ -34,9 +36,14 @@ __device__ __forceinline__ void model_copy_row(bf16_t *dst, const bf16_t *src, i
     }
 }
 
+// The short per-token kernels (embed, RMSNorm, add, RoPE, KV write) start
+// with pdl_enter (ptx.cuh): launched with programmatic stream
+// serialization, the next one's launch overlaps this one's run.
+
 // ---- Embed: one block per token. ----
 
 __global__ void model_embed(int *err, bf16_t *out, const bf16_t *table, const int *ids, int h, int v) {
+    pdl_enter();
     const int t = blockIdx.x;
     const int id = ids[t];
     if (id < 0 || id >= v) {
@@ -54,6 +61,7 @@ __global__ void model_embed(int *err, bf16_t *out, const bf16_t *table, const in
 // So neither pointer is __restrict__.
 __global__ void model_rmsnorm(bf16_t *out, const bf16_t *src, const bf16_t *w, int d, float eps) {
     __shared__ float scratch[32];
+    pdl_enter();
     const bf16_t *x = src + (size_t)blockIdx.x * d;
     bf16_t *o = out + (size_t)blockIdx.x * d;
     // Each square of a BF16 value is exact in FP32; the sum is FP32 in a
@@ -84,6 +92,7 @@ __device__ __forceinline__ unsigned model_add2(unsigned a, unsigned b) {
 }
 
 __global__ void model_add(bf16_t *out, const bf16_t *a, const bf16_t *b, long long n) {
+    pdl_enter();
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if ((n & 7) == 0 && (((unsigned long long)out | (unsigned long long)a | (unsigned long long)b) & 15) == 0) {
@@ -107,6 +116,7 @@ __global__ void model_add(bf16_t *out, const bf16_t *a, const bf16_t *b, long lo
 
 __global__ void model_rope(int *err, bf16_t *x, const int *positions, const bf16_t *cosT, const bf16_t *sinT,
                                       int heads, int d, int maxPos) {
+    pdl_enter();
     const int t = blockIdx.x;
     const int p = positions[t];
     if (p < 0 || p >= maxPos) {
@@ -135,6 +145,7 @@ __global__ void model_rope(int *err, bf16_t *x, const int *positions, const bf16
 // race and the slot holds one of them, possibly mixed per 16-byte chunk.
 __global__ void model_kv_write(int *err, bf16_t *ck, bf16_t *cv, const bf16_t *k, const bf16_t *v,
                                           const int *slots, int row, long long nslots) {
+    pdl_enter();
     const int t = blockIdx.x;
     const int s = slots[t];
     if (s < 0) return;
@@ -144,206 +155,6 @@ __global__ void model_kv_write(int *err, bf16_t *ck, bf16_t *cv, const bf16_t *k
     }
     model_copy_row(ck + (size_t)s * row, k + (size_t)t * row, row);
     model_copy_row(cv + (size_t)s * row, v + (size_t)t * row, row);
-}
-
-// ---- Attention: one block per (query row, KV head). ----
-//
-// The block handles the group of query heads that share the KV head, so
-// each K/V row is read once for all of them. Positions 0..pos are walked in
-// tiles of MODEL_ATT_TILE: the tile's K and V rows are staged in shared
-// memory (rows padded by 8 elements, so 16-byte reads of 8 different rows
-// hit distinct banks), each (head, position) score is one thread's
-// sequential FP32 dot product, and an online softmax per head (one warp per
-// head, fixed shuffle trees) rescales the FP32 accumulators, each output
-// element owned by one thread and summed in position order. Every order is
-// fixed by the row's own length and the head geometry, so the result is
-// bitwise the same alone or in any batch.
-constexpr int MODEL_ATT_TILE = 64;
-constexpr int MODEL_ATT_THREADS = 256;
-__device__ __forceinline__ float model_bf_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float model_bf_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-
-__global__ void __launch_bounds__(MODEL_ATT_THREADS)
-model_attention(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *cv, const int *pageTable,
-                const int *seqLens, const int *queryStart, int tq, int qHeads, int kvHeads, int d, int pageSize,
-                int pages, int nseq, int maxPages, float scale) {
-    extern __shared__ float4 model_att_smem[];
-    const int row = blockIdx.x, kvh = blockIdx.y;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-    const int group = qHeads / kvHeads;
-    const bool reporter = blockIdx.x == 0 && blockIdx.y == 0;
-
-    // QueryStart must lie in [0, tq] and not decrease. Every block checks
-    // it (it is short); block (0, 0) reports.
-    int bad = 0;
-    for (int s = tid; s <= nseq; s += blockDim.x) {
-        const int a = queryStart[s];
-        if (a < 0 || a > tq) {
-            bad = 1;
-            if (reporter) report(err, E_ATT_QSTART, s, a, tq);
-        } else if (s < nseq && queryStart[s + 1] < a) {
-            bad = 1;
-            if (reporter) report(err, E_ATT_DECREASE, s, a, queryStart[s + 1]);
-        }
-    }
-    if (__syncthreads_or(bad)) return;
-
-    // This row's sequence: the first k in [0, nseq] with queryStart[k] > row
-    // is one past it; rows before queryStart[0] or from queryStart[nseq] on
-    // are padding and left untouched. (Block-uniform.)
-    int lo = 0, hi = nseq + 1;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (queryStart[mid] > row) hi = mid;
-        else lo = mid + 1;
-    }
-    const int seq = lo - 1;
-    if (seq < 0 || seq >= nseq) return;
-    const int q0 = queryStart[seq], nq = queryStart[seq + 1] - q0;
-    const int len = seqLens[seq];
-    // Sequence errors are reported by the block of its first query row.
-    const bool first = row == q0 && kvh == 0 && tid == 0;
-    if (len < nq) {
-        if (first) report(err, E_ATT_QUERIES, seq, nq, len);
-        return;
-    }
-    const long long room = (long long)maxPages * pageSize;
-    if ((long long)len > room) {
-        if (first) report(err, E_ATT_LEN, seq, len, (int)min(room, 2147483647LL));
-        return;
-    }
-    const int npages = (int)(((long long)len + pageSize - 1) / pageSize);
-    const int *pt = pageTable + (size_t)seq * maxPages;
-    bad = 0;
-    for (int j = tid; j < npages; j += blockDim.x) {
-        const int p = pt[j];
-        if (p < 0 || p >= pages) {
-            bad = 1;
-            if (row == q0 && kvh == 0) report(err, E_ATT_PAGE, seq, j, p);
-        }
-    }
-    if (__syncthreads_or(bad)) return;
-
-    const int count = len - nq + (row - q0) + 1; // this query sees positions 0 .. count-1
-
-    // Shared memory (model.go's attentionShared computes the same size).
-    const int ks = d + 8; // padded row stride of the K and V tiles, in elements
-    bf16_t *kS = reinterpret_cast<bf16_t *>(model_att_smem);
-    bf16_t *vS = kS + MODEL_ATT_TILE * ks;
-    long long *offS = reinterpret_cast<long long *>(vS + MODEL_ATT_TILE * ks); // element offset of each tile row
-    float *qS = reinterpret_cast<float *>(offS + MODEL_ATT_TILE);              // [group][d]
-    float *accS = qS + group * d;                                              // [group][d]
-    float *sS = accS + group * d;                                              // [group][TILE] scores / weights
-    float *mS = sS + group * MODEL_ATT_TILE;                                   // running max per head
-    float *lS = mS + group;                                                    // running sum per head
-    float *aS = lS + group;                                                    // this tile's rescale per head
-
-    const bf16_t *qrow = q + ((size_t)row * qHeads + (size_t)kvh * group) * d; // the group's heads are adjacent
-    for (int k = tid; k < group * d; k += blockDim.x) {
-        qS[k] = bf2f(qrow[k]);
-        accS[k] = 0.0f;
-    }
-    for (int g = tid; g < group; g += blockDim.x) {
-        mS[g] = -inf_f32();
-        lS[g] = 0.0f;
-    }
-    const bool vec = (d & 7) == 0 && (((unsigned long long)ck | (unsigned long long)cv) & 15) == 0;
-
-    for (int t0 = 0; t0 < count; t0 += MODEL_ATT_TILE) {
-        const int n = min(MODEL_ATT_TILE, count - t0);
-        __syncthreads(); // the previous tile is fully consumed (and the init above is visible)
-        if (tid < n) {
-            const int p = t0 + tid;
-            const long long slot = (long long)pt[p / pageSize] * pageSize + p % pageSize;
-            offS[tid] = (slot * kvHeads + kvh) * d;
-        }
-        __syncthreads();
-        if (vec) {
-            const int cpr = d >> 3; // 16-byte chunks per row
-            for (int c = tid; c < n * cpr; c += blockDim.x) {
-                const int j = c / cpr, cc = c - j * cpr;
-                const long long off = offS[j] + cc * 8;
-                *reinterpret_cast<uint4 *>(kS + j * ks + cc * 8) = *reinterpret_cast<const uint4 *>(ck + off);
-                *reinterpret_cast<uint4 *>(vS + j * ks + cc * 8) = *reinterpret_cast<const uint4 *>(cv + off);
-            }
-        } else {
-            for (int c = tid; c < n * d; c += blockDim.x) {
-                const int j = c / d, i = c - j * d;
-                kS[j * ks + i] = ck[offS[j] + i];
-                vS[j * ks + i] = cv[offS[j] + i];
-            }
-        }
-        __syncthreads();
-
-        // Scores: item (g, j) -> one thread; the 32 lanes of a warp share g
-        // (TILE is a multiple of 32), so q reads are broadcasts. Both paths
-        // accumulate in element order with fmaf, so they agree bitwise.
-        for (int it = tid; it < group * MODEL_ATT_TILE; it += blockDim.x) {
-            const int g = it / MODEL_ATT_TILE, j = it - g * MODEL_ATT_TILE;
-            if (j >= n) continue;
-            const float *qg = qS + g * d;
-            const bf16_t *kr = kS + j * ks;
-            float dot = 0.0f;
-            if (vec) {
-                for (int c = 0; c < d; c += 8) {
-                    const uint4 u = *reinterpret_cast<const uint4 *>(kr + c);
-                    dot = fmaf(qg[c + 0], model_bf_lo(u.x), dot);
-                    dot = fmaf(qg[c + 1], model_bf_hi(u.x), dot);
-                    dot = fmaf(qg[c + 2], model_bf_lo(u.y), dot);
-                    dot = fmaf(qg[c + 3], model_bf_hi(u.y), dot);
-                    dot = fmaf(qg[c + 4], model_bf_lo(u.z), dot);
-                    dot = fmaf(qg[c + 5], model_bf_hi(u.z), dot);
-                    dot = fmaf(qg[c + 6], model_bf_lo(u.w), dot);
-                    dot = fmaf(qg[c + 7], model_bf_hi(u.w), dot);
-                }
-            } else {
-                for (int i = 0; i < d; i++) dot = fmaf(qg[i], bf2f(kr[i]), dot);
-            }
-            sS[it] = __fmul_rn(dot, scale);
-        }
-        __syncthreads();
-
-        // Online softmax, one warp per head: the tile's max and sum by fixed
-        // shuffle trees; scores become exp(score - running max).
-        for (int g = warp; g < group; g += nwarps) {
-            float *sg = sS + g * MODEL_ATT_TILE;
-            float tmax = -inf_f32();
-            for (int j = lane; j < n; j += 32) tmax = fmaxf(tmax, sg[j]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(MODEL_FULL, tmax, o));
-            const float mOld = mS[g];
-            const float mNew = fmaxf(mOld, tmax);
-            float tsum = 0.0f;
-            for (int j = lane; j < n; j += 32) {
-                const float e = expf(__fsub_rn(sg[j], mNew));
-                sg[j] = e;
-                tsum = __fadd_rn(tsum, e);
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) tsum = __fadd_rn(tsum, __shfl_xor_sync(MODEL_FULL, tsum, o));
-            __syncwarp(); // every lane has read mS[g] before lane 0 replaces it
-            if (lane == 0) {
-                const float alpha = expf(__fsub_rn(mOld, mNew)); // 0 on the first tile
-                aS[g] = alpha;
-                lS[g] = fmaf(lS[g], alpha, tsum);
-                mS[g] = mNew;
-            }
-        }
-        __syncthreads();
-
-        // Weighted sum of values: output (g, i) -> one thread, positions in
-        // order; V reads of a warp are consecutive elements of one row.
-        for (int o = tid; o < group * d; o += blockDim.x) {
-            const int g = o / d, i = o - g * d;
-            const float *pg = sS + g * MODEL_ATT_TILE;
-            float acc = __fmul_rn(accS[o], aS[g]);
-            for (int j = 0; j < n; j++) acc = fmaf(pg[j], bf2f(vS[j * ks + i]), acc);
-            accS[o] = acc;
-        }
-    }
-    __syncthreads();
-    bf16_t *orow = out + ((size_t)row * qHeads + (size_t)kvh * group) * d;
-    for (int o = tid; o < group * d; o += blockDim.x) orow[o] = f2bf(__fdiv_rn(accS[o], lS[o / d]));
 }
 
 // ---- Sampling and log-probs: one block per row. ----
