@@ -25,11 +25,17 @@ type EmbedArgs struct {
 // which is transformers' RMSNorm: normalise in FP32, cast to BF16, then
 // scale. Src and Out may be the same buffer. Applied to [T*heads, D] views it
 // is the per-head q/k norm.
+//
+// With Residual set, the residual add comes first, in place: Src =
+// bf16(Src + Residual) element-wise (AddArgs), then Out is the norm of the
+// new Src; Out then must not overlap Src or Residual. The results are those
+// of Add followed by RMSNorm.
 type RMSNormArgs struct {
-	Out    *Buffer // BF16 [R, D]
-	Src    *Buffer // BF16 [R, D]
-	Weight *Buffer // BF16 [D]
-	Eps    float32
+	Out      *Buffer // BF16 [R, D]
+	Src      *Buffer // BF16 [R, D]
+	Weight   *Buffer // BF16 [D]
+	Eps      float32
+	Residual *Buffer // BF16 [R, D], optional
 }
 
 // AddArgs: Out = bf16(A + B), element-wise (the residual stream). Out may
@@ -204,7 +210,19 @@ func (a RMSNormArgs) Validate() (rows, d int, err error) {
 	if !(a.Eps > 0) {
 		return 0, 0, fmt.Errorf("kernels: rmsnorm: eps %v must be positive", a.Eps)
 	}
-	return rows, d, shapeIs("rmsnorm", "weight", a.Weight, d)
+	if err := shapeIs("rmsnorm", "weight", a.Weight, d); err != nil {
+		return 0, 0, err
+	}
+	if a.Residual == nil {
+		return rows, d, nil
+	}
+	if err := check("rmsnorm", "residual", a.Residual, BF16, 2); err != nil {
+		return 0, 0, err
+	}
+	if err := shapeIs("rmsnorm", "residual", a.Residual, rows, d); err != nil {
+		return 0, 0, err
+	}
+	return rows, d, disjoint("rmsnorm", []operand{{"out", a.Out}, {"src", a.Src}}, []operand{{"residual", a.Residual}, {"weight", a.Weight}})
 }
 
 // Validate checks the operands and returns the element count.

@@ -133,9 +133,18 @@ func (m *Model) step(sh Shape) error {
 	}
 	for i := range m.layers {
 		l := &m.layers[i]
+		// The residual adds ride in the next norm: the previous layer's
+		// MoE output (tmp) joins h in this layer's input norm, the
+		// attention output in the post-attention norm.
+		var residual *kernels.Buffer
+		if i > 0 {
+			residual = tmp
+		}
 		err := run(
 			mark("norms"),
-			func() error { return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.inNorm, Eps: eps}) },
+			func() error {
+				return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.inNorm, Eps: eps, Residual: residual})
+			},
 			mark("projections"),
 			func() error { return be.Gemm(q2, x, l.q) },
 			func() error { return be.Gemm(k2, x, l.k) },
@@ -161,11 +170,10 @@ func (m *Model) step(sh Shape) error {
 			mark("projections"),
 			func() error { return be.Gemm(tmp, attn2, l.o) },
 			mark("norms"),
-			func() error { return be.Add(kernels.AddArgs{Out: h, A: h, B: tmp}) },
-			func() error { return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.postNorm, Eps: eps}) },
-			func() error { return l.moe.Forward(tmp, x) }, // marks "router" and "experts"
-			mark("norms"),
-			func() error { return be.Add(kernels.AddArgs{Out: h, A: h, B: tmp}) },
+			func() error {
+				return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.postNorm, Eps: eps, Residual: tmp})
+			},
+			func() error { return l.moe.Forward(tmp, x) }, // marks "router" and "experts"; tmp joins h in the next norm
 		)
 		if err != nil {
 			return fmt.Errorf("layer %d: %w", i, err)
@@ -174,9 +182,15 @@ func (m *Model) step(sh Shape) error {
 	if sh.L == 0 {
 		return nil // a prefill chunk that ends no prompt: only the KV cache matters
 	}
+	var residual *kernels.Buffer
+	if len(m.layers) > 0 {
+		residual = tmp // the last layer's MoE output
+	}
 	return run(
 		mark("lm_head"),
-		func() error { return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: m.norm, Eps: eps}) },
+		func() error {
+			return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: m.norm, Eps: eps, Residual: residual})
+		},
 		func() error { return be.Embed(kernels.EmbedArgs{Out: sel, Table: x, IDs: logitRows}) }, // gather rows
 		func() error { return be.Gemm(logits, sel, m.lmHead) },
 	)

@@ -61,13 +61,26 @@ func (be *Backend) prepRMSNorm(a kernels.RMSNormArgs) (func() error, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := be.owns("rmsnorm", map[string]*kernels.Buffer{"out": a.Out, "src": a.Src, "weight": a.Weight}); err != nil {
+	bufs := map[string]*kernels.Buffer{"out": a.Out, "src": a.Src, "weight": a.Weight}
+	if a.Residual != nil {
+		bufs["residual"] = a.Residual
+	}
+	if err := be.owns("rmsnorm", bufs); err != nil {
 		return nil, err
 	}
 	return func() error {
 		src, out, w := u16s(a.Src), u16s(a.Out), u16s(a.Weight)
+		var res []uint16
+		if a.Residual != nil {
+			res = u16s(a.Residual)
+		}
 		be.parallel(rows, func(r int) {
 			x, o := src[r*d:(r+1)*d], out[r*d:(r+1)*d]
+			if res != nil { // the residual add first, as Add does it
+				for i, y := range res[r*d : (r+1)*d] {
+					x[i] = bf16.FromFloat32(bf16.ToFloat32(x[i]) + bf16.ToFloat32(y))
+				}
+			}
 			var ss float32
 			for _, h := range x {
 				v := bf16.ToFloat32(h)

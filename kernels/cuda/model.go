@@ -34,7 +34,8 @@ func (be *Backend) Embed(a kernels.EmbedArgs) error {
 }
 
 // RMSNorm normalises rows: one block per row, its size a function of the
-// width alone (a multiple of 32, at most normMaxThreads).
+// width alone (a multiple of 32, at most normMaxThreads); with a residual,
+// model_add_rmsnorm adds it first in the same launch.
 func (be *Backend) RMSNorm(a kernels.RMSNormArgs) error {
 	var rows, d int
 	validate := func() (err error) {
@@ -46,6 +47,10 @@ func (be *Backend) RMSNorm(a kernels.RMSNormArgs) error {
 			return nil
 		}
 		threads := min(normMaxThreads, (d+31)/32*32)
+		if a.Residual != nil {
+			return be.launch(kAddRMSNorm, drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
+				ptr(a.Out), ptr(a.Src), ptr(a.Residual), ptr(a.Weight), int32(d), a.Eps)
+		}
 		return be.launch(kRMSNorm, drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
 			ptr(a.Out), ptr(a.Src), ptr(a.Weight), int32(d), a.Eps)
 	})

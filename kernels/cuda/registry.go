@@ -56,6 +56,7 @@ const (
 	kGemmNarrowWide
 	kEmbed
 	kRMSNorm
+	kAddRMSNorm
 	kAdd
 	kRoPE
 	kKVWrite
@@ -299,6 +300,7 @@ func kernelRegistry() []kernelSpec {
 		plain(kGemmNarrowWide, "gemm_narrow_wide", "gemm_narrow.cu", 512, gemmWideSmem, true),
 		plain(kEmbed, "model_embed", "model.cu", copyThreads, 0, true),
 		perLaunch(plain(kRMSNorm, "model_rmsnorm", "model.cu", 0, 0, true), normMaxThreads),
+		perLaunch(plain(kAddRMSNorm, "model_add_rmsnorm", "model.cu", 0, 0, true), normMaxThreads),
 		plain(kAdd, "model_add", "model.cu", addThreads, 0, true),
 		plain(kRoPE, "model_rope", "model.cu", copyThreads, 0, true),
 		plain(kKVWrite, "model_kv_write", "model.cu", copyThreads, 0, true),

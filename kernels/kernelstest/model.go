@@ -111,6 +111,34 @@ func testRMSNorm(t *testing.T, be kernels.Backend) {
 	}
 }
 
+// testAddRMSNorm: RMSNorm with a residual equals Add then RMSNorm, bit for
+// bit, both the updated residual stream and the norm.
+func testAddRMSNorm(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(27, 28))
+	const eps = 1e-6
+	for _, d := range []int{8, 96, 128, 2048} {
+		t.Run(fmt.Sprint(d), func(t *testing.T) {
+			const rows = 6
+			h, res := randBF16(r, rows*d, 1), randBF16(r, rows*d, 0.3)
+			w := randBF16(r, d, 1)
+			weight, resB := bf16Buf(t, be, w, d), bf16Buf(t, be, res, rows, d)
+			h1, out1 := bf16Buf(t, be, h, rows, d), alloc(t, be, kernels.BF16, rows, d)
+			if err := be.Add(kernels.AddArgs{Out: h1, A: h1, B: resB}); err != nil {
+				t.Fatal(err)
+			}
+			if err := be.RMSNorm(kernels.RMSNormArgs{Out: out1, Src: h1, Weight: weight, Eps: eps}); err != nil {
+				t.Fatal(err)
+			}
+			h2, out2 := bf16Buf(t, be, h, rows, d), alloc(t, be, kernels.BF16, rows, d)
+			if err := be.RMSNorm(kernels.RMSNormArgs{Out: out2, Src: h2, Weight: weight, Eps: eps, Residual: resB}); err != nil {
+				t.Fatal(err)
+			}
+			expectBytes(t, "src", download(t, be, h2), download(t, be, h1), 2*d)
+			expectBytes(t, "out", download(t, be, out2), download(t, be, out1), 2*d)
+		})
+	}
+}
+
 func testAdd(t *testing.T, be kernels.Backend) {
 	r := rand.New(rand.NewPCG(25, 26))
 	const R, C = 5, 37
@@ -777,6 +805,7 @@ func testModelErrors(t *testing.T, be kernels.Backend) {
 		{"embed ids dtype", "embed", be.Embed(kernels.EmbedArgs{Out: bf(3, 8), Table: bf(10, 8), IDs: f32(3)})},
 		{"rmsnorm weight length", "rmsnorm", be.RMSNorm(kernels.RMSNormArgs{Out: bf(2, 8), Src: bf(2, 8), Weight: bf(7), Eps: 1e-6})},
 		{"rmsnorm eps", "rmsnorm", be.RMSNorm(kernels.RMSNormArgs{Out: bf(2, 8), Src: bf(2, 8), Weight: bf(8)})},
+		{"rmsnorm residual shape", "rmsnorm", be.RMSNorm(kernels.RMSNormArgs{Out: bf(2, 8), Src: bf(2, 8), Weight: bf(8), Eps: 1e-6, Residual: bf(2, 7)})},
 		{"add shapes", "add", be.Add(kernels.AddArgs{Out: bf(2, 8), A: bf(2, 8), B: bf(8, 2)})},
 		{"rope odd head dim", "rope", be.RoPE(kernels.RoPEArgs{X: bf(2, 1, 7), Positions: i32(2), Cos: bf(4, 3), Sin: bf(4, 3)})},
 		{"rope positions", "rope", be.RoPE(kernels.RoPEArgs{X: bf(2, 1, 8), Positions: i32(3), Cos: bf(4, 4), Sin: bf(4, 4)})},

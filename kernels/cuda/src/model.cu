@@ -82,6 +82,31 @@ __global__ void model_rmsnorm(bf16_t *out, const bf16_t *src, const bf16_t *w, i
     }
 }
 
+// ---- Add + RMSNorm: one block per row, the residual add in place, then
+// the norm of the sums (model_add then model_rmsnorm, bit for bit: the same
+// per-thread order and tree for a block of the same size). ----
+__global__ void model_add_rmsnorm(bf16_t *out, bf16_t *src, const bf16_t *res, const bf16_t *w, int d, float eps) {
+    __shared__ float scratch[32];
+    pdl_enter();
+    bf16_t *x = src + (size_t)blockIdx.x * d;
+    const bf16_t *y = res + (size_t)blockIdx.x * d;
+    bf16_t *o = out + (size_t)blockIdx.x * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const bf16_t sum = f2bf(__fadd_rn(bf2f(x[i]), bf2f(y[i])));
+        x[i] = sum;
+        const float v = bf2f(sum);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+    ss = block_reduce(ss, scratch, OpAdd());
+    const float mean = __fdiv_rn(ss, (float)d);
+    const float r = (float)(1.0 / sqrt((double)__fadd_rn(mean, eps)));
+    for (int i = threadIdx.x; i < d; i += blockDim.x) { // each thread reads back its own writes
+        float v = bfround(__fmul_rn(bf2f(x[i]), r));
+        o[i] = f2bf(__fmul_rn(bf2f(w[i]), v));
+    }
+}
+
 // ---- Add: element-wise, grid-stride. Out may alias A or B (each element
 // is read before it is written, by the same thread). ----
 
