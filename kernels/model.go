@@ -86,7 +86,11 @@ type KVWriteArgs struct {
 //
 // Per query head (query head h reads KV head h / (qHeads/kvHeads)), in FP32:
 // scores = (q . k) * Scale, softmax with the maximum subtracted, then
-// out = sum_p prob_p * v_p, summed in position order and rounded to BF16.
+// out = sum_p prob_p * v_p, rounded to BF16. The order of the sums is the
+// backend's (the CPU's is position order; the GPU's a fixed tree over
+// position ranges), but fixed by the query's position alone: a query's bits
+// do not depend on the batch or on whether it is prefilled with other rows
+// or decoded alone.
 //
 // QueryStart is non-decreasing within [0, Tq]; query rows outside
 // QueryStart[0] .. QueryStart[S] are padding and are left untouched, and a
@@ -113,6 +117,57 @@ type AttentionScratcher interface {
 	// seqs sequences, each up to maxLen positions, needs for the given
 	// geometry (0: the backend has no use for it).
 	AttentionScratch(seqs, qHeads, kvHeads, d, maxLen int) int
+}
+
+// QKVPrepArgs prepares attention's inputs for T new tokens in one op: the
+// per-head RMSNorm of Q and K (when QNorm and KNorm are set; RMSNormArgs
+// over [T*heads, D] rows), RoPE on both (RoPEArgs), then the KV-cache write
+// of K and V (KVWriteArgs). Q and K are updated in place. The results are
+// those of the three ops in that order, except that a backend may sum the
+// norm's squares in its own fixed order.
+type QKVPrepArgs struct {
+	Q            *Buffer // BF16 [T, qHeads, D]
+	K, V         *Buffer // BF16 [T, kvHeads, D]
+	QNorm, KNorm *Buffer // BF16 [D]: both or neither
+	Eps          float32
+	Positions    *Buffer // I32 [T]
+	Cos, Sin     *Buffer // BF16 [maxPositions, D/2]
+	Cache        KVCache
+	Slots        *Buffer // I32 [T]
+}
+
+// Validate checks the operands by the three ops' own checks.
+func (a QKVPrepArgs) Validate() (t, qHeads int, cs CacheShape, maxPos int, err error) {
+	if (a.QNorm == nil) != (a.KNorm == nil) {
+		return 0, 0, cs, 0, fmt.Errorf("kernels: qkv prep: q norm and k norm must be both set or both unset")
+	}
+	var d int
+	if t, qHeads, d, maxPos, err = (RoPEArgs{X: a.Q, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}).Validate(); err != nil {
+		return 0, 0, cs, 0, fmt.Errorf("%w (q)", err)
+	}
+	if _, cs, err = (KVWriteArgs{Cache: a.Cache, K: a.K, V: a.V, Slots: a.Slots}).Validate(); err != nil {
+		return 0, 0, cs, 0, err
+	}
+	if cs.D != d || a.K.Dim(0) != t {
+		return 0, 0, cs, 0, fmt.Errorf("kernels: qkv prep: q %v and k %v differ in tokens or head dim", a.Q, a.K)
+	}
+	if a.QNorm != nil {
+		for _, w := range []struct {
+			name string
+			b    *Buffer
+		}{{"q norm", a.QNorm}, {"k norm", a.KNorm}} {
+			if err := check("qkv prep", w.name, w.b, BF16, 1); err != nil {
+				return 0, 0, cs, 0, err
+			}
+			if err := shapeIs("qkv prep", w.name, w.b, d); err != nil {
+				return 0, 0, cs, 0, err
+			}
+		}
+		if !(a.Eps > 0) {
+			return 0, 0, cs, 0, fmt.Errorf("kernels: qkv prep: eps %v must be positive", a.Eps)
+		}
+	}
+	return t, qHeads, cs, maxPos, nil
 }
 
 // UnsampledToken is the token Sample writes for a row it cannot draw from.
@@ -171,6 +226,7 @@ type ModelOps interface {
 	Add(args AddArgs) error
 	RoPE(args RoPEArgs) error
 	KVWrite(args KVWriteArgs) error
+	QKVPrep(args QKVPrepArgs) error
 	Attention(args AttentionArgs) error
 	Sample(args SampleArgs) error
 	LogProbs(args LogProbsArgs) error

@@ -120,7 +120,6 @@ func (m *Model) step(sh Shape) error {
 	q, attn, k, vv := v.Rows(ws.q, sh.T), v.Rows(ws.attn, sh.T), v.Rows(ws.k, sh.T), v.Rows(ws.v, sh.T)
 	q2, attn2 := v.Reshape(q, sh.T, c.Heads*c.HeadDim), v.Reshape(attn, sh.T, c.Heads*c.HeadDim)
 	k2, v2 := v.Reshape(k, sh.T, c.KVHeads*c.HeadDim), v.Reshape(vv, sh.T, c.KVHeads*c.HeadDim)
-	qh, kh := v.Reshape(q, sh.T*c.Heads, c.HeadDim), v.Reshape(k, sh.T*c.KVHeads, c.HeadDim)
 	sel, logits := v.Rows(ws.sel, sh.L), v.Rows(ws.logits, sh.L)
 	if v.Err != nil {
 		return v.Err
@@ -149,20 +148,14 @@ func (m *Model) step(sh Shape) error {
 			func() error { return be.Gemm(q2, x, l.q) },
 			func() error { return be.Gemm(k2, x, l.k) },
 			func() error { return be.Gemm(v2, x, l.v) },
-			mark("norms"),
-			func() error {
-				if !c.QKNorm {
-					return nil
-				}
-				if err := be.RMSNorm(kernels.RMSNormArgs{Out: qh, Src: qh, Weight: l.qNorm, Eps: eps}); err != nil {
-					return err
-				}
-				return be.RMSNorm(kernels.RMSNormArgs{Out: kh, Src: kh, Weight: l.kNorm, Eps: eps})
-			},
 			mark("attention"),
-			func() error { return be.RoPE(kernels.RoPEArgs{X: q, Positions: pos, Cos: m.cos, Sin: m.sin}) },
-			func() error { return be.RoPE(kernels.RoPEArgs{X: k, Positions: pos, Cos: m.cos, Sin: m.sin}) },
-			func() error { return be.KVWrite(kernels.KVWriteArgs{Cache: l.kv, K: k, V: vv, Slots: slots}) },
+			func() error {
+				a := kernels.QKVPrepArgs{Q: q, K: k, V: vv, Positions: pos, Cos: m.cos, Sin: m.sin, Cache: l.kv, Slots: slots}
+				if c.QKNorm {
+					a.QNorm, a.KNorm, a.Eps = l.qNorm, l.kNorm, eps
+				}
+				return be.QKVPrep(a)
+			},
 			func() error {
 				return be.Attention(kernels.AttentionArgs{Out: attn, Q: q, Cache: l.kv, PageTable: pageTable,
 					SeqLens: seqLens, QueryStart: queryStart, Scale: scale, Scratch: ws.attScratch})

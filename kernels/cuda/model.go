@@ -110,6 +110,56 @@ func (be *Backend) KVWrite(a kernels.KVWriteArgs) error {
 	})
 }
 
+// QKVPrep is the q/k norms, RoPE and the cache write in one launch
+// (model_qkv_prep: a block per token, a warp per head); head dims past
+// prepMaxD take the three ops one by one.
+func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error {
+	t, qh, cs, maxPos, err := a.Validate()
+	if err != nil {
+		return err
+	}
+	if cs.D > prepMaxD {
+		return be.qkvPrepSteps(a, t, qh, cs)
+	}
+	var eps float32
+	if a.QNorm != nil {
+		eps = a.Eps
+	}
+	return be.issue("qkv prep", a, func() error { return nil }, func(*drv.Ctx) error {
+		if t == 0 {
+			return nil
+		}
+		return be.launch(kQKVPrep, drv.Dim3{X: t}, drv.Dim3{X: prepThreads}, 0,
+			be.errw, ptr(a.Q), ptr(a.K), ptr(a.V), ptr(a.QNorm), ptr(a.KNorm), eps, ptr(a.Positions), ptr(a.Cos), ptr(a.Sin),
+			ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.Slots), int32(qh), int32(cs.KVHeads), int32(cs.D), int32(maxPos),
+			int64(cs.Pages)*int64(cs.PageSize))
+	})
+}
+
+// qkvPrepSteps is QKVPrep as RMSNorm, RoPE and KVWrite launches.
+func (be *Backend) qkvPrepSteps(a kernels.QKVPrepArgs, t, qh int, cs kernels.CacheShape) error {
+	if a.QNorm != nil {
+		v := kernels.Views{}
+		q2, k2 := v.Reshape(a.Q, t*qh, cs.D), v.Reshape(a.K, t*cs.KVHeads, cs.D)
+		if v.Err != nil {
+			return v.Err
+		}
+		if err := be.RMSNorm(kernels.RMSNormArgs{Out: q2, Src: q2, Weight: a.QNorm, Eps: a.Eps}); err != nil {
+			return err
+		}
+		if err := be.RMSNorm(kernels.RMSNormArgs{Out: k2, Src: k2, Weight: a.KNorm, Eps: a.Eps}); err != nil {
+			return err
+		}
+	}
+	if err := be.RoPE(kernels.RoPEArgs{X: a.Q, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}); err != nil {
+		return err
+	}
+	if err := be.RoPE(kernels.RoPEArgs{X: a.K, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}); err != nil {
+		return err
+	}
+	return be.KVWrite(kernels.KVWriteArgs{Cache: a.Cache, K: a.K, V: a.V, Slots: a.Slots})
+}
+
 // Attention is causal GQA over the paged cache. Geometries att_tc is built
 // for (attDims, attGroups) run on tensor cores: a block per (query row, KV
 // head, z), where only the first row of each tile of a sequence's rows

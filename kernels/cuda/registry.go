@@ -60,6 +60,7 @@ const (
 	kAdd
 	kRoPE
 	kKVWrite
+	kQKVPrep
 	kAttention
 	kSample
 	kLogProbs
@@ -138,6 +139,8 @@ const (
 	wsSmem192 = 2*(192+128)*256 + 2*256*5*20 + 1024
 	// Model kernels' block sizes (model.go).
 	copyThreads     = 128  // embed, kv write, rope: one block per token
+	prepThreads     = 128  // qkv prep: a block per token, a warp per head (MODEL_PREP_WARPS)
+	prepMaxD        = 256  // qkv prep: the largest head dim (MODEL_PREP_MAXD)
 	normMaxThreads  = 256  // rmsnorm: one block per row
 	addThreads      = 256  // add: grid-stride
 	attTile         = 64   // att_generic: positions per shared-memory tile (attention.cu ATT_G_TILE)
@@ -304,6 +307,7 @@ func kernelRegistry() []kernelSpec {
 		plain(kAdd, "model_add", "model.cu", addThreads, 0, true),
 		plain(kRoPE, "model_rope", "model.cu", copyThreads, 0, true),
 		plain(kKVWrite, "model_kv_write", "model.cu", copyThreads, 0, true),
+		plain(kQKVPrep, "model_qkv_prep", "model.cu", prepThreads, 0, true),
 		plain(kAttention, "att_generic", "attention.cu", attThreads, smemPerLaunch, false),
 		plain(kSample, "model_sample", "model.cu", sampleThreads, 0, false),
 		plain(kLogProbs, "model_logprobs", "model.cu", logprobsThreads, 0, false),

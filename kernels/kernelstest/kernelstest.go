@@ -71,6 +71,7 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("Embed", func(t *testing.T) { testEmbed(t, newBackend(t)) })
 	t.Run("RMSNorm", func(t *testing.T) { testRMSNorm(t, newBackend(t)) })
 	t.Run("AddRMSNorm", func(t *testing.T) { testAddRMSNorm(t, newBackend(t)) })
+	t.Run("QKVPrep", func(t *testing.T) { testQKVPrep(t, newBackend(t)) })
 	t.Run("Add", func(t *testing.T) { testAdd(t, newBackend(t)) })
 	t.Run("RoPE", func(t *testing.T) { testRoPE(t, newBackend(t)) })
 	t.Run("KVWrite", func(t *testing.T) { testKVWrite(t, newBackend(t)) })

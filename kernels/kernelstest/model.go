@@ -111,6 +111,85 @@ func testRMSNorm(t *testing.T, be kernels.Backend) {
 	}
 }
 
+// testQKVPrep: QKVPrep equals RMSNorm of the q and k heads, RoPE and
+// KVWrite called one by one: bitwise without the norms; with them each
+// value within one BF16 step (a backend may order the norm's sum its own
+// way).
+func testQKVPrep(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(29, 30))
+	const T, qh, kvh, maxPos, pages, ps, eps = 5, 8, 2, 64, 4, 8, 1e-6
+	for _, d := range []int{16, 128} {
+		for _, norm := range []bool{false, true} {
+			t.Run(fmt.Sprintf("d%d_norm=%v", d, norm), func(t *testing.T) {
+				q, k, v := randBF16(r, T*qh*d, 1), randBF16(r, T*kvh*d, 1), randBF16(r, T*kvh*d, 1)
+				cos, sin := randBF16(r, maxPos*d/2, 0.5), randBF16(r, maxPos*d/2, 0.5)
+				qw, kw := randBF16(r, d, 1), randBF16(r, d, 1)
+				pos, slots := []int32{3, 0, 63, 17, 5}, []int32{9, -1, 31, 0, 12}
+				type run struct{ q, k, ck, cv []byte }
+				do := func(fused bool) run {
+					Q, K, V := bf16Buf(t, be, q, T, qh, d), bf16Buf(t, be, k, T, kvh, d), bf16Buf(t, be, v, T, kvh, d)
+					cache := kernels.KVCache{K: alloc(t, be, kernels.BF16, pages, ps, kvh, d), V: alloc(t, be, kernels.BF16, pages, ps, kvh, d)}
+					P, S := i32Buf(t, be, pos, T), i32Buf(t, be, slots, T)
+					C, Sn := bf16Buf(t, be, cos, maxPos, d/2), bf16Buf(t, be, sin, maxPos, d/2)
+					var QW, KW *kernels.Buffer
+					if norm {
+						QW, KW = bf16Buf(t, be, qw, d), bf16Buf(t, be, kw, d)
+					}
+					if fused {
+						err := be.QKVPrep(kernels.QKVPrepArgs{Q: Q, K: K, V: V, QNorm: QW, KNorm: KW, Eps: eps, Positions: P, Cos: C, Sin: Sn,
+							Cache: cache, Slots: S})
+						if err != nil {
+							t.Fatal(err)
+						}
+					} else {
+						if norm {
+							q2, err := Q.Reshape(T*qh, d)
+							if err != nil {
+								t.Fatal(err)
+							}
+							k2, err := K.Reshape(T*kvh, d)
+							if err != nil {
+								t.Fatal(err)
+							}
+							for _, a := range []kernels.RMSNormArgs{{Out: q2, Src: q2, Weight: QW, Eps: eps}, {Out: k2, Src: k2, Weight: KW, Eps: eps}} {
+								if err := be.RMSNorm(a); err != nil {
+									t.Fatal(err)
+								}
+							}
+						}
+						for _, x := range []*kernels.Buffer{Q, K} {
+							if err := be.RoPE(kernels.RoPEArgs{X: x, Positions: P, Cos: C, Sin: Sn}); err != nil {
+								t.Fatal(err)
+							}
+						}
+						if err := be.KVWrite(kernels.KVWriteArgs{Cache: cache, K: K, V: V, Slots: S}); err != nil {
+							t.Fatal(err)
+						}
+					}
+					return run{download(t, be, Q), download(t, be, K), download(t, be, cache.K), download(t, be, cache.V)}
+				}
+				want, got := do(false), do(true)
+				expectBytes(t, "cache.v", got.cv, want.cv, 2*kvh*d)
+				for _, c := range []struct {
+					name      string
+					got, want []byte
+				}{{"q", got.q, want.q}, {"k", got.k, want.k}, {"cache.k", got.ck, want.ck}} {
+					if !norm {
+						expectBytes(t, c.name, c.got, c.want, 2*d)
+						continue
+					}
+					g, w := kernels.BytesUint16(c.got), kernels.BytesUint16(c.want)
+					for i := range g {
+						if diff := bf16Ord(g[i]) - bf16Ord(w[i]); diff < -1 || diff > 1 {
+							t.Fatalf("%s[%d] = %g, the ops one by one give %g", c.name, i, bf16Val(g[i]), bf16Val(w[i]))
+						}
+					}
+				}
+			})
+		}
+	}
+}
+
 // testAddRMSNorm: RMSNorm with a residual equals Add then RMSNorm, bit for
 // bit, both the updated residual stream and the norm.
 func testAddRMSNorm(t *testing.T, be kernels.Backend) {

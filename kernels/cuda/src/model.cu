@@ -162,6 +162,72 @@ __global__ void model_rope(int *err, bf16_t *x, const int *positions, const bf16
     }
 }
 
+// ---- QKV prep: one block per token, a warp per head. ----
+//
+// The per-head RMSNorm of q and k (when the weights are given), RoPE, and
+// the cache write of k and v, in one launch. Each head row goes through
+// its warp: the sum of squares in lane order then a fixed shuffle tree,
+// the normalised values (BF16, as model_rmsnorm writes them) in shared
+// memory, then the rotation as model_rope does it, written back to q or k
+// and, for k, to the cache slot. A bad position skips the token, a slot
+// past the cache skips its cache write; both are reported.
+constexpr int MODEL_PREP_WARPS = 4;
+constexpr int MODEL_PREP_MAXD = 256;
+
+__global__ void model_qkv_prep(int *err, bf16_t *q, bf16_t *k, const bf16_t *v, const bf16_t *qn, const bf16_t *kn, float eps,
+                               const int *positions, const bf16_t *cosT, const bf16_t *sinT, bf16_t *ck, bf16_t *cv,
+                               const int *slots, int qHeads, int kvHeads, int d, int maxPos, long long nslots) {
+    __shared__ float buf[MODEL_PREP_WARPS][MODEL_PREP_MAXD];
+    pdl_enter();
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int p = positions[t];
+    if (p < 0 || p >= maxPos) {
+        if (threadIdx.x == 0) report(err, E_ROPE_POS, t, p, maxPos);
+        return;
+    }
+    const int slot = slots[t];
+    const bool store = slot >= 0 && (long long)slot < nslots;
+    if (slot >= 0 && !store && threadIdx.x == 0) report(err, E_KV_SLOT, t, slot, (int)min(nslots, 2147483647LL));
+    const int half = d / 2;
+    const bf16_t *c = cosT + (size_t)p * half;
+    const bf16_t *sn = sinT + (size_t)p * half;
+    float *b = buf[warp];
+    for (int h = warp; h < qHeads + kvHeads; h += MODEL_PREP_WARPS) {
+        const bool isK = h >= qHeads;
+        bf16_t *row = isK ? k + ((size_t)t * kvHeads + (h - qHeads)) * d : q + ((size_t)t * qHeads + h) * d;
+        const bf16_t *w = isK ? kn : qn;
+        if (w != nullptr) {
+            float ss = 0.0f;
+            for (int i = lane; i < d; i += 32) {
+                const float x = bf2f(row[i]);
+                ss = __fadd_rn(ss, __fmul_rn(x, x));
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(MODEL_FULL, ss, o));
+            const float mean = __fdiv_rn(ss, (float)d);
+            const float r = (float)(1.0 / sqrt((double)__fadd_rn(mean, eps)));
+            for (int i = lane; i < d; i += 32) b[i] = bfround(__fmul_rn(bf2f(w[i]), bfround(__fmul_rn(bf2f(row[i]), r))));
+        } else {
+            for (int i = lane; i < d; i += 32) b[i] = bf2f(row[i]);
+        }
+        __syncwarp();
+        bf16_t *crow = ck + ((size_t)slot * kvHeads + (h - qHeads)) * d;
+        for (int i = lane; i < half; i += 32) {
+            const float x1 = b[i], x2 = b[i + half], ci = bf2f(c[i]), si = bf2f(sn[i]);
+            const bf16_t o1 = f2bf(__fsub_rn(bfround(__fmul_rn(x1, ci)), bfround(__fmul_rn(x2, si))));
+            const bf16_t o2 = f2bf(__fadd_rn(bfround(__fmul_rn(x2, ci)), bfround(__fmul_rn(x1, si))));
+            row[i] = o1;
+            row[i + half] = o2;
+            if (isK && store) {
+                crow[i] = o1;
+                crow[i + half] = o2;
+            }
+        }
+        __syncwarp(); // the warp's buffer is read before the next head fills it
+    }
+    if (store) model_copy_row(cv + (size_t)slot * kvHeads * d, v + (size_t)t * kvHeads * d, kvHeads * d);
+}
+
 // ---- KVWrite: one block per token. ----
 //
 // A negative slot is padding and writes nothing. Two tokens naming the same
