@@ -170,6 +170,34 @@ func (a QKVPrepArgs) Validate() (t, qHeads int, cs CacheShape, maxPos int, err e
 	return t, qHeads, cs, maxPos, nil
 }
 
+// QKVPrepSteps runs a as RMSNorm (q and k heads), RoPE (q, k) and KVWrite
+// calls on ops: QKVPrep for a backend, or a geometry, with no fused kernel.
+func QKVPrepSteps(ops ModelOps, a QKVPrepArgs) error {
+	t, qh, cs, _, err := a.Validate()
+	if err != nil {
+		return err
+	}
+	if a.QNorm != nil {
+		v := Views{}
+		q2, k2 := v.Reshape(a.Q, t*qh, cs.D), v.Reshape(a.K, t*cs.KVHeads, cs.D)
+		if v.Err != nil {
+			return v.Err
+		}
+		if err := ops.RMSNorm(RMSNormArgs{Out: q2, Src: q2, Weight: a.QNorm, Eps: a.Eps}); err != nil {
+			return err
+		}
+		if err := ops.RMSNorm(RMSNormArgs{Out: k2, Src: k2, Weight: a.KNorm, Eps: a.Eps}); err != nil {
+			return err
+		}
+	}
+	for _, x := range []*Buffer{a.Q, a.K} {
+		if err := ops.RoPE(RoPEArgs{X: x, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}); err != nil {
+			return err
+		}
+	}
+	return ops.KVWrite(KVWriteArgs{Cache: a.Cache, K: a.K, V: a.V, Slots: a.Slots})
+}
+
 // UnsampledToken is the token Sample writes for a row it cannot draw from.
 const UnsampledToken = -1
 

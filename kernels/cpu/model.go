@@ -208,35 +208,7 @@ func (be *Backend) prepKVWrite(a kernels.KVWriteArgs) (func() error, error) {
 
 // QKVPrep is RMSNorm of the q and k heads, RoPE and KVWrite, in that
 // order, with the CPU's own ops (so the same bits as calling them).
-func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error {
-	t, qh, cs, _, err := a.Validate()
-	if err != nil {
-		return err
-	}
-	if a.QNorm != nil {
-		q2, err := a.Q.Reshape(t*qh, cs.D)
-		if err != nil {
-			return err
-		}
-		k2, err := a.K.Reshape(t*cs.KVHeads, cs.D)
-		if err != nil {
-			return err
-		}
-		if err := be.RMSNorm(kernels.RMSNormArgs{Out: q2, Src: q2, Weight: a.QNorm, Eps: a.Eps}); err != nil {
-			return err
-		}
-		if err := be.RMSNorm(kernels.RMSNormArgs{Out: k2, Src: k2, Weight: a.KNorm, Eps: a.Eps}); err != nil {
-			return err
-		}
-	}
-	if err := be.RoPE(kernels.RoPEArgs{X: a.Q, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}); err != nil {
-		return err
-	}
-	if err := be.RoPE(kernels.RoPEArgs{X: a.K, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}); err != nil {
-		return err
-	}
-	return be.KVWrite(kernels.KVWriteArgs{Cache: a.Cache, K: a.K, V: a.V, Slots: a.Slots})
-}
+func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error { return kernels.QKVPrepSteps(be, a) }
 
 // Attention is causal GQA over the paged cache.
 //

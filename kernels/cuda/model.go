@@ -119,7 +119,7 @@ func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error {
 		return err
 	}
 	if cs.D > prepMaxD {
-		return be.qkvPrepSteps(a, t, qh, cs)
+		return kernels.QKVPrepSteps(be, a)
 	}
 	var eps float32
 	if a.QNorm != nil {
@@ -134,30 +134,6 @@ func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error {
 			ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.Slots), int32(qh), int32(cs.KVHeads), int32(cs.D), int32(maxPos),
 			int64(cs.Pages)*int64(cs.PageSize))
 	})
-}
-
-// qkvPrepSteps is QKVPrep as RMSNorm, RoPE and KVWrite launches.
-func (be *Backend) qkvPrepSteps(a kernels.QKVPrepArgs, t, qh int, cs kernels.CacheShape) error {
-	if a.QNorm != nil {
-		v := kernels.Views{}
-		q2, k2 := v.Reshape(a.Q, t*qh, cs.D), v.Reshape(a.K, t*cs.KVHeads, cs.D)
-		if v.Err != nil {
-			return v.Err
-		}
-		if err := be.RMSNorm(kernels.RMSNormArgs{Out: q2, Src: q2, Weight: a.QNorm, Eps: a.Eps}); err != nil {
-			return err
-		}
-		if err := be.RMSNorm(kernels.RMSNormArgs{Out: k2, Src: k2, Weight: a.KNorm, Eps: a.Eps}); err != nil {
-			return err
-		}
-	}
-	if err := be.RoPE(kernels.RoPEArgs{X: a.Q, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}); err != nil {
-		return err
-	}
-	if err := be.RoPE(kernels.RoPEArgs{X: a.K, Positions: a.Positions, Cos: a.Cos, Sin: a.Sin}); err != nil {
-		return err
-	}
-	return be.KVWrite(kernels.KVWriteArgs{Cache: a.Cache, K: a.K, V: a.V, Slots: a.Slots})
 }
 
 // Attention is causal GQA over the paged cache. Geometries att_tc is built
