@@ -209,6 +209,24 @@ func randomSpecs(cfg Config) []randomSpec {
 	return specs
 }
 
+// TensorShape is one tensor of a model's checkpoint: its Hugging Face name
+// and shape.
+type TensorShape struct {
+	Name  string
+	Shape []int
+}
+
+// CheckpointTensors lists the BF16 tensors of a checkpoint of cfg under the
+// per-expert Hugging Face names, in the order init-model writes them.
+func CheckpointTensors(cfg Config) []TensorShape {
+	specs := randomSpecs(cfg)
+	out := make([]TensorShape, len(specs))
+	for i, s := range specs {
+		out[i] = TensorShape{Name: s.name, Shape: slices.Clone(s.shape)}
+	}
+	return out
+}
+
 // randomData draws a tensor's BF16 bytes from (seed, name).
 func randomData(seed uint64, s randomSpec) []byte {
 	n := 1

@@ -1,6 +1,7 @@
 package refit
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -62,6 +63,13 @@ type PublisherConfig struct {
 	Storage jetstream.StorageType
 	// Replicas of the stream and the bucket in a cluster; 0 means 1.
 	Replicas int
+	// MaxStreamBytes, when positive, caps the stream's bytes (its
+	// max_bytes; the oldest chunks go first). 0 keeps every chunk of the
+	// newest two versions, which is what late joiners and workers that
+	// miss live chunks read: a cap below two versions' bytes saves the
+	// server's memory or disk at the price of those workers answering
+	// needs_full until the next version (PROTOCOL.md, "JetStream objects").
+	MaxStreamBytes int64
 	// PublishTimeout bounds the wait for one acknowledgement and one
 	// JetStream API call (default DefaultPublishTimeout); after it the
 	// operation is retried.
@@ -143,6 +151,9 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 	}
 	if cfg.Replicas < 0 {
 		return fail("replicas %d", cfg.Replicas)
+	}
+	if cfg.MaxStreamBytes != 0 && cfg.MaxStreamBytes < cfg.MaxInflightBytes {
+		return fail("max stream bytes %d: want 0 (no cap) or at least the %d bytes in flight", cfg.MaxStreamBytes, cfg.MaxInflightBytes)
 	}
 	if cfg.Replicas == 0 {
 		cfg.Replicas = 1
@@ -621,6 +632,7 @@ func (p *Publisher) streamConfig() jetstream.StreamConfig {
 		Storage:     p.cfg.Storage,
 		Replicas:    p.cfg.Replicas,
 		MaxMsgSize:  int32(min(p.nc.MaxPayload(), 1<<31-1)),
+		MaxBytes:    cmp.Or(p.cfg.MaxStreamBytes, -1),
 	}
 }
 
@@ -629,7 +641,7 @@ func (p *Publisher) streamConfig() jetstream.StreamConfig {
 func sameStreamSettings(have, want jetstream.StreamConfig) bool {
 	return slices.Equal(have.Subjects, want.Subjects) && have.Description == want.Description &&
 		have.Retention == want.Retention && have.Discard == want.Discard && have.Storage == want.Storage &&
-		have.Replicas == want.Replicas && have.MaxMsgSize == want.MaxMsgSize
+		have.Replicas == want.Replicas && have.MaxMsgSize == want.MaxMsgSize && have.MaxBytes == want.MaxBytes
 }
 
 // previous returns the version of the bucket's manifest, 0 if none.

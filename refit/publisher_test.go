@@ -26,6 +26,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
+	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/refit/refittest"
 )
 
@@ -383,6 +384,7 @@ func TestNewPublisherRejects(t *testing.T) {
 		{"storage", PublisherConfig{Model: "m", Storage: 7}, "storage"},
 		{"replicas", PublisherConfig{Model: "m", Replicas: -1}, "replicas"},
 		{"timeout", PublisherConfig{Model: "m", PublishTimeout: -time.Second}, "timeout"},
+		{"stream cap under the window", PublisherConfig{Model: "m", MaxInflightBytes: 1 << 20, MaxStreamBytes: 1 << 19}, "max stream bytes 524288"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -769,5 +771,45 @@ func TestTransient(t *testing.T) {
 		if got := transient(tc.err); got != tc.want {
 			t.Errorf("transient(%v) = %v", tc.err, got)
 		}
+	}
+}
+
+// TestStreamCap: a publisher with MaxStreamBytes caps the stream (discard
+// old), and a worker reading live applies a version larger than the cap.
+func TestStreamCap(t *testing.T) {
+	srv := refittest.StartServer(t)
+	nc := refittest.Connect(t, srv.URL())
+	const capBytes = 128 << 10
+	p, err := NewPublisher(nc, PublisherConfig{Model: testModel, ChunkBytes: 4 << 10, MaxInflightBytes: 64 << 10, MaxStreamBytes: capBytes}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	a := modelDir(t, 71)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	b := perturbDir(t, a, 2, 0.3, nil)
+	stream := subset(t, b, nil)
+	if len(stream) <= 2*capBytes {
+		t.Fatalf("a version of %d bytes does not exceed the cap of %d", len(stream), capBytes)
+	}
+	publish(t, p, 1, stream, true)
+	if st := w.waitStatus(t, 1); st.State != StateApplied {
+		t.Fatalf("version over the cap: %+v", st)
+	}
+	residentEquals(t, "version over the cap", w.m, b)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := js.Stream(context.Background(), StreamName(testModel))
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Config.MaxBytes != capBytes || info.State.Bytes > capBytes {
+		t.Fatalf("stream max_bytes %d holding %d bytes, want the cap %d", info.Config.MaxBytes, info.State.Bytes, capBytes)
 	}
 }

@@ -44,7 +44,7 @@ type Source struct {
 type srcTensor struct {
 	name   string
 	shape  []uint64
-	r      *stfile.Reader
+	r      io.ReaderAt
 	off    int64
 	size   int64
 	stream int64
@@ -71,13 +71,14 @@ func (s *Source) readTensor(i int, p []byte, off int64) error {
 // checkpointTensor is a tensor of a checkpoint file, and the file.
 type checkpointTensor struct {
 	stfile.TensorInfo
-	r *stfile.Reader
+	r io.ReaderAt
 }
 
 // OpenSource opens the checkpoint at path and assembles the stream of its
 // tensors whose names match only (every tensor if only is nil). path is a
 // safetensors file, or a model directory holding model.safetensors or else
-// the shards that model.safetensors.index.json lists.
+// the shards that model.safetensors.index.json lists, or a synthetic
+// checkpoint (SyntheticPrefix).
 //
 // Every selected tensor must be BF16 (the error names those that are not),
 // and at least one must be selected. Tensors are laid out in natural name
@@ -89,6 +90,13 @@ type checkpointTensor struct {
 // holding only some tensors is published as full unless only excludes some
 // (workers reject a "full" version that does not cover their model).
 func OpenSource(path string, only *regexp.Regexp) (*Source, error) {
+	if strings.HasPrefix(path, SyntheticPrefix) {
+		spec, err := ParseSyntheticSpec(path)
+		if err != nil {
+			return nil, err
+		}
+		return OpenSynthetic(spec, only)
+	}
 	s := &Source{path: path}
 	tensors, err := s.open()
 	if err != nil {

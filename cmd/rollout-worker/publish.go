@@ -28,7 +28,11 @@ Publish a weight version to the rollout workers over NATS JetStream
 (refit/PROTOCOL.md): the BF16 tensors of a checkpoint, a model directory
 (model.safetensors, or the shards of model.safetensors.index.json) or one
 safetensors file, as one safetensors stream in chunks on refit.ID.v.N.
-Every published tensor must be BF16.
+Every published tensor must be BF16. --from (and --base) may also name a
+synthetic checkpoint, synthetic:PRESET[?layers=N&seed=S&steps=F1,F2,...]:
+the preset's tensors with values generated as they are read, each training
+step changing the fraction Fi of the elements (refit.SyntheticPrefix), to
+load-test the refit path at a real model's size without a checkpoint.
 
 Without --only the version is full: every tensor of the checkpoint, which
 must then be the whole model. With --only only the tensors whose names
@@ -86,6 +90,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	chunkBytes := fs.Int("chunk-bytes", 0, "chunk size in bytes, at most min(4 MiB, the server's max_payload - 4 KiB) (default min(1 MiB, the server's max_payload - 4 KiB))")
 	inflight := fs.Int64("max-inflight-bytes", refit.DefaultMaxInflightBytes, "unacknowledged chunk bytes at most")
 	storage := fs.String("storage", "file", "JetStream storage of the stream and bucket: file or memory")
+	streamMax := fs.Int64("stream-max-bytes", 0, "cap the stream at this many bytes, the oldest chunks dropped first (0: keep the newest two versions whole)")
 	verbose := fs.Bool("v", false, "log progress (retries and warnings are always logged)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -108,12 +113,14 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--chunk-bytes must not be negative, not %d", *chunkBytes)
 	case *inflight <= 0:
 		return usageErrorf("--max-inflight-bytes must be positive, not %d", *inflight)
+	case *streamMax != 0 && *streamMax < *inflight:
+		return usageErrorf("--stream-max-bytes %d: want 0 or at least --max-inflight-bytes (%d)", *streamMax, *inflight)
 	case baseVersion.next:
 		return usageErrorf("--base-version takes a number")
 	case baseVersion.set && *base == "":
 		return usageErrorf("--base-version needs --base")
 	}
-	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes}
+	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax}
 	switch *storage {
 	case "file":
 		cfg.Storage = jetstream.FileStorage
