@@ -9,9 +9,11 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/moe/moebench"
+	"github.com/rollout-worker/rollout-worker/policy"
 )
 
 const benchUsage = `Usage: rollout-worker bench moe|refit|generate [flags]
@@ -55,9 +57,22 @@ shapes would take hours.
 Flags:
 `
 
-const benchRefitUsage = `Usage: rollout-worker bench refit [flags]
+const benchRefitUsage = `Usage: rollout-worker bench refit [--mode requantize|transfer] [flags]
 
-Build one NVFP4 layer with random weights and time Layer.Requantize (the
+--mode transfer times refits end to end at a model's size: a worker
+(rollout-worker serve --preset, in a process of its own) and a publisher
+(rollout-worker publish --from synthetic:..., one process a version) on one
+NATS server (an embedded one unless --nats-url), a full version of the
+preset's synthetic checkpoint and then a delta for each --deltas fraction
+of changed elements. For each version: seconds from the announcement to
+the worker's status (its commit), GB/s against core NATS measured over the
+same server in the same run, the generation pause (the commit), the
+publisher's peak RSS; then the worker's peak RSS and the full version's
+per-layer table. Flags other than those below are ignored in this mode:
+--preset, --layers, --device, --recipe, --seed, --nats-url, --storage,
+--stream-max-bytes, --deltas, --core-bytes, --timeout, --logs.
+
+--mode requantize (the default): build one NVFP4 layer with random weights and time Layer.Requantize (the
 whole layer's FC1 and FC2 copies rebuilt in place) against its floor: BF16
 bytes read + NVFP4 bytes written at 4.3 TB/s (docs/PERF.md). Timed with CUDA events on cuda, by the wall clock between syncs
 elsewhere. Then checks that the copies stayed at their addresses and equal
@@ -285,8 +300,50 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	act := fs.String("activation", string(moe.ReLU2), "expert activation: relu2 or swiglu (FC1 has 2x intermediate rows)")
 	iters := fs.Int("iters", 0, "requantizations timed, the mean is reported (default 20 on cuda, 3 on cpu)")
 	seed := fs.Uint64("seed", 1, "seed of the random weights")
+	mode := fs.String("mode", "requantize", "requantize (one layer's requantization) or transfer (refits end to end)")
+	preset := fs.String("preset", "qwen3-30b-a3b", "transfer: model preset: "+strings.Join(policy.PresetNames(), ", "))
+	layers := fs.Int("layers", 0, "transfer: cut the preset to its first `N` decoder layers (0: all)")
+	recipe := fs.String("recipe", "nvfp4", "transfer: the worker's MoE recipe: bf16 or nvfp4")
+	natsURL := fs.String("nats-url", "", "transfer: NATS server `URL` (empty: start an embedded one)")
+	storage := fs.String("storage", "file", "transfer: JetStream storage of the refit stream: file or memory")
+	streamMax := fs.Int64("stream-max-bytes", 0, "transfer: cap the refit stream at this many bytes (publish --stream-max-bytes)")
+	deltas := fs.String("deltas", "0.01,0.05,0.2", "transfer: comma-separated fractions of changed elements, one delta version each, after the full one (empty: none)")
+	coreBytes := fs.Int64("core-bytes", 0, "transfer: bytes sent over core NATS for the comparison (0: a full version's, at most 4 GiB)")
+	timeout := fs.Duration("timeout", 10*time.Minute, "transfer: how long the worker may take to start, and each version to apply")
+	logDir := fs.String("logs", "", "transfer: keep the worker's and publishers' output in this `directory`")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	switch *mode {
+	case "requantize":
+	case "transfer":
+		c := transferConfig{preset: *preset, layers: *layers, device: *device, recipe: *recipe, natsURL: *natsURL,
+			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir}
+		if *deltas != "" {
+			for f := range strings.SplitSeq(*deltas, ",") {
+				x, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
+				if err != nil || !(x > 0 && x <= 1) {
+					return usageErrorf("--deltas: %q is not a fraction in (0, 1]", f)
+				}
+				c.deltas = append(c.deltas, x)
+			}
+		}
+		switch {
+		case *storage != "file" && *storage != "memory":
+			return usageErrorf("--storage %q: want file or memory", *storage)
+		case *timeout <= 0:
+			return usageErrorf("--timeout must be positive, not %v", *timeout)
+		case *coreBytes < 0:
+			return usageErrorf("--core-bytes must not be negative, not %d", *coreBytes)
+		case *recipe != "bf16" && *recipe != "nvfp4":
+			return usageErrorf("--recipe %q: want bf16 or nvfp4", *recipe)
+		}
+		if _, err := policy.PresetLayers(*preset, *layers); err != nil {
+			return usageErrorf("--preset, --layers: %v", err)
+		}
+		return runTransferBench(ctx, c, stdout)
+	default:
+		return usageErrorf("--mode %q: want requantize or transfer", *mode)
 	}
 	activation, err := activationFlag(*act)
 	if err != nil {

@@ -1,0 +1,362 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+	"github.com/rollout-worker/rollout-worker/refit"
+)
+
+// transferConfig is a `bench refit --mode transfer` run.
+type transferConfig struct {
+	preset, device, recipe, natsURL, storage, logDir string
+	layers                                           int
+	seed                                             uint64
+	deltas                                           []float64
+	streamMax, coreBytes                             int64
+	timeout                                          time.Duration
+}
+
+// transferResult is one version of the run.
+type transferResult struct {
+	version      uint64
+	kind         string
+	status       refit.Status
+	prepare      time.Duration // publish started -> announced (opening, the delta's sizing pass)
+	transfer     time.Duration // announced -> the worker's status (committed)
+	publisherRSS int64         // bytes, 0 if unknown
+}
+
+// runTransferBench publishes a synthetic full version and deltas to a
+// worker, each in processes of their own, on one NATS server, and times
+// them against core NATS over the same server.
+func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) error {
+	self, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("bench refit: %w", err)
+	}
+	logDir := c.logDir
+	if logDir == "" {
+		if logDir, err = os.MkdirTemp("", "rollout-worker-bench-refit-"); err != nil {
+			return fmt.Errorf("bench refit: %w", err)
+		}
+		defer os.RemoveAll(logDir)
+	} else if err := os.MkdirAll(logDir, 0o755); err != nil {
+		return fmt.Errorf("bench refit: %w", err)
+	}
+	url, where := c.natsURL, "server at "+redactURL(c.natsURL)
+	if url == "" {
+		srv, err := natsembed.Start(natsembed.Config{})
+		if err != nil {
+			return fmt.Errorf("bench refit: %w", err)
+		}
+		defer srv.Shutdown()
+		url, where = srv.URL(), "embedded server"
+	}
+	nc, err := nats.Connect(url, nats.Name("bench refit"))
+	if err != nil {
+		return fmt.Errorf("bench refit: connect to %s: %w", redactURL(url), err)
+	}
+	defer nc.Close()
+
+	full := refit.SyntheticSpec{Preset: c.preset, Layers: c.layers, Seed: c.seed}
+	src, err := refit.OpenSource(full.String(), nil)
+	if err != nil {
+		return fmt.Errorf("bench refit: %w", err)
+	}
+	versionBytes := src.Size()
+	src.Close()
+	layersDesc := "all layers"
+	if c.layers > 0 {
+		layersDesc = fmt.Sprintf("%d layers", c.layers)
+	}
+	fmt.Fprintf(stdout, "refit transfer: %s (%s), device %s, recipe %s, %s, %s storage; a full version is %.1f MB\n",
+		c.preset, layersDesc, c.device, c.recipe, where, c.storage, float64(versionBytes)/1e6)
+
+	if c.coreBytes == 0 {
+		c.coreBytes = min(versionBytes, 4<<30)
+	}
+	coreRate, err := coreNATSRate(ctx, url, c.coreBytes)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "core NATS, one connection to another, 1 MiB messages: %.2f GB/s (%.3f GB)\n", coreRate/1e9, float64(c.coreBytes)/1e9)
+
+	model := "bench-" + strings.ReplaceAll(c.preset, ".", "-")
+	worker, err := startBenchWorker(ctx, self, c, url, model, logDir)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if worker != nil {
+			worker.stop()
+		}
+	}()
+
+	var results []transferResult
+	var steps []float64
+	prev := full
+	for i := 0; i <= len(c.deltas); i++ {
+		next, kind := full, "full"
+		if i > 0 {
+			steps = append(steps, c.deltas[i-1])
+			next.Steps = append([]float64(nil), steps...)
+			kind = fmt.Sprintf("delta %g%%", 100*c.deltas[i-1])
+		}
+		res, err := publishTimed(ctx, self, c, url, model, next, prev, i > 0, nc, logDir)
+		if err != nil {
+			return err
+		}
+		res.kind = kind
+		results = append(results, res)
+		if res.status.State != refit.StateApplied {
+			return fmt.Errorf("bench refit: version %d (%s): worker answered %s: %s", res.version, kind, res.status.State, res.status.Reason)
+		}
+		prev = next
+	}
+	workerRSS, werr := worker.stop()
+	worker = nil
+	if werr != nil {
+		return werr
+	}
+
+	fmt.Fprintf(stdout, "\n%-8s %-10s %10s %9s %11s %7s %8s %9s %8s %10s %9s\n", "version", "kind", "stream MB", "prepare s",
+		"pub->commit s", "GB/s", "vs core", "commit ms", "copy ms", "requant ms", "pub RSS MiB")
+	for _, r := range results {
+		rate := float64(r.status.Bytes) / r.transfer.Seconds()
+		fmt.Fprintf(stdout, "%-8d %-10s %10.3f %9.2f %11.3f %7.3f %8.2f %9.1f %8.1f %10.1f %9s\n", r.version, r.kind,
+			float64(r.status.Bytes)/1e6, r.prepare.Seconds(), r.transfer.Seconds(), rate/1e9, rate/coreRate,
+			r.status.PhasesMS["commit"], r.status.PhasesMS["copy"], r.status.PhasesMS["requantize"], mib(r.publisherRSS))
+	}
+	fmt.Fprintf(stdout, "worker peak RSS: %s MiB\n", mib(workerRSS))
+	if len(results) > 0 && len(results[0].status.Layers) > 0 {
+		fmt.Fprintf(stdout, "\nper layer, version %d (ms): layer receive copy requantize\n", results[0].version)
+		for _, l := range results[0].status.Layers {
+			fmt.Fprintf(stdout, "  %5d %9.1f %6.2f %10.2f\n", l.Layer, l.ReceiveMS, l.CopyMS, l.RequantizeMS)
+		}
+	}
+	return nil
+}
+
+func mib(b int64) string {
+	if b <= 0 {
+		return "-"
+	}
+	return strconv.FormatFloat(float64(b)/(1<<20), 'f', 0, 64)
+}
+
+// coreNATSRate sends n bytes in 1 MiB core-NATS messages from one
+// connection to a subscriber on another and returns bytes a second.
+func coreNATSRate(ctx context.Context, url string, n int64) (float64, error) {
+	const msg = 1 << 20
+	pub, err := nats.Connect(url, nats.Name("bench refit core publisher"))
+	if err != nil {
+		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+	}
+	defer pub.Close()
+	sub, err := nats.Connect(url, nats.Name("bench refit core subscriber"))
+	if err != nil {
+		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+	}
+	defer sub.Close()
+	count := int((n + msg - 1) / msg)
+	done := make(chan struct{})
+	got := 0
+	s, err := sub.Subscribe("bench.refit.core", func(*nats.Msg) {
+		if got++; got == count {
+			close(done)
+		}
+	})
+	if err != nil {
+		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+	}
+	if err := s.SetPendingLimits(-1, 1<<30); err != nil {
+		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+	}
+	if err := sub.Flush(); err != nil {
+		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+	}
+	payload := bytes.Repeat([]byte{0x3c}, msg)
+	start := time.Now()
+	for range count {
+		if err := pub.Publish("bench.refit.core", payload); err != nil {
+			return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+		}
+	}
+	if err := pub.Flush(); err != nil {
+		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+	}
+	select {
+	case <-done:
+	case <-time.After(5 * time.Minute):
+		return 0, errors.New("bench refit: core NATS: the subscriber got only part of the messages (a slow consumer?)")
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+	return float64(int64(count)*msg) / time.Since(start).Seconds(), nil
+}
+
+// benchWorker is the `serve` process of a transfer run.
+type benchWorker struct {
+	cmd  *exec.Cmd
+	log  *os.File
+	done chan error
+}
+
+// startBenchWorker starts `serve` on the preset and waits until it is
+// ready.
+func startBenchWorker(ctx context.Context, self string, c transferConfig, url, model, logDir string) (*benchWorker, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, fmt.Errorf("bench refit: %w", err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	log, err := os.Create(filepath.Join(logDir, "worker.log"))
+	if err != nil {
+		return nil, fmt.Errorf("bench refit: %w", err)
+	}
+	args := []string{"serve", "--preset", c.preset, "--layers", strconv.Itoa(c.layers), "--device", c.device,
+		"--recipe", c.recipe, "--nats-url", url, "--model-id", model, "--worker-id", "bench-worker",
+		"--http-addr", addr, "--log-format", "json"}
+	cmd := exec.Command(self, args...)
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		log.Close()
+		return nil, fmt.Errorf("bench refit: start the worker: %w", err)
+	}
+	w := &benchWorker{cmd: cmd, log: log, done: make(chan error, 1)}
+	go func() { w.done <- cmd.Wait() }()
+	deadline := time.Now().Add(c.timeout)
+	for {
+		resp, err := http.Get("http://" + addr + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return w, nil
+			}
+		}
+		select {
+		case err := <-w.done:
+			w.log.Close()
+			return nil, fmt.Errorf("bench refit: the worker exited before it was ready (%v); its log: %s", err, log.Name())
+		case <-ctx.Done():
+			w.stop()
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			w.stop()
+			return nil, fmt.Errorf("bench refit: the worker was not ready after %v; its log: %s", c.timeout, log.Name())
+		}
+	}
+}
+
+// stop asks the worker to drain and exit, and returns its peak RSS.
+func (w *benchWorker) stop() (int64, error) {
+	defer w.log.Close()
+	_ = w.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-w.done:
+	case <-time.After(2 * time.Minute):
+		_ = w.cmd.Process.Kill()
+		<-w.done
+		return 0, errors.New("bench refit: the worker did not stop within 2 minutes of SIGTERM; killed")
+	}
+	return peakRSS(w.cmd.ProcessState), nil
+}
+
+// publishTimed runs `publish` for one version and times it by the
+// announcement and the worker's status, both seen on core NATS.
+func publishTimed(ctx context.Context, self string, c transferConfig, url, model string, next, base refit.SyntheticSpec,
+	delta bool, nc *nats.Conn, logDir string) (transferResult, error) {
+	var res transferResult
+	type seen struct {
+		at   time.Time
+		data []byte
+	}
+	announced := make(chan time.Time, 4)
+	statuses := make(chan seen, 16)
+	as, err := nc.Subscribe("$KV."+refit.BucketName(model)+".announce", func(*nats.Msg) {
+		select {
+		case announced <- time.Now():
+		default:
+		}
+	})
+	if err != nil {
+		return res, fmt.Errorf("bench refit: %w", err)
+	}
+	defer as.Unsubscribe()
+	ss, err := nc.Subscribe(refit.StatusSubject(model), func(m *nats.Msg) {
+		select {
+		case statuses <- seen{time.Now(), m.Data}:
+		default:
+		}
+	})
+	if err != nil {
+		return res, fmt.Errorf("bench refit: %w", err)
+	}
+	defer ss.Unsubscribe()
+	if err := nc.Flush(); err != nil {
+		return res, fmt.Errorf("bench refit: %w", err)
+	}
+
+	args := []string{"publish", "--nats-url", url, "--model-id", model, "--version", "next", "--from", next.String(),
+		"--storage", c.storage, "--wait-workers", "1", "--timeout", c.timeout.String()}
+	if delta {
+		args = append(args, "--base", base.String())
+	}
+	if c.streamMax > 0 {
+		args = append(args, "--stream-max-bytes", strconv.FormatInt(c.streamMax, 10))
+	}
+	var out bytes.Buffer
+	cmd := exec.CommandContext(ctx, self, args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	start := time.Now()
+	runErr := cmd.Run()
+	if err := os.WriteFile(filepath.Join(logDir, fmt.Sprintf("publish-%d.log", start.UnixNano())), out.Bytes(), 0o644); err != nil {
+		return res, fmt.Errorf("bench refit: %w", err)
+	}
+	if runErr != nil {
+		return res, fmt.Errorf("bench refit: publish %s: %w\n%s", next, runErr, out.String())
+	}
+	res.publisherRSS = peakRSS(cmd.ProcessState)
+	var at time.Time
+	select {
+	case at = <-announced:
+	default:
+		return res, errors.New("bench refit: the version's announcement was not seen")
+	}
+	// publish --wait-workers returned after the status: it is here, or
+	// on its way on this connection.
+	timeout := time.After(5 * time.Second)
+	for {
+		select {
+		case sn := <-statuses:
+			st, err := refit.ParseStatus(sn.data)
+			if err != nil || st.Worker != "bench-worker" {
+				continue
+			}
+			res.status, res.version = st, st.Version
+			res.prepare, res.transfer = at.Sub(start), sn.at.Sub(at)
+			return res, nil
+		case <-timeout:
+			return res, errors.New("bench refit: publish returned, but the worker's status was not seen")
+		}
+	}
+}
