@@ -516,6 +516,28 @@ __device__ __forceinline__ void att_split(AttSplit<D> &s, const unsigned (&qf)[D
 // counter_of is the (sequence, KV head) counter at the front of scratch.
 __device__ __forceinline__ int *counter_of(float *scratch, int i) { return reinterpret_cast<int *>(scratch) + i; }
 
+// att_idle tells a block with blockIdx.z > 0 that it has no work, before
+// the checks of att_locate: only a one-row tile (the row starts a tile of
+// rpb rows and is its sequence's last query row) spreads over z, and only
+// over the groups of 512 positions its sequence has. The grid is sized for
+// the longest sequence the cache allows, so at short contexts most blocks
+// leave here. Inputs that att_locate would refuse may read either way:
+// block z = 0 checks and reports them, and nothing is written for the row.
+__device__ __forceinline__ bool att_idle(const int *seqLens, const int *queryStart, int nseq, int rpb) {
+    const int row = blockIdx.x;
+    int lo = 0, hi = nseq + 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (queryStart[mid] > row) hi = mid;
+        else lo = mid + 1;
+    }
+    const int seq = lo - 1;
+    if (seq < 0 || seq >= nseq) return true;
+    const int local = row - queryStart[seq], nq = queryStart[seq + 1] - queryStart[seq];
+    if (local % rpb != 0 || nq - local != 1) return true;
+    return (long long)blockIdx.z * ATT_GROUPLEN >= (long long)seqLens[seq];
+}
+
 // att_tc: grid (query rows, KV heads, z), ATT_WARPS warps. A block whose
 // row starts a tile of its sequence (16 / GROUP rows a warp, ATT_WARPS warps)
 // serves the tile; other blocks exit. A one-row tile spreads its groups
@@ -533,6 +555,7 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
     static_assert(16 % GROUP == 0, "group");
     constexpr int RPW = 16 / GROUP;       // query rows a warp holds
     constexpr int RPB = ATT_WARPS * RPW;  // query rows a tile holds
+    if (blockIdx.z > 0 && att_idle(seqLens, queryStart, nseq, RPB)) return;
     AttRow r;
     if (!att_locate(err, pageTable, seqLens, queryStart, tq, pageSize, pages, nseq, maxPages, r)) return;
     const int kvh = blockIdx.y, z = blockIdx.z, nz = gridDim.z;
