@@ -269,26 +269,40 @@ func appendDeltaRecord(dst, old, new []byte) (out []byte, changed int) {
 	dst = append(dst, byte(form), 0, 0, 0)
 	dst = binary.LittleEndian.AppendUint32(dst, uint32(k))
 	at := len(dst)
-	if form == DeltaIndexList {
-		dst = append(dst, make([]byte, 2*k)...)
-		j := at
-		for i := 0; i < n; i++ {
-			if old[2*i] != new[2*i] || old[2*i+1] != new[2*i+1] {
-				binary.LittleEndian.PutUint16(dst[j:], uint16(i))
-				j += 2
-			}
+	idx := 2 * k
+	if form != DeltaIndexList {
+		idx = bitmapBytes(n)
+	}
+	dst = append(dst, make([]byte, idx+2*k)...)
+	// One pass, eight bytes at a time: unchanged words (most of a sparse
+	// delta) cost one compare; a changed element adds its index (or bit)
+	// and its value.
+	j, v := at, at+idx
+	emit := func(e int) {
+		if form == DeltaIndexList {
+			binary.LittleEndian.PutUint16(dst[j:], uint16(e))
+			j += 2
+		} else {
+			dst[at+e/8] |= 1 << (e % 8)
 		}
-	} else {
-		dst = append(dst, make([]byte, bitmapBytes(n))...)
-		for i := 0; i < n; i++ {
-			if old[2*i] != new[2*i] || old[2*i+1] != new[2*i+1] {
-				dst[at+i/8] |= 1 << (i % 8)
+		dst[v], dst[v+1] = new[2*e], new[2*e+1]
+		v += 2
+	}
+	i := 0
+	for ; i+4 <= n; i += 4 {
+		x := binary.LittleEndian.Uint64(old[2*i:]) ^ binary.LittleEndian.Uint64(new[2*i:])
+		if x == 0 {
+			continue
+		}
+		for e := range 4 {
+			if x>>(16*e)&0xffff != 0 {
+				emit(i + e)
 			}
 		}
 	}
-	for i := 0; i < n; i++ {
+	for ; i < n; i++ {
 		if old[2*i] != new[2*i] || old[2*i+1] != new[2*i+1] {
-			dst = append(dst, new[2*i], new[2*i+1])
+			emit(i)
 		}
 	}
 	return dst, k

@@ -220,7 +220,10 @@ func (d *DeltaSource) Names() []string {
 }
 
 // ReadAt reads stream bytes at off (io.ReaderAt), encoding the records it
-// covers. It may be called concurrently, until Close.
+// covers: the regions (and whole tensors) the range spans are encoded in
+// parallel, one goroutine a core, each into its own part of p, since a
+// chunk of a sparse delta stands for tens of megabytes of both
+// checkpoints. It may be called concurrently, until Close.
 func (d *DeltaSource) ReadAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, fmt.Errorf("refit: delta source: read at negative offset %d", off)
@@ -229,56 +232,105 @@ func (d *DeltaSource) ReadAt(p []byte, off int64) (int, error) {
 	if off < int64(len(d.head)) {
 		n = copy(p, d.head[off:])
 	}
-	// The first tensor ending after the next byte wanted.
+	// The pieces of the range: whole-tensor spans and delta regions, each
+	// with the part of p it fills.
+	var jobs []deltaJob
+	end := off + int64(len(p))
 	i := sort.Search(len(d.segs), func(i int) bool { return d.segs[i].off+d.segs[i].size > off+int64(n) })
-	for ; i < len(d.segs) && n < len(p); i++ {
-		seg := d.segs[i]
-		rel := off + int64(n) - seg.off
-		m, err := d.readSeg(seg, p[n:min(len(p), n+int(seg.size-rel))], rel)
-		n += m
-		if err != nil {
-			return n, err
-		}
-	}
-	if n < len(p) {
-		return n, io.EOF
-	}
-	return n, nil
-}
-
-// readSeg fills p with seg's bytes from rel on.
-func (d *DeltaSource) readSeg(seg deltaSeg, p []byte, rel int64) (int, error) {
-	if !seg.delta {
-		if err := d.next.readTensor(seg.next, p, rel); err != nil {
-			return 0, err
-		}
-		return len(p), nil
-	}
-	sc := d.scratch.Get().(*deltaScratch)
-	defer d.scratch.Put(sc)
-	n := 0
-	r := int64(sort.Search(len(seg.at)-1, func(r int) bool { return seg.at[r+1] > rel }))
-	for ; n < len(p); r++ {
-		if seg.at[r+1]-seg.at[r] == deltaRecordHeader {
-			// Nothing changed (the sizing pass counted): the record is
-			// its header, an empty index list, and neither side is read.
-			sc.rec = append(sc.rec[:0], make([]byte, deltaRecordHeader)...)
-			n += copy(p[n:], sc.rec[rel+int64(n)-seg.at[r]:])
+	for ; i < len(d.segs) && d.segs[i].off < end; i++ {
+		seg := &d.segs[i]
+		lo, hi := max(off, seg.off)-seg.off, min(end, seg.off+seg.size)-seg.off // the range in the tensor's bytes
+		if !seg.delta {
+			jobs = append(jobs, deltaJob{seg: seg, r: -1, from: lo, dst: p[seg.off+lo-off : seg.off+hi-off]})
 			continue
 		}
-		if err := d.region(sc, seg, r); err != nil {
-			return n, err
+		for r := int64(sort.Search(len(seg.at)-1, func(r int) bool { return seg.at[r+1] > lo })); r+1 < int64(len(seg.at)) && seg.at[r] < hi; r++ {
+			a, b := max(lo, seg.at[r]), min(hi, seg.at[r+1])
+			jobs = append(jobs, deltaJob{seg: seg, r: r, from: a - seg.at[r], dst: p[seg.off+a-off : seg.off+b-off]})
 		}
-		k := regionLen(seg.elems, r)
-		sc.rec, _ = appendDeltaRecord(sc.rec[:0], sc.old[:2*k], sc.new[:2*k])
-		if int64(len(sc.rec)) != seg.at[r+1]-seg.at[r] {
-			return n, fmt.Errorf("refit: delta source: tensor %s: region %d encodes to %d bytes, %d when the delta was assembled: a checkpoint changed",
-				d.next.tensors[seg.next].name, r, len(sc.rec), seg.at[r+1]-seg.at[r])
-		}
-		c := copy(p[n:], sc.rec[rel+int64(n)-seg.at[r]:])
-		n += c
 	}
-	return n, nil
+	covered := n
+	for _, j := range jobs {
+		covered += len(j.dst)
+	}
+	if err := d.runJobs(jobs); err != nil {
+		return 0, err
+	}
+	if covered < len(p) {
+		return covered, io.EOF
+	}
+	return covered, nil
+}
+
+// deltaJob is a piece of a ReadAt: region r of seg's records (r < 0: the
+// tensor's BF16 bytes), from byte from of the record (of the tensor) on,
+// into dst.
+type deltaJob struct {
+	seg  *deltaSeg
+	r    int64
+	from int64
+	dst  []byte
+}
+
+// runJobs runs the jobs, in parallel when there are several.
+func (d *DeltaSource) runJobs(jobs []deltaJob) error {
+	workers := min(runtime.GOMAXPROCS(0), len(jobs))
+	if workers <= 1 {
+		sc := d.scratch.Get().(*deltaScratch)
+		defer d.scratch.Put(sc)
+		for _, j := range jobs {
+			if err := d.job(sc, j); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var next atomic.Int64
+	errs := make([]error, workers)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			sc := d.scratch.Get().(*deltaScratch)
+			defer d.scratch.Put(sc)
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= len(jobs) {
+					return
+				}
+				if err := d.job(sc, jobs[i]); err != nil {
+					errs[w] = err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// job fills j.dst.
+func (d *DeltaSource) job(sc *deltaScratch, j deltaJob) error {
+	seg := j.seg
+	if j.r < 0 {
+		return d.next.readTensor(seg.next, j.dst, j.from)
+	}
+	if seg.at[j.r+1]-seg.at[j.r] == deltaRecordHeader {
+		// Nothing changed (the sizing pass counted): the record is its
+		// header, an empty index list, and neither side is read.
+		clear(j.dst)
+		return nil
+	}
+	if err := d.region(sc, *seg, j.r); err != nil {
+		return err
+	}
+	k := regionLen(seg.elems, j.r)
+	sc.rec, _ = appendDeltaRecord(sc.rec[:0], sc.old[:2*k], sc.new[:2*k])
+	if int64(len(sc.rec)) != seg.at[j.r+1]-seg.at[j.r] {
+		return fmt.Errorf("refit: delta source: tensor %s: region %d encodes to %d bytes, %d when the delta was assembled: a checkpoint changed",
+			d.next.tensors[seg.next].name, j.r, len(sc.rec), seg.at[j.r+1]-seg.at[j.r])
+	}
+	copy(j.dst, sc.rec[j.from:])
+	return nil
 }
 
 // Close closes both checkpoints. It is idempotent.

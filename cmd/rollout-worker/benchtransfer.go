@@ -108,6 +108,10 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 		}
 	}()
 
+	// Rows go out as versions complete: a run cut short keeps what it
+	// measured.
+	fmt.Fprintf(stdout, "\n%-8s %-10s %10s %9s %11s %7s %8s %9s %8s %10s %9s\n", "version", "kind", "stream MB", "prepare s",
+		"pub->commit s", "GB/s", "vs core", "commit ms", "copy ms", "requant ms", "pub RSS MiB")
 	var results []transferResult
 	var steps []float64
 	prev := full
@@ -118,30 +122,25 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			next.Steps = append([]float64(nil), steps...)
 			kind = fmt.Sprintf("delta %g%%", 100*c.deltas[i-1])
 		}
-		res, err := publishTimed(ctx, self, c, url, model, next, prev, i > 0, nc, logDir)
+		r, err := publishTimed(ctx, self, c, url, model, next, prev, i > 0, nc, logDir)
 		if err != nil {
 			return err
 		}
-		res.kind = kind
-		results = append(results, res)
-		if res.status.State != refit.StateApplied {
-			return fmt.Errorf("bench refit: version %d (%s): worker answered %s: %s", res.version, kind, res.status.State, res.status.Reason)
+		r.kind = kind
+		results = append(results, r)
+		if r.status.State != refit.StateApplied {
+			return fmt.Errorf("bench refit: version %d (%s): worker answered %s: %s", r.version, kind, r.status.State, r.status.Reason)
 		}
+		rate := float64(r.status.Bytes) / r.transfer.Seconds()
+		fmt.Fprintf(stdout, "%-8d %-10s %10.3f %9.2f %11.3f %7.3f %8.2f %9.1f %8.1f %10.1f %9s\n", r.version, r.kind,
+			float64(r.status.Bytes)/1e6, r.prepare.Seconds(), r.transfer.Seconds(), rate/1e9, rate/coreRate,
+			r.status.PhasesMS["commit"], r.status.PhasesMS["copy"], r.status.PhasesMS["requantize"], mib(r.publisherRSS))
 		prev = next
 	}
 	workerRSS, werr := worker.stop()
 	worker = nil
 	if werr != nil {
 		return werr
-	}
-
-	fmt.Fprintf(stdout, "\n%-8s %-10s %10s %9s %11s %7s %8s %9s %8s %10s %9s\n", "version", "kind", "stream MB", "prepare s",
-		"pub->commit s", "GB/s", "vs core", "commit ms", "copy ms", "requant ms", "pub RSS MiB")
-	for _, r := range results {
-		rate := float64(r.status.Bytes) / r.transfer.Seconds()
-		fmt.Fprintf(stdout, "%-8d %-10s %10.3f %9.2f %11.3f %7.3f %8.2f %9.1f %8.1f %10.1f %9s\n", r.version, r.kind,
-			float64(r.status.Bytes)/1e6, r.prepare.Seconds(), r.transfer.Seconds(), rate/1e9, rate/coreRate,
-			r.status.PhasesMS["commit"], r.status.PhasesMS["copy"], r.status.PhasesMS["requantize"], mib(r.publisherRSS))
 	}
 	fmt.Fprintf(stdout, "worker peak RSS: %s MiB\n", mib(workerRSS))
 	if len(results) > 0 && len(results[0].status.Layers) > 0 {
@@ -216,6 +215,7 @@ type benchWorker struct {
 	cmd  *exec.Cmd
 	log  *os.File
 	done chan error
+	rss  *rssWatch
 }
 
 // startBenchWorker starts `serve` on the preset and waits until it is
@@ -240,7 +240,7 @@ func startBenchWorker(ctx context.Context, self string, c transferConfig, url, m
 		log.Close()
 		return nil, fmt.Errorf("bench refit: start the worker: %w", err)
 	}
-	w := &benchWorker{cmd: cmd, log: log, done: make(chan error, 1)}
+	w := &benchWorker{cmd: cmd, log: log, done: make(chan error, 1), rss: watchRSS(cmd.Process.Pid)}
 	go func() { w.done <- cmd.Wait() }()
 	deadline := time.Now().Add(c.timeout)
 	for {
@@ -253,6 +253,7 @@ func startBenchWorker(ctx context.Context, self string, c transferConfig, url, m
 		}
 		select {
 		case err := <-w.done:
+			w.rss.Stop()
 			w.log.Close()
 			return nil, fmt.Errorf("bench refit: the worker exited before it was ready (%v); its log: %s", err, log.Name())
 		case <-ctx.Done():
@@ -270,6 +271,7 @@ func startBenchWorker(ctx context.Context, self string, c transferConfig, url, m
 // stop asks the worker to drain and exit, and returns its peak RSS.
 func (w *benchWorker) stop() (int64, error) {
 	defer w.log.Close()
+	peak := w.rss.Stop()
 	_ = w.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-w.done:
@@ -278,7 +280,7 @@ func (w *benchWorker) stop() (int64, error) {
 		<-w.done
 		return 0, errors.New("bench refit: the worker did not stop within 2 minutes of SIGTERM; killed")
 	}
-	return peakRSS(w.cmd.ProcessState), nil
+	return peak, nil
 }
 
 // publishTimed runs `publish` for one version and times it by the
@@ -328,14 +330,18 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	cmd := exec.CommandContext(ctx, self, args...)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
-	runErr := cmd.Run()
+	runErr := cmd.Start()
+	if runErr == nil {
+		rss := watchRSS(cmd.Process.Pid)
+		runErr = cmd.Wait()
+		res.publisherRSS = rss.Stop()
+	}
 	if err := os.WriteFile(filepath.Join(logDir, fmt.Sprintf("publish-%d.log", start.UnixNano())), out.Bytes(), 0o644); err != nil {
 		return res, fmt.Errorf("bench refit: %w", err)
 	}
 	if runErr != nil {
 		return res, fmt.Errorf("bench refit: publish %s: %w\n%s", next, runErr, out.String())
 	}
-	res.publisherRSS = peakRSS(cmd.ProcessState)
 	var at time.Time
 	select {
 	case at = <-announced:

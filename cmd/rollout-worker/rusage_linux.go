@@ -1,18 +1,66 @@
 package main
 
 import (
+	"bytes"
+	"fmt"
 	"os"
-	"syscall"
+	"strconv"
+	"sync/atomic"
+	"time"
 )
 
-// peakRSS is an exited process's peak resident memory in bytes (0 if
-// unknown).
-func peakRSS(ps *os.ProcessState) int64 {
-	if ps == nil {
-		return 0
+// rssWatch follows a running process's peak resident memory: VmHWM of
+// /proc/PID/status, polled until Stop. (The exited process's rusage is
+// no good for a child of a large process: Linux counts the parent's
+// resident pages at the child's exec in the child's maxrss.)
+type rssWatch struct {
+	pid  int
+	peak atomic.Int64
+	stop chan struct{}
+	done chan struct{}
+}
+
+// watchRSS starts following process pid.
+func watchRSS(pid int) *rssWatch {
+	w := &rssWatch{pid: pid, stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		t := time.NewTicker(50 * time.Millisecond)
+		defer t.Stop()
+		for {
+			w.sample()
+			select {
+			case <-w.stop:
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	return w
+}
+
+// sample reads VmHWM once; a process that has exited reads nothing.
+func (w *rssWatch) sample() {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", w.pid))
+	if err != nil {
+		return
 	}
-	if ru, ok := ps.SysUsage().(*syscall.Rusage); ok {
-		return ru.Maxrss << 10 // KiB on Linux
+	_, rest, ok := bytes.Cut(b, []byte("\nVmHWM:"))
+	if !ok {
+		return
 	}
-	return 0
+	line, _, _ := bytes.Cut(rest, []byte("\n"))
+	kb, err := strconv.ParseInt(string(bytes.TrimSpace(bytes.TrimSuffix(bytes.TrimSpace(line), []byte("kB")))), 10, 64)
+	if err == nil && kb<<10 > w.peak.Load() {
+		w.peak.Store(kb << 10)
+	}
+}
+
+// Stop ends the polling and returns the peak seen, in bytes (0: none).
+// Call it before waiting for the process, while its status can be read.
+func (w *rssWatch) Stop() int64 {
+	w.sample()
+	close(w.stop)
+	<-w.done
+	return w.peak.Load()
 }
