@@ -55,9 +55,9 @@ type liveSub struct {
 // subscribes to the model's version subjects and waits until the server has
 // the subscription. It retries with backoff until ctx ends: a worker that
 // starts while NATS is down waits for it, as it waits for the bucket.
-func (r *Receiver) subscribeLive(ctx context.Context) (*liveSub, error) {
+func (r *Receiver) subscribeLive(ctx context.Context, part int) (*liveSub, error) {
 	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 5*time.Second) {
-		l, err := r.trySubscribeLive(ctx)
+		l, err := r.trySubscribeLive(ctx, part)
 		if err == nil {
 			return l, nil
 		}
@@ -83,16 +83,17 @@ func liveOptions(nc *nats.Conn) nats.Options {
 	return opts
 }
 
-func (r *Receiver) trySubscribeLive(ctx context.Context) (*liveSub, error) {
+func (r *Receiver) trySubscribeLive(ctx context.Context, part int) (*liveSub, error) {
+	subjects := PartStreamSubjects(r.cfg.Model, part)
 	opts := r.liveOpts
 	nc, err := opts.Connect()
 	if err != nil {
 		return nil, fmt.Errorf("refit: receiver: connect for live chunks: %w", err)
 	}
-	sub, err := nc.SubscribeSync(StreamSubjects(r.cfg.Model))
+	sub, err := nc.SubscribeSync(subjects)
 	if err != nil {
 		nc.Close()
-		return nil, fmt.Errorf("refit: receiver: subscribe to %s: %w", StreamSubjects(r.cfg.Model), err)
+		return nil, fmt.Errorf("refit: receiver: subscribe to %s: %w", subjects, err)
 	}
 	// Unlimited messages, bounded bytes: chunk sizes vary with max_payload.
 	limit := r.cfg.MaxBytes
@@ -107,7 +108,7 @@ func (r *Receiver) trySubscribeLive(ctx context.Context) (*liveSub, error) {
 	defer cancel()
 	if err := nc.FlushWithContext(fctx); err != nil {
 		nc.Close()
-		return nil, fmt.Errorf("refit: receiver: subscribe to %s: flush: %w", StreamSubjects(r.cfg.Model), err)
+		return nil, fmt.Errorf("refit: receiver: subscribe to %s: flush: %w", subjects, err)
 	}
 	return &liveSub{nc: nc, sub: sub}, nil
 }
@@ -137,7 +138,8 @@ type feedChunk struct {
 // must call close.
 type chunkFeed struct {
 	r       *Receiver
-	a       Announce
+	a       Announce // the version, its part's subject, bytes and chunks in place of part 0's
+	part    int
 	subject string
 	log     *zap.Logger
 
@@ -161,10 +163,14 @@ type chunkFeed struct {
 	fromNet int // chunks taken live
 }
 
-// newFeed prepares the feed of version a: live first when live is given.
-func (r *Receiver) newFeed(a Announce, live *liveSub) *chunkFeed {
-	return &chunkFeed{r: r, a: a, subject: VersionSubject(r.cfg.Model, a.Version), live: live,
-		log: r.log.With(zap.Uint64("version", a.Version))}
+// newFeed prepares the feed of part of version a (a's subject, bytes and
+// chunks those of the part): live first when live is given.
+func (r *Receiver) newFeed(a Announce, part int, live *liveSub) *chunkFeed {
+	log := r.log.With(zap.Uint64("version", a.Version))
+	if part > 0 {
+		log = log.With(zap.Int("part", part))
+	}
+	return &chunkFeed{r: r, a: a, part: part, subject: PartSubject(r.cfg.Model, a.Version, part), live: live, log: log}
 }
 
 // close stops the stream consumer, if any, and discards what is left of
@@ -255,7 +261,7 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 		return c, nil, false, fmt.Sprintf("live subscription: %v", err)
 	}
 	if msg.Subject != f.subject {
-		if v, ok := versionOfSubject(f.r.cfg.Model, msg.Subject); ok && v > f.a.Version {
+		if v, ok := versionOfPartSubject(f.r.cfg.Model, f.part, msg.Subject); ok && v > f.a.Version {
 			// A later version has started: this one's live chunks are over.
 			f.live.stash = msg
 			return c, nil, false, fmt.Sprintf("version %d started live", v)
@@ -284,9 +290,10 @@ func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
 		f.drain = f.live
 	}
 	f.live = nil
-	stream, err := f.r.js.Stream(ctx, StreamName(f.r.cfg.Model))
+	name := PartStreamName(f.r.cfg.Model, f.part)
+	stream, err := f.r.js.Stream(ctx, name)
 	if err != nil {
-		return fmt.Errorf("stream %s: %w", StreamName(f.r.cfg.Model), err)
+		return fmt.Errorf("stream %s: %w", name, err)
 	}
 	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{f.subject}, DeliverPolicy: jetstream.DeliverAllPolicy}
 	if start, ok := f.startSeq(ctx, stream, seq); ok {
@@ -401,7 +408,7 @@ func (f *chunkFeed) drainLive() {
 		case err != nil:
 			return
 		}
-		if v, ok := versionOfSubject(f.r.cfg.Model, msg.Subject); ok && v > f.a.Version {
+		if v, ok := versionOfPartSubject(f.r.cfg.Model, f.part, msg.Subject); ok && v > f.a.Version {
 			l.stash = msg
 		}
 	}
@@ -409,7 +416,14 @@ func (f *chunkFeed) drainLive() {
 
 // versionOfSubject parses the version of a version subject of model.
 func versionOfSubject(model, subject string) (uint64, bool) {
-	rest, ok := strings.CutPrefix(subject, "refit."+model+".v.")
+	return versionOfPartSubject(model, 0, subject)
+}
+
+// versionOfPartSubject parses the version of a subject of part of model's
+// versions (PartSubject).
+func versionOfPartSubject(model string, part int, subject string) (uint64, bool) {
+	prefix := PartSubject(model, 0, part)
+	rest, ok := strings.CutPrefix(subject, prefix[:len(prefix)-1])
 	if !ok {
 		return 0, false
 	}

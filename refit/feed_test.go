@@ -159,7 +159,7 @@ func TestLiveOverflow(t *testing.T) {
 	nc := refittest.Connect(t, srv.URL())
 	r := &Receiver{nc: nc, liveOpts: liveOptions(nc), cfg: ReceiverConfig{Model: testModel, LiveIdle: 50 * time.Millisecond, MaxBytes: 64 << 10,
 		LivePendingBytes: 64 << 10}, log: zap.NewNop()}
-	l, err := r.subscribeLive(context.Background())
+	l, err := r.subscribeLive(context.Background(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}

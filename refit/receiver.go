@@ -63,6 +63,11 @@ type ReceiverConfig struct {
 	// one further above is rejected before it changes anything, so an
 	// unauthenticated client cannot use up the version numbers in one go.
 	MaxVersionStep uint64
+	// LiveParts is how many parts of a version (PROTOCOL.md, "Parts") the
+	// receiver follows live from the start, each on a connection of its
+	// own (default 1). A version of more parts subscribes to the rest when
+	// it is announced and reads what it missed of them from their streams.
+	LiveParts int
 }
 
 // DefaultMaxVersionStep is ReceiverConfig.MaxVersionStep's default.
@@ -89,7 +94,6 @@ type Receiver struct {
 	// deltas applies delta tensors (nil: the backend cannot, and versions
 	// holding them are rejected).
 	deltas  kernels.DeltaStager
-	batch   deltaBatch // delta records of the chunk being written
 	log     *zap.Logger
 	metrics *metrics
 
@@ -113,6 +117,10 @@ type Receiver struct {
 	dirty []span            // stack ranges a rejected version overwrote
 
 	live *liveSub // Run's live subscription to the version subjects
+	// lives[i] is Run's live subscription to part i's subjects (lives[0]
+	// is live), made at Run's start for LiveParts parts and when a version
+	// of more parts is announced.
+	lives []*liveSub
 
 	received   atomic.Int64  // bytes of the version being received
 	reports    atomic.Int64  // statuses reported so far
@@ -167,6 +175,9 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	cfg.LiveIdle = min(cfg.LiveIdle, cfg.ChunkTimeout)
 	if cfg.MaxVersionStep == 0 {
 		cfg.MaxVersionStep = DefaultMaxVersionStep
+	}
+	if cfg.LiveParts < 0 || cfg.LiveParts > MaxParts {
+		return nil, fmt.Errorf("refit: receiver: live parts %d: want 0 to %d", cfg.LiveParts, MaxParts)
 	}
 	if log == nil {
 		log = zap.NewNop()
@@ -241,20 +252,29 @@ func (r *Receiver) Run(ctx context.Context) error {
 	// a chunk of a version announced after it cannot be published before
 	// it, and chunks published while the worker still waits for the bucket
 	// or reads its current values wait in it (up to MaxBytes).
-	live, err := r.subscribeLive(ctx)
+	live, err := r.subscribeLive(ctx, 0)
 	if err != nil {
 		return err
 	}
-	r.live = live
+	r.live, r.lives = live, []*liveSub{live}
+	defer func() {
+		for _, l := range r.lives {
+			l.close()
+		}
+		r.live, r.lives = nil, nil
+	}()
+	for len(r.lives) < r.cfg.LiveParts {
+		l, err := r.subscribeLive(ctx, len(r.lives))
+		if err != nil {
+			return err
+		}
+		r.lives = append(r.lives, l)
+	}
 	select {
 	case <-r.liveReady: // an earlier Run
 	default:
 		close(r.liveReady)
 	}
-	defer func() {
-		r.live = nil
-		live.close()
-	}()
 	kv, err := r.bucket(ctx)
 	if err != nil {
 		return err
@@ -643,6 +663,19 @@ func (w *write) rewrites() bool { return w.delta == nil }
 // plan checks a parsed header against the model and decides where each
 // tensor goes. It reports every problem at once.
 func (r *Receiver) plan(h Header) ([]*write, error) {
+	ws, err := r.planTensors(h)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.checkWrites(ws); err != nil {
+		return nil, err
+	}
+	return ws, nil
+}
+
+// planTensors maps a header's tensors to the model's: every name known,
+// BF16 (or delta) of the right shape.
+func (r *Receiver) planTensors(h Header) ([]*write, error) {
 	var problems []string
 	var ws []*write
 	for _, t := range h.Tensors {
@@ -680,6 +713,12 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 		}
 		return nil, errors.New(strings.Join(problems, "; "))
 	}
+	return ws, nil
+}
+
+// checkWrites checks the writes of a whole version: no two write the same
+// weights, and every dirty range is rewritten.
+func (r *Receiver) checkWrites(ws []*write) error {
 	// Two tensors writing the same bytes (per-expert and fused, say) would
 	// make the result depend on their order.
 	spans := make([]span, len(ws))
@@ -692,7 +731,7 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 	for i := 1; i < len(spans); i++ {
 		p, s := spans[i-1], spans[i]
 		if p.buf == s.buf && s.off < p.off+p.len {
-			return nil, fmt.Errorf("tensors %q and %q write the same weights", p.name, s.name)
+			return fmt.Errorf("tensors %q and %q write the same weights", p.name, s.name)
 		}
 	}
 	// Dirty stack ranges must all be rewritten by this version: by whole
@@ -708,9 +747,9 @@ func (r *Receiver) plan(h Header) ([]*write, error) {
 		}
 	}
 	if len(missing) > 0 {
-		return nil, fmt.Errorf("%w: %d tensors left dirty by a rejected version are not rewritten (first: %s)", errNeedsFull, len(missing), missing[0])
+		return fmt.Errorf("%w: %d tensors left dirty by a rejected version are not rewritten (first: %s)", errNeedsFull, len(missing), missing[0])
 	}
-	return ws, nil
+	return nil
 }
 
 // addDirty records stack ranges a rejected version wrote. A range already
@@ -765,44 +804,251 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	}
 	defer mw.Stop()
 	vw := &versionWatch{r: r, kv: kv, updates: mw.Updates(), v: a.Version}
-	var ls *liveSub
-	if live {
-		ls = r.live
+	r.received.Store(0)
+	parts := a.PartList()
+	res := make([]partRecv, len(parts))
+	defer func() {
+		for _, p := range res {
+			if p.digest != nil {
+				p.digest.close()
+			}
+			if err != nil && len(p.wrote) > 0 {
+				r.addDirty(p.wrote)
+			}
+		}
+	}()
+	if len(parts) == 1 {
+		var ls *liveSub
+		if live {
+			ls = r.live
+		}
+		if err := r.receivePart(ctx, a, 0, ls, vw, nil, &res[0]); err != nil {
+			return err
+		}
+	} else if err := r.receiveParts(ctx, a, parts, live, vw, res); err != nil {
+		return err
 	}
-	feed := r.newFeed(a, ls)
+
+	// Every byte is in: the manifest must vouch for them.
+	m, err := r.awaitManifest(ctx, kv, vw, a.Version)
+	if err != nil {
+		return err
+	}
+	if m.Full != a.Full || m.Base != a.Base {
+		return fmt.Errorf("version %d: announced full=%v base=%d, the manifest says full=%v base=%d", a.Version, a.Full, a.Base, m.Full, m.Base)
+	}
+	if m.Model != a.Model || m.HeaderSHA256 != a.HeaderSHA256 {
+		return fmt.Errorf("version %d: announced model %s header sha256 %q, the manifest says model %s header sha256 %q",
+			a.Version, a.Model, a.HeaderSHA256, m.Model, m.HeaderSHA256)
+	}
+	var fromNet, fromJS int
+	for _, p := range res {
+		fromNet, fromJS = fromNet+p.fromNet, fromJS+p.fromJS
+	}
+	r.liveChunks.Store(int64(fromNet))
+	r.storedChunks.Store(int64(fromJS))
+	if m.Protocol != a.Protocol {
+		return fmt.Errorf("version %d: announced in protocol %d, the manifest is protocol %d", a.Version, a.Protocol, m.Protocol)
+	}
+	if m.ChunkBytes != a.ChunkBytes {
+		return fmt.Errorf("version %d: %w: manifest chunk_bytes %d, announced %d", a.Version, ErrProtocol, m.ChunkBytes, a.ChunkBytes)
+	}
+	if len(m.Parts) != len(a.Parts) {
+		return fmt.Errorf("version %d: %w: manifest of %d parts, announced %d", a.Version, ErrProtocol, len(m.PartList()), len(parts))
+	}
+	var total int64
+	for i, p := range res {
+		mp := Part{TotalBytes: m.TotalBytes, Chunks: m.Chunks, HeaderBytes: m.HeaderBytes, Tensors: m.Tensors, ChunkTableSHA256: m.Digest()}
+		if len(m.Parts) > 0 {
+			mp = m.Parts[i]
+		}
+		what := fmt.Sprintf("version %d", a.Version)
+		if len(parts) > 1 {
+			what = fmt.Sprintf("version %d, part %d", a.Version, i)
+		}
+		field, sum := "chunk table sha256", p.table.Sum()
+		streamSum, wantStream := "", ""
+		switch {
+		case a.Protocol == Protocol1:
+			field, sum = "sha256", p.digest.sum()
+		case p.digest != nil:
+			streamSum, wantStream = p.digest.sum(), m.StreamSHA256
+		}
+		if sum != mp.ChunkTableSHA256 || streamSum != wantStream || mp.TotalBytes != p.total || mp.Chunks != p.chunks {
+			err := fmt.Errorf("%s: %s %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
+				what, field, sum, p.total, p.chunks, mp.ChunkTableSHA256, mp.TotalBytes, mp.Chunks)
+			if streamSum != wantStream {
+				err = fmt.Errorf("%s: stream sha256 %s, the signed manifest says %s", what, streamSum, wantStream)
+			}
+			if fromNet > 0 {
+				return fmt.Errorf("%w: %w", errLiveDigest, err)
+			}
+			return err
+		}
+		// The manifest's account of the stream must be the stream's.
+		switch {
+		case mp.HeaderBytes != int(p.hdr.Len):
+			return fmt.Errorf("%s: %w: manifest header_bytes %d, the stream's header is %d bytes", what, ErrProtocol, mp.HeaderBytes, p.hdr.Len)
+		case mp.Tensors != len(p.hdr.Tensors):
+			return fmt.Errorf("%s: %w: manifest tensors %d, the stream's header holds %d", what, ErrProtocol, mp.Tensors, len(p.hdr.Tensors))
+		}
+		total += p.total
+	}
+	st.Bytes = total
+	receiveDone := time.Now()
+	r.log.Debug("refit: version received", zap.Uint64("version", a.Version), zap.Int("parts", len(parts)), zap.Int("live_chunks", fromNet),
+		zap.Int("stored_chunks", fromJS), zap.Duration("took", receiveDone.Sub(recvStart)))
+	var ws []*write
+	var wrote []span
+	for _, p := range res {
+		ws, wrote = append(ws, p.ws...), append(wrote, p.wrote...)
+	}
+	layers := r.receiveTimings(ws)
+	if err := r.commit(ctx, a.Version, ws, layers, st); err != nil {
+		return err
+	}
+	// The stacks now hold committed weights: nothing written is dirty, and
+	// earlier dirt this version rewrote is clean again.
+	r.dirty = slices.DeleteFunc(r.dirty, func(d span) bool {
+		return slices.ContainsFunc(wrote, func(w span) bool { return w.covers(d) })
+	})
+	for i := range res {
+		res[i].wrote = nil
+	}
+	st.PhasesMS["receive"] = ms(receiveDone.Sub(recvStart))
+	r.metrics.phase.WithLabelValues("receive").Observe(receiveDone.Sub(recvStart).Seconds())
+	return nil
+}
+
+// partRecv is one part of a version as received.
+type partRecv struct {
+	hdr    Header
+	ws     []*write
+	wrote  []span // stack ranges written in place
+	table  *ChunkTable
+	digest *digester // the whole stream's SHA-256: protocol 1, or a signed version
+	total  int64
+	chunks int
+
+	fromNet, fromJS int
+}
+
+// partsPlan holds back the parts of a version from writing until every
+// part's header is planned and the version's writes are checked as a
+// whole (no weights written twice, dirty ranges rewritten, a full
+// version's coverage): a bad header of any part rejects the version
+// before anything is written.
+type partsPlan struct {
+	r    *Receiver
+	full bool
+	mu   sync.Mutex
+	ws   [][]*write
+	left int
+	err  error
+	done chan struct{}
+}
+
+// ready hands in part i's writes and waits for the check of them all.
+func (pp *partsPlan) ready(ctx context.Context, i int, ws []*write) error {
+	pp.mu.Lock()
+	pp.ws[i] = ws
+	pp.left--
+	if pp.left == 0 {
+		var all []*write
+		for _, w := range pp.ws {
+			all = append(all, w...)
+		}
+		pp.err = pp.r.checkWrites(all)
+		if pp.err == nil && pp.full && !pp.r.isFull(all) {
+			pp.err = errors.New("its parts do not cover every weight of a full version")
+		}
+		close(pp.done)
+	}
+	pp.mu.Unlock()
+	select {
+	case <-pp.done:
+		return pp.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// receiveParts receives the parts of a protocol-3 version at once, each
+// from its own live subscription (made now for parts past those Run
+// holds) or its own stream. The first part to fail stops the others.
+func (r *Receiver) receiveParts(ctx context.Context, a Announce, parts []Part, live bool, vw *versionWatch, res []partRecv) error {
+	lives := make([]*liveSub, len(parts))
+	if live {
+		for len(r.lives) < len(parts) {
+			l, err := r.trySubscribeLive(ctx, len(r.lives))
+			if err != nil {
+				r.log.Warn("refit: no live subscription for a part; it is read from its stream", zap.Int("part", len(r.lives)), zap.Error(err))
+				break
+			}
+			r.lives = append(r.lives, l)
+		}
+		copy(lives, r.lives)
+	}
+	pctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	pp := &partsPlan{r: r, full: a.Full, ws: make([][]*write, len(parts)), left: len(parts), done: make(chan struct{})}
+	errs := make([]error, len(parts))
+	var wg sync.WaitGroup
+	for i, p := range parts {
+		pa := a
+		pa.Subject, pa.TotalBytes, pa.Chunks = p.Subject, p.TotalBytes, p.Chunks
+		w := vw
+		if i > 0 {
+			w = nil // one part follows the bucket; the others stop with it
+		}
+		wg.Go(func() {
+			if err := r.receivePart(pctx, pa, i, lives[i], w, pp, &res[i]); err != nil {
+				errs[i] = err
+				cancel()
+			}
+		})
+	}
+	wg.Wait()
+	// The part that failed first says why; the others only stopped.
+	for _, err := range errs {
+		if err != nil && !errors.Is(err, context.Canceled) {
+			return err
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// receivePart receives part i of version a (a's subject, bytes and chunks
+// are the part's): live from ls while it keeps up, else from the part's
+// stream; it checks every chunk, plans the part's header (with pp, the
+// version's other parts too), and writes the bytes to their tensors.
+func (r *Receiver) receivePart(ctx context.Context, a Announce, part int, ls *liveSub, vw *versionWatch, pp *partsPlan, res *partRecv) (err error) {
+	feed := r.newFeed(a, part, ls)
 	feed.watch = vw
-	defer feed.close()
+	defer func() {
+		feed.close()
+		res.fromNet, res.fromJS = feed.fromNet, feed.fromJS
+	}()
 	// The digest the manifest is checked against: the chunk table's
 	// SHA-256 (protocol 2; the entries come from chunks whose CRC-32C was
 	// checked against their payload), or for a protocol-1 version the
 	// SHA-256 of the whole stream, on a goroutine of its own.
-	table := NewChunkTable()
-	var digest *digester
+	res.table = NewChunkTable()
 	// A signed version's manifest also carries the whole stream's SHA-256
 	// (the chunk table binds chunks only by CRC-32C, which can be forged).
 	signed := r.cfg.Trust != nil
 	if a.Protocol == Protocol1 || signed {
-		digest = newDigester(8)
-		defer digest.close()
+		res.digest = newDigester(8) // receive closes it
 	}
-
-	r.batch.reset()
+	var batch deltaBatch
 	var (
-		hdr      Header
 		prefix   []byte // the stream's first bytes, until the header is parsed
 		parsed   bool   // the header is parsed and planned
-		ws       []*write
 		received int64
 		total    int64 = -1
 		chunks   int
 		next     int
-		wrote    []span // stack ranges written in place so far
 	)
-	defer func() {
-		if err != nil && len(wrote) > 0 {
-			r.addDirty(wrote)
-		}
-	}()
 	for total < 0 || received < total {
 		c, err := feed.next(ctx, expect{seq: next, offset: received, total: total, chunks: chunks})
 		if err != nil {
@@ -814,16 +1060,16 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		data := c.data
 		total, chunks = c.Total, c.Chunks
 		next++
-		table.Add(c.Offset, len(data), c.CRC)
-		if digest != nil {
-			if err := digest.write(ctx, data); err != nil {
+		res.table.Add(c.Offset, len(data), c.CRC)
+		if res.digest != nil {
+			if err := res.digest.write(ctx, data); err != nil {
 				return err
 			}
 		}
 		now := time.Now()
 		chunkStart := received
 		received += int64(len(data))
-		r.received.Store(received)
+		r.received.Add(int64(len(data)))
 		if !parsed {
 			// The header is read in place when the first chunk holds it
 			// whole (the usual case): copying a whole chunk into fresh
@@ -850,23 +1096,26 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 					return fmt.Errorf("version %d: header sha256 %x, the signed announcement says %s", a.Version, sum, a.HeaderSHA256)
 				}
 			}
-			if hdr, err = ParseHeader(head[8:8+n], total); err != nil {
+			if res.hdr, err = ParseHeader(head[8:8+n], total); err != nil {
 				return fmt.Errorf("version %d: %w", a.Version, err)
 			}
-			if ws, err = r.plan(hdr); err != nil {
-				if errors.Is(err, errNeedsFull) {
-					return err
-				}
+			if n := res.hdr.deltaTensors(); a.Full && n > 0 {
+				return fmt.Errorf("version %d: %w: announced full, it holds %d delta tensors (%s), which need their base", a.Version, ErrProtocol, n, DeltaDType)
+			}
+			if pp == nil {
+				res.ws, err = r.plan(res.hdr)
+			} else if res.ws, err = r.planTensors(res.hdr); err == nil {
+				err = pp.ready(ctx, part, res.ws)
+			}
+			switch {
+			case errors.Is(err, errNeedsFull) || errors.Is(err, context.Canceled):
+				return err
+			case err != nil:
 				return fmt.Errorf("version %d rejected: %w", a.Version, err)
 			}
 			parsed = true
-			if n := hdr.deltaTensors(); a.Full && n > 0 {
-				return fmt.Errorf("version %d: %w: announced full, it holds %d delta tensors (%s), which need their base", a.Version, ErrProtocol, n, DeltaDType)
-			}
-			if a.Full {
-				if !r.isFull(ws) {
-					return fmt.Errorf("version %d is announced full but does not cover every weight", a.Version)
-				}
+			if a.Full && pp == nil && !r.isFull(res.ws) {
+				return fmt.Errorf("version %d is announced full but does not cover every weight", a.Version)
 			}
 			// The data bytes that came with the header.
 			data, chunkStart = head[8+n:], 8+n
@@ -875,7 +1124,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 				continue
 			}
 		}
-		if err := r.scatter(ws, hdr, chunkStart, data, now, &wrote); err != nil {
+		if err := r.scatter(res.ws, res.hdr, chunkStart, data, now, &res.wrote, &batch); err != nil {
 			return fmt.Errorf("version %d: %w", a.Version, err)
 		}
 	}
@@ -885,74 +1134,13 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	if next != chunks {
 		return fmt.Errorf("version %d: %d chunks carried all %d bytes, the headers said %d", a.Version, next, total, chunks)
 	}
-	// Every byte is in: the manifest must vouch for them.
-	m, err := r.awaitManifest(ctx, kv, vw, a.Version)
-	if err != nil {
-		return err
-	}
-	if m.Full != a.Full || m.Base != a.Base {
-		return fmt.Errorf("version %d: announced full=%v base=%d, the manifest says full=%v base=%d", a.Version, a.Full, a.Base, m.Full, m.Base)
-	}
-	if m.Model != a.Model || m.HeaderSHA256 != a.HeaderSHA256 {
-		return fmt.Errorf("version %d: announced model %s header sha256 %q, the manifest says model %s header sha256 %q",
-			a.Version, a.Model, a.HeaderSHA256, m.Model, m.HeaderSHA256)
-	}
-	r.liveChunks.Store(int64(feed.fromNet))
-	r.storedChunks.Store(int64(feed.fromJS))
-	if m.Protocol != a.Protocol {
-		return fmt.Errorf("version %d: announced in protocol %d, the manifest is protocol %d", a.Version, a.Protocol, m.Protocol)
-	}
-	if m.ChunkBytes != a.ChunkBytes {
-		return fmt.Errorf("version %d: %w: manifest chunk_bytes %d, announced %d", a.Version, ErrProtocol, m.ChunkBytes, a.ChunkBytes)
-	}
-	field, sum := "chunk table sha256", table.Sum()
-	streamSum, wantStream := "", ""
-	switch {
-	case a.Protocol == Protocol1:
-		field, sum = "sha256", digest.sum()
-	case signed:
-		streamSum, wantStream = digest.sum(), m.StreamSHA256
-	}
-	if sum != m.Digest() || streamSum != wantStream || m.TotalBytes != total || m.Chunks != chunks {
-		err := fmt.Errorf("version %d: %s %s over %d bytes in %d chunks, the manifest says %s over %d in %d",
-			a.Version, field, sum, total, chunks, m.Digest(), m.TotalBytes, m.Chunks)
-		if streamSum != wantStream {
-			err = fmt.Errorf("version %d: stream sha256 %s, the signed manifest says %s", a.Version, streamSum, wantStream)
-		}
-		if feed.fromNet > 0 {
-			return fmt.Errorf("%w: %w", errLiveDigest, err)
-		}
-		return err
-	}
-	// The manifest's account of the stream must be the stream's.
-	switch {
-	case m.HeaderBytes != int(hdr.Len):
-		return fmt.Errorf("version %d: %w: manifest header_bytes %d, the stream's header is %d bytes", a.Version, ErrProtocol, m.HeaderBytes, hdr.Len)
-	case m.Tensors != len(hdr.Tensors):
-		return fmt.Errorf("version %d: %w: manifest tensors %d, the stream's header holds %d", a.Version, ErrProtocol, m.Tensors, len(hdr.Tensors))
-	}
-	st.Bytes = total
-	receiveDone := time.Now()
-	r.log.Debug("refit: version received", zap.Uint64("version", a.Version), zap.Int("live_chunks", feed.fromNet),
-		zap.Int("stored_chunks", feed.fromJS), zap.Duration("took", receiveDone.Sub(recvStart)))
-	layers := r.receiveTimings(ws)
-	if err := r.commit(ctx, a.Version, ws, layers, st); err != nil {
-		return err
-	}
-	// The stacks now hold committed weights: nothing written is dirty, and
-	// earlier dirt this version rewrote is clean again.
-	r.dirty = slices.DeleteFunc(r.dirty, func(d span) bool {
-		return slices.ContainsFunc(wrote, func(w span) bool { return w.covers(d) })
-	})
-	wrote = nil
-	st.PhasesMS["receive"] = ms(receiveDone.Sub(recvStart))
-	r.metrics.phase.WithLabelValues("receive").Observe(receiveDone.Sub(recvStart).Seconds())
+	res.total, res.chunks = total, chunks
 	return nil
 }
 
 // scatter writes the data bytes [at, at+len(data)) of the stream into the
 // tensors they belong to, checking every complete BF16 value for NaN/Inf.
-func (r *Receiver) scatter(ws []*write, h Header, at int64, data []byte, now time.Time, wrote *[]span) error {
+func (r *Receiver) scatter(ws []*write, h Header, at int64, data []byte, now time.Time, wrote *[]span, b *deltaBatch) error {
 	ds := h.DataStart()
 	// The first tensor overlapping the chunk (ws is in data order).
 	i := sort.Search(len(ws), func(i int) bool { return ds+ws[i].info.End > at })
@@ -963,7 +1151,7 @@ func (r *Receiver) scatter(ws []*write, h Header, at int64, data []byte, now tim
 		n := min(int64(len(data)), ds+w.info.End-at)
 		part := data[:n]
 		if w.isDelta() {
-			if err := r.scatterDelta(w, part, lo+n == w.info.End-w.info.Begin, wrote); err != nil {
+			if err := r.scatterDelta(w, part, lo+n == w.info.End-w.info.Begin, wrote, b); err != nil {
 				return fmt.Errorf("tensor %q: %w", w.info.Name, err)
 			}
 		} else {
@@ -983,7 +1171,7 @@ func (r *Receiver) scatter(ws []*write, h Header, at int64, data []byte, now tim
 		w.last = now
 		data, at = data[n:], at+n
 	}
-	return r.flushDeltas()
+	return r.flushDeltas(b)
 }
 
 // scatterDelta decodes the next bytes part of delta tensor w (last: its
@@ -992,7 +1180,7 @@ func (r *Receiver) scatter(ws []*write, h Header, at int64, data []byte, now tim
 // version is rejected), or into the tensor's staging buffer, which first
 // gets the served tensor, the base the records patch. The records of a
 // chunk go to the backend in batches, one per destination buffer.
-func (r *Receiver) scatterDelta(w *write, part []byte, last bool, wrote *[]span) error {
+func (r *Receiver) scatterDelta(w *write, part []byte, last bool, wrote *[]span, b *deltaBatch) error {
 	first := int64(w.target.Offset / 2)
 	err := w.delta.feed(part, func(rec deltaRecord, region int64) error {
 		if rec.count == 0 {
@@ -1013,13 +1201,12 @@ func (r *Receiver) scatterDelta(w *write, part []byte, last bool, wrote *[]span)
 		if w.target.IsExpert() {
 			w.markExperts(rec, region, n)
 		}
-		if r.batch.dst != w.dst {
-			if err := r.flushDeltas(); err != nil {
+		if b.dst != w.dst {
+			if err := r.flushDeltas(b); err != nil {
 				return err
 			}
-			r.batch.dst = w.dst
+			b.dst = w.dst
 		}
-		b := &r.batch
 		var sp kernels.DeltaSpan
 		sp, b.masks, b.values = rec.span(first, region, n, b.masks, b.values)
 		b.spans = append(b.spans, sp)
@@ -1066,8 +1253,7 @@ func (b *deltaBatch) reset() {
 }
 
 // flushDeltas writes the records gathered.
-func (r *Receiver) flushDeltas() error {
-	b := &r.batch
+func (r *Receiver) flushDeltas(b *deltaBatch) error {
 	if len(b.spans) == 0 {
 		b.reset()
 		return nil

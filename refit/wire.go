@@ -29,8 +29,16 @@ const ProtocolVersion = 2
 // whole stream instead of the chunk table's (see PROTOCOL.md, "Manifest").
 const Protocol1 = 1
 
+// ProtocolParts is protocol 2 with the version split into parts, each a
+// stream of its own published over its own connection (PROTOCOL.md,
+// "Parts"): what a publisher speaks for a version of more than one part.
+const ProtocolParts = 3
+
+// MaxParts bounds the parts of a version.
+const MaxParts = 16
+
 // knownProtocol reports whether p is a protocol this package reads.
-func knownProtocol(p int) bool { return p == Protocol1 || p == ProtocolVersion }
+func knownProtocol(p int) bool { return p == Protocol1 || p == ProtocolVersion || p == ProtocolParts }
 
 // NATS headers of a chunk.
 const (
@@ -69,6 +77,33 @@ func VersionSubject(model string, v uint64) string {
 func StatusSubject(model string) string { return "refit." + model + ".status" }
 func MsgID(model string, v uint64, seq int) string {
 	return model + "." + strconv.FormatUint(v, 10) + "." + strconv.Itoa(seq)
+}
+
+// Names of part i of a version (PROTOCOL.md, "Parts"): part 0 is published
+// as a protocol-2 version's stream; part i >= 1 in a stream of its own.
+func PartStreamName(model string, i int) string {
+	if i == 0 {
+		return StreamName(model)
+	}
+	return StreamName(model) + "_P" + strconv.Itoa(i)
+}
+func PartStreamSubjects(model string, i int) string {
+	if i == 0 {
+		return StreamSubjects(model)
+	}
+	return "refit." + model + ".p" + strconv.Itoa(i) + ".v.*"
+}
+func PartSubject(model string, v uint64, i int) string {
+	if i == 0 {
+		return VersionSubject(model, v)
+	}
+	return "refit." + model + ".p" + strconv.Itoa(i) + ".v." + strconv.FormatUint(v, 10)
+}
+func PartMsgID(model string, v uint64, i, seq int) string {
+	if i == 0 {
+		return MsgID(model, v, seq)
+	}
+	return model + "." + strconv.FormatUint(v, 10) + ".p" + strconv.Itoa(i) + "." + strconv.Itoa(seq)
 }
 
 // Keys of the bucket.
@@ -123,8 +158,10 @@ func ParseChunk(h nats.Header, payloadLen int) (Chunk, error) {
 		c.Protocol = Protocol1
 	case "2":
 		c.Protocol = ProtocolVersion
+	case "3":
+		c.Protocol = ProtocolParts
 	default:
-		return bad("protocol %q, want %d or %d", p, Protocol1, ProtocolVersion)
+		return bad("protocol %q, want %d, %d or %d", p, Protocol1, ProtocolVersion, ProtocolParts)
 	}
 	if c.Version, err = strconv.ParseUint(h.Get(HeaderVersion), 10, 64); err != nil || c.Version == 0 {
 		return bad("version %q", h.Get(HeaderVersion))
@@ -196,6 +233,30 @@ type Announce struct {
 	// signature, and these stay empty.
 	SignedBy  string `json:"signed_by,omitempty"`
 	Signature string `json:"signature,omitempty"`
+	// Parts lists the parts of a protocol-3 version, part 0 first (its
+	// subject, total_bytes and chunks are also the fields above); absent
+	// in protocols 1 and 2 (PROTOCOL.md, "Parts").
+	Parts []Part `json:"parts,omitempty"`
+}
+
+// Part is one part of a protocol-3 version. An announcement's parts carry
+// the first three fields; a manifest's parts all of them.
+type Part struct {
+	Subject          string `json:"subject"`
+	TotalBytes       int64  `json:"total_bytes"`
+	Chunks           int    `json:"chunks"`
+	HeaderBytes      int    `json:"header_bytes,omitempty"`
+	Tensors          int    `json:"tensors,omitempty"`
+	ChunkTableSHA256 string `json:"chunk_table_sha256,omitempty"`
+}
+
+// PartList returns the version's parts: Parts, or for a version of one
+// part (protocols 1 and 2) that part, from the top-level fields.
+func (a Announce) PartList() []Part {
+	if len(a.Parts) > 0 {
+		return a.Parts
+	}
+	return []Part{{Subject: a.Subject, TotalBytes: a.TotalBytes, Chunks: a.Chunks}}
 }
 
 // Manifest is the bucket's "manifest" value: the newest complete version.
@@ -256,6 +317,26 @@ func (a Announce) check(what string) error {
 		return fmt.Errorf("%w: %s: %d chunks of %d bytes for %d bytes", ErrProtocol, what, a.Chunks, a.ChunkBytes, a.TotalBytes)
 	case a.HeaderSHA256 != "" && !isSHA256Hex(a.HeaderSHA256):
 		return fmt.Errorf("%w: %s: header_sha256 %q: want 64 lowercase hex digits", ErrProtocol, what, a.HeaderSHA256)
+	case a.Protocol != ProtocolParts && a.Parts != nil:
+		return fmt.Errorf("%w: %s: protocol %d with parts: parts are protocol %d", ErrProtocol, what, a.Protocol, ProtocolParts)
+	case a.Protocol == ProtocolParts && (len(a.Parts) < 2 || len(a.Parts) > MaxParts):
+		return fmt.Errorf("%w: %s: protocol %d with %d parts: want 2 to %d", ErrProtocol, what, a.Protocol, len(a.Parts), MaxParts)
+	}
+	var sum int64
+	for i, pt := range a.Parts {
+		switch {
+		case pt.Subject != PartSubject(a.Model, a.Version, i):
+			return fmt.Errorf("%w: %s: part %d: subject %q, want %q", ErrProtocol, what, i, pt.Subject, PartSubject(a.Model, a.Version, i))
+		case pt.TotalBytes <= 8 || pt.TotalBytes > MaxStreamBytes:
+			return fmt.Errorf("%w: %s: part %d: total bytes %d", ErrProtocol, what, i, pt.TotalBytes)
+		case int64(pt.Chunks) != (pt.TotalBytes+int64(a.ChunkBytes)-1)/int64(a.ChunkBytes):
+			return fmt.Errorf("%w: %s: part %d: %d chunks of %d bytes for %d bytes", ErrProtocol, what, i, pt.Chunks, a.ChunkBytes, pt.TotalBytes)
+		case i == 0 && (pt.TotalBytes != a.TotalBytes || pt.Chunks != a.Chunks):
+			return fmt.Errorf("%w: %s: part 0 of %d bytes in %d chunks, the version's fields say %d in %d", ErrProtocol, what, pt.TotalBytes, pt.Chunks, a.TotalBytes, a.Chunks)
+		}
+		if sum += pt.TotalBytes; sum > MaxStreamBytes {
+			return fmt.Errorf("%w: %s: parts of more than %d bytes", ErrProtocol, what, MaxStreamBytes)
+		}
 	}
 	return nil
 }
@@ -345,6 +426,21 @@ func ParseManifest(b []byte) (Manifest, error) {
 	}
 	if m.StreamSHA256 != "" && !isSHA256Hex(m.StreamSHA256) {
 		return m, fmt.Errorf("%w: manifest: stream_sha256 %q: want 64 lowercase hex digits", ErrProtocol, m.StreamSHA256)
+	}
+	if m.Protocol == ProtocolParts && m.StreamSHA256 != "" {
+		return m, fmt.Errorf("%w: manifest: protocol %d carries stream_sha256: parts are not signed", ErrProtocol, m.Protocol)
+	}
+	for i, pt := range m.Parts {
+		switch {
+		case pt.HeaderBytes < 2 || pt.HeaderBytes > MaxHeaderBytes:
+			return m, fmt.Errorf("%w: manifest: part %d: header_bytes %d: want 2 to %d", ErrProtocol, i, pt.HeaderBytes, MaxHeaderBytes)
+		case pt.Tensors < 1 || pt.Tensors > MaxTensors:
+			return m, fmt.Errorf("%w: manifest: part %d: tensors %d: want 1 to %d", ErrProtocol, i, pt.Tensors, MaxTensors)
+		case !isSHA256Hex(pt.ChunkTableSHA256):
+			return m, fmt.Errorf("%w: manifest: part %d: chunk_table_sha256 %q: want 64 lowercase hex digits", ErrProtocol, i, pt.ChunkTableSHA256)
+		case i == 0 && (pt.HeaderBytes != m.HeaderBytes || pt.Tensors != m.Tensors || pt.ChunkTableSHA256 != m.ChunkTableSHA256):
+			return m, fmt.Errorf("%w: manifest: part 0 differs from the version's header_bytes, tensors and chunk_table_sha256", ErrProtocol)
+		}
 	}
 	return m, nil
 }

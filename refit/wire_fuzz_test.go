@@ -106,7 +106,7 @@ func FuzzParseAnnounce(f *testing.F) {
 			t.Fatal(err)
 		}
 		again, err := ParseAnnounce(b)
-		if err != nil || again != a {
+		if err != nil || !reflect.DeepEqual(again, a) {
 			t.Fatalf("round trip of %+v through %s: %+v, %v", a, b, again, err)
 		}
 	})
@@ -172,7 +172,7 @@ func FuzzParseManifest(f *testing.F) {
 			t.Fatalf("round trip of %+v through %s: %+v, %v", m, b, again, err)
 		}
 		again.PublishedAt = m.PublishedAt
-		if again != m {
+		if !reflect.DeepEqual(again, m) {
 			t.Fatalf("round trip of %+v through %s: %+v", m, b, again)
 		}
 	})
