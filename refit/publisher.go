@@ -70,6 +70,14 @@ type PublisherConfig struct {
 	// server's memory or disk at the price of those workers answering
 	// needs_full until the next version (PROTOCOL.md, "JetStream objects").
 	MaxStreamBytes int64
+	// Parts splits every version of more than one tensor into this many
+	// parts (at tensor boundaries, of about equal bytes), each a stream
+	// of its own published over a NATS connection of its own at once
+	// (PROTOCOL.md, "Parts"): protocol 3, for more than one connection's
+	// throughput. 0 or 1: one part, protocol 2. At most MaxParts; not
+	// with Signer. The extra connections take the options of the one
+	// NewPublisher is given; MaxInflightBytes bounds each.
+	Parts int
 	// PublishTimeout bounds the wait for one acknowledgement and one
 	// JetStream API call (default DefaultPublishTimeout); after it the
 	// operation is retried.
@@ -92,8 +100,11 @@ type Publisher struct {
 	cfg PublisherConfig
 	log *zap.Logger
 
-	mu   sync.Mutex // held by Publish
-	free [][]byte   // chunk buffers for reuse by the next Publish (under mu)
+	mu sync.Mutex // held by Publish
+	// conns publish the parts of a version: conns[0] is nc and js, the
+	// others the connections made for Parts. Each keeps its chunk buffers
+	// for reuse by the next Publish (under mu).
+	conns []*partConn
 
 	// The workers' statuses on the versions this Publisher announced, the
 	// last few of them, by version and worker (PROTOCOL.md, "After a
@@ -109,6 +120,14 @@ type Publisher struct {
 	// protocol is what Publish speaks: ProtocolVersion, or Protocol1 in
 	// tests that play an older publisher.
 	protocol int
+}
+
+// partConn is a connection that publishes one part of each version.
+type partConn struct {
+	nc   *nats.Conn
+	js   jetstream.JetStream
+	own  bool     // made by the Publisher, closed by Close
+	free [][]byte // chunk buffers for reuse
 }
 
 // NewPublisher checks cfg, fills in its defaults and returns a Publisher
@@ -164,22 +183,57 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 	if cfg.PublishTimeout == 0 {
 		cfg.PublishTimeout = DefaultPublishTimeout
 	}
+	switch {
+	case cfg.Parts < 0 || cfg.Parts > MaxParts:
+		return fail("parts %d: want 0 to %d", cfg.Parts, MaxParts)
+	case cfg.Parts > 1 && cfg.Signer != nil:
+		return fail("a signing publisher publishes versions of one part (parts are not signed)")
+	}
+	cfg.Parts = max(cfg.Parts, 1)
 	// The window, not the library, bounds what is pending: leave it room.
 	maxPending := cfg.MaxInflightBytes/int64(cfg.ChunkBytes) + 2
-	js, err := jetstream.New(nc,
-		jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
-		jetstream.WithPublishAsyncMaxPending(int(min(maxPending, 1<<30))),
-		jetstream.WithDefaultTimeout(cfg.PublishTimeout))
+	newJS := func(nc *nats.Conn) (jetstream.JetStream, error) {
+		return jetstream.New(nc,
+			jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
+			jetstream.WithPublishAsyncMaxPending(int(min(maxPending, 1<<30))),
+			jetstream.WithDefaultTimeout(cfg.PublishTimeout))
+	}
+	js, err := newJS(nc)
 	if err != nil {
 		return fail("jetstream: %v", err)
 	}
 	p := &Publisher{nc: nc, js: js, cfg: cfg, log: log.With(zap.String("model", cfg.Model)), protocol: ProtocolVersion,
-		outcomes: map[uint64]map[string]Status{}}
+		outcomes: map[uint64]map[string]Status{}, conns: []*partConn{{nc: nc, js: js}}}
+	for i := 1; i < cfg.Parts; i++ {
+		opts := liveOptions(nc)
+		opts.Name = strings.TrimSpace(nc.Opts.Name + " refit-part-" + strconv.Itoa(i))
+		pc, err := opts.Connect()
+		if err == nil {
+			var pjs jetstream.JetStream
+			if pjs, err = newJS(pc); err == nil {
+				p.conns = append(p.conns, &partConn{nc: pc, js: pjs, own: true})
+				continue
+			}
+			pc.Close()
+		}
+		p.closeConns()
+		return fail("connection for part %d: %v", i, err)
+	}
 	// Statuses are not stored: listen from the start.
 	if p.statusSub, err = nc.Subscribe(StatusSubject(cfg.Model), p.noteStatus); err != nil {
+		p.closeConns()
 		return fail("subscribe to %s: %v", StatusSubject(cfg.Model), err)
 	}
 	return p, nil
+}
+
+// closeConns closes the connections the Publisher made.
+func (p *Publisher) closeConns() {
+	for _, c := range p.conns {
+		if c.own {
+			c.nc.Close()
+		}
+	}
 }
 
 // ErrFullVersionNeeded refuses a partial version where PROTOCOL.md ("After
@@ -220,6 +274,7 @@ func (p *Publisher) expectStatuses(version uint64) {
 // the check that needs them. It is idempotent; closing the connection does
 // as much.
 func (p *Publisher) Close() error {
+	p.closeConns()
 	if err := p.statusSub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrBadSubscription) && !errors.Is(err, nats.ErrConnectionClosed) {
 		return fmt.Errorf("refit: publisher of model %s: %w", p.cfg.Model, err)
 	}
@@ -405,6 +460,25 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		HeaderBytes: int(hdr.Len),
 		Tensors:     len(hdr.Tensors),
 	}
+	// A version of parts (protocol 3): the top-level fields are part 0's.
+	var parts []*partSource
+	if p.cfg.Parts > 1 && p.protocol == ProtocolVersion {
+		if parts, err = splitParts(src, hdr, p.cfg.Parts); err != nil {
+			return Manifest{}, err
+		}
+	}
+	for i, ps := range parts {
+		n := (ps.size + chunkBytes - 1) / chunkBytes
+		if n > 1<<31-1 {
+			return Manifest{}, fmt.Errorf("part %d: %d chunks of %d bytes: too many", i, n, chunkBytes)
+		}
+		m.Parts = append(m.Parts, Part{Subject: PartSubject(model, version, i), TotalBytes: ps.size, Chunks: int(n),
+			HeaderBytes: len(ps.head) - 8, Tensors: ps.tensors})
+	}
+	if len(parts) > 0 {
+		m.Protocol, m.TotalBytes, m.Chunks = ProtocolParts, m.Parts[0].TotalBytes, m.Parts[0].Chunks
+		m.HeaderBytes, m.Tensors = m.Parts[0].HeaderBytes, m.Parts[0].Tensors
+	}
 	if p.cfg.Signer != nil {
 		if p.protocol != ProtocolVersion {
 			return Manifest{}, fmt.Errorf("protocol %d versions cannot be signed", p.protocol)
@@ -442,12 +516,22 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 			return Manifest{}, fmt.Errorf("a delta on version %d, but the newest version published is %d: compute the delta against that version's weights, or publish a full version", *deltaBase, prev)
 		}
 	}
-	subjects, err := p.subjects(ctx, stream)
-	if err != nil {
-		return Manifest{}, err
+	streams := []jetstream.Stream{stream}
+	for i := 1; i < len(parts); i++ {
+		ps, err := p.ensurePartStream(ctx, i)
+		if err != nil {
+			return Manifest{}, err
+		}
+		streams = append(streams, ps)
 	}
-	if n := subjects[m.Subject]; n > 0 {
-		return Manifest{}, fmt.Errorf("subject %s already holds %d chunks (an earlier attempt?): publish a newer version", m.Subject, n)
+	for i, st := range streams {
+		subjects, err := p.subjects(ctx, st, i)
+		if err != nil {
+			return Manifest{}, err
+		}
+		if subj := PartSubject(model, version, i); subjects[subj] > 0 {
+			return Manifest{}, fmt.Errorf("subject %s already holds %d chunks (an earlier attempt?): publish a newer version", subj, subjects[subj])
+		}
 	}
 	if version == announced {
 		return Manifest{}, fmt.Errorf("version %d was announced already (an attempt that did not finish?): workers that saw it take the number as used; publish a newer version", version)
@@ -455,8 +539,8 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 
 	p.expectStatuses(version)
 	log := p.log.With(zap.Uint64("version", version))
-	log.Info("refit: publishing", zap.Int64("bytes", size), zap.Int("chunks", m.Chunks), zap.Int("chunk_bytes", m.ChunkBytes),
-		zap.Int("tensors", m.Tensors), zap.Bool("full", full), zap.Uint64("previous", prev))
+	log.Info("refit: publishing", zap.Int64("bytes", size), zap.Int("parts", max(len(parts), 1)), zap.Int("chunks", m.Chunks),
+		zap.Int("chunk_bytes", m.ChunkBytes), zap.Int("tensors", m.Tensors), zap.Bool("full", full), zap.Uint64("previous", prev))
 	if p.cfg.Signer != nil {
 		if err := p.cfg.Signer.SignAnnounce(&m.Announce); err != nil {
 			return Manifest{}, err
@@ -467,9 +551,16 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 	}
 	// The announcement's signature is its own: the manifest is signed below.
 	m.Announce.SignedBy, m.Announce.Signature = "", ""
-	sum, streamSum, err := p.sendChunks(ctx, log, version, src, size)
-	if err != nil {
-		return Manifest{}, err
+	var sum, streamSum string
+	if len(parts) == 0 {
+		if sum, streamSum, err = p.sendChunks(ctx, log, version, src, size); err != nil {
+			return Manifest{}, err
+		}
+	} else {
+		if err := p.sendParts(ctx, log, version, parts, m.Parts); err != nil {
+			return Manifest{}, err
+		}
+		sum = m.Parts[0].ChunkTableSHA256
 	}
 	if p.protocol == Protocol1 {
 		m.SHA256 = sum
@@ -492,10 +583,63 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 
 	// Retention is housekeeping: the version is out, so a failure is only
 	// logged.
-	if err := p.purgeOld(ctx, stream, version, prev); err != nil {
-		log.Warn("refit: purge old versions", zap.Error(err))
+	for i, st := range streams {
+		if err := p.purgeOld(ctx, st, i, version, prev); err != nil {
+			log.Warn("refit: purge old versions", zap.Int("part", i), zap.Error(err))
+		}
 	}
 	return m, nil
+}
+
+// sendParts publishes the parts at once, each over its connection, and
+// fills in their chunk tables' digests. The first to fail stops the
+// others.
+func (p *Publisher) sendParts(ctx context.Context, log *zap.Logger, version uint64, parts []*partSource, out []Part) error {
+	pctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errs := make([]error, len(parts))
+	var wg sync.WaitGroup
+	for i, ps := range parts {
+		wg.Go(func() {
+			sum, _, err := p.sendPart(pctx, log.With(zap.Int("part", i)), ProtocolParts, i, version, ps, ps.size)
+			if err != nil {
+				errs[i] = fmt.Errorf("part %d: %w", i, err)
+				cancel()
+				return
+			}
+			out[i].ChunkTableSHA256 = sum
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil && !errors.Is(err, context.Canceled) {
+			return err
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// ensurePartStream creates or updates the stream of part i >= 1.
+func (p *Publisher) ensurePartStream(ctx context.Context, i int) (jetstream.Stream, error) {
+	want := p.streamConfig()
+	want.Name, want.Subjects = PartStreamName(p.cfg.Model, i), []string{PartStreamSubjects(p.cfg.Model, i)}
+	want.Description = fmt.Sprintf("refit versions of model %s, part %d (PROTOCOL.md)", p.cfg.Model, i)
+	var stream jetstream.Stream
+	err := p.retry(ctx, "look up stream "+want.Name, func(ctx context.Context) (err error) {
+		stream, err = p.js.Stream(ctx, want.Name)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			stream, err = nil, nil
+		}
+		return err
+	})
+	if err != nil || (stream != nil && sameStreamSettings(stream.CachedInfo().Config, want)) {
+		return stream, err
+	}
+	err = p.retry(ctx, "create or update stream "+want.Name, func(ctx context.Context) (err error) {
+		stream, err = p.js.CreateOrUpdateStream(ctx, want)
+		return err
+	})
+	return stream, err
 }
 
 // readHeader reads and checks the safetensors header at the start of src.
@@ -860,11 +1004,12 @@ func (p *Publisher) previousSigned(ctx context.Context, kv jetstream.KeyValue) (
 	return prev, unsigned, err
 }
 
-// subjects returns the message count of every version subject in the stream.
-func (p *Publisher) subjects(ctx context.Context, stream jetstream.Stream) (map[string]uint64, error) {
+// subjects returns the message count of every version subject in the
+// stream of part.
+func (p *Publisher) subjects(ctx context.Context, stream jetstream.Stream, part int) (map[string]uint64, error) {
 	var subjects map[string]uint64
 	err := p.retry(ctx, "list the stream's subjects", func(ctx context.Context) error {
-		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(StreamSubjects(p.cfg.Model)))
+		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(PartStreamSubjects(p.cfg.Model, part)))
 		if err != nil {
 			return err
 		}
@@ -888,12 +1033,12 @@ func (p *Publisher) put(ctx context.Context, kv jetstream.KeyValue, key string, 
 
 // purgeOld purges the subjects of every version below version but prev,
 // so that the stream keeps the newest two complete versions.
-func (p *Publisher) purgeOld(ctx context.Context, stream jetstream.Stream, version, prev uint64) error {
-	subjects, err := p.subjects(ctx, stream)
+func (p *Publisher) purgeOld(ctx context.Context, stream jetstream.Stream, part int, version, prev uint64) error {
+	subjects, err := p.subjects(ctx, stream, part)
 	if err != nil {
 		return err
 	}
-	prefix := VersionSubject(p.cfg.Model, 0)
+	prefix := PartSubject(p.cfg.Model, 0, part)
 	prefix = prefix[:len(prefix)-1]
 	var old []string
 	for subj := range subjects {
@@ -1006,8 +1151,16 @@ type inflightChunk struct {
 // an error or the ack timeout), and publishing resumes at the failed chunk:
 // chunks the stream did store are acknowledged again as duplicates.
 func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uint64, src io.ReaderAt, size int64) (tableSum, streamSum string, err error) {
+	return p.sendPart(ctx, log, p.protocol, 0, version, src, size)
+}
+
+// sendPart publishes part (0: the version's only part, or its first) of
+// a version in protocol proto over the part's connection, as sendChunks
+// says.
+func (p *Publisher) sendPart(ctx context.Context, log *zap.Logger, proto, part int, version uint64, src io.ReaderAt, size int64) (tableSum, streamSum string, err error) {
 	model := p.cfg.Model
-	subject := VersionSubject(model, version)
+	pc := p.conns[part]
+	subject := PartSubject(model, version, part)
 	chunkBytes := int64(p.cfg.ChunkBytes)
 	nChunks := int((size + chunkBytes - 1) / chunkBytes)
 	chunkLen := func(seq int) int { return int(min(chunkBytes, size-int64(seq)*chunkBytes)) }
@@ -1043,8 +1196,8 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 	// again by itself until then). Fresh memory for every chunk costs a page
 	// fault every 4 KiB, several microseconds each on the development VM:
 	// page faults were a large share of a version's CPU time.
-	free := p.free
-	defer func() { p.free = free }()
+	free := pc.free
+	defer func() { pc.free = free }()
 	// fail handles a failed chunk: it awaits the other chunks in flight
 	// (each ends with an ack, an error or the ack timeout), backs off and
 	// rewinds to the oldest chunk not acknowledged in order.
@@ -1089,12 +1242,12 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 				return "", "", fmt.Errorf("read chunk %d: %w", next, err)
 			}
 			crc := CRC32C(buf)
-			h := Chunk{Protocol: p.protocol, Version: version, Seq: next, Offset: off, Total: size, Chunks: nChunks, CRC: crc}.Header()
-			h.Set(jetstream.MsgIDHeader, MsgID(model, version, next))
+			h := Chunk{Protocol: proto, Version: version, Seq: next, Offset: off, Total: size, Chunks: nChunks, CRC: crc}.Header()
+			h.Set(jetstream.MsgIDHeader, PartMsgID(model, version, part, next))
 			if next > 0 {
-				h.Set(jetstream.ExpectedLastMsgIDHeader, MsgID(model, version, next-1))
+				h.Set(jetstream.ExpectedLastMsgIDHeader, PartMsgID(model, version, part, next-1))
 			}
-			fut, err := p.js.PublishMsgAsync(&nats.Msg{Subject: subject, Header: h, Data: buf})
+			fut, err := pc.js.PublishMsgAsync(&nats.Msg{Subject: subject, Header: h, Data: buf})
 			if err != nil {
 				// Not sent: nothing of it is in flight.
 				if err := fail(next, err, queue); err != nil {

@@ -1,0 +1,248 @@
+package refit
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/rollout-worker/rollout-worker/internal/stfile"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/refit/refittest"
+)
+
+// TestSplitParts: parts hold every tensor once, in data order, of about
+// equal bytes, and each reads as a stream whose tensors are the version's.
+func TestSplitParts(t *testing.T) {
+	stream := subset(t, modelDir(t, 81), nil)
+	h, _, err := readHeader(bytes.NewReader(stream), int64(len(stream)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	byName := map[string]TensorInfo{}
+	for _, ti := range h.Tensors {
+		byName[ti.Name] = ti
+	}
+	for _, n := range []int{2, 3, 5, len(h.Tensors), len(h.Tensors) + 4} {
+		parts, err := splitParts(bytes.NewReader(stream), h, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := min(n, len(h.Tensors)); len(parts) != want {
+			t.Fatalf("%d parts asked: %d, want %d", n, len(parts), want)
+		}
+		seen := map[string]bool{}
+		var biggest int64
+		for i, ps := range parts {
+			b, err := io.ReadAll(io.NewSectionReader(ps, 0, ps.size))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ph, _, err := readHeader(bytes.NewReader(b), int64(len(b)))
+			if err != nil {
+				t.Fatalf("part %d of %d: %v", i, n, err)
+			}
+			if len(ph.Tensors) != ps.tensors || ps.tensors == 0 {
+				t.Fatalf("part %d of %d: %d tensors, says %d", i, n, len(ph.Tensors), ps.tensors)
+			}
+			for _, ti := range ph.Tensors {
+				orig := byName[ti.Name]
+				if seen[ti.Name] {
+					t.Fatalf("tensor %s in two parts", ti.Name)
+				}
+				seen[ti.Name] = true
+				if !bytes.Equal(b[ph.DataStart()+ti.Begin:ph.DataStart()+ti.End], stream[h.DataStart()+orig.Begin:h.DataStart()+orig.End]) {
+					t.Fatalf("part %d: tensor %s differs from the version's", i, ti.Name)
+				}
+			}
+			biggest = max(biggest, ps.size)
+		}
+		if len(seen) != len(h.Tensors) {
+			t.Fatalf("%d parts hold %d of %d tensors", n, len(seen), len(h.Tensors))
+		}
+		if n == 2 && biggest > int64(len(stream))*3/4 {
+			t.Errorf("2 parts: the bigger holds %d of %d bytes", biggest, len(stream))
+		}
+	}
+}
+
+// TestRefitParts: versions of three parts (full, partial, delta), each part
+// a stream of its own over its own connection, applied bit for bit by a
+// worker following one part live from the start (the others subscribed
+// when the first such version comes) and by a worker that joins late and
+// reads every part from its stream.
+func TestRefitParts(t *testing.T) {
+	srv := refittest.StartServer(t)
+	// Chunks of an odd size, so that headers and records are split across
+	// them.
+	p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 4093, Parts: 3}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	a := modelDir(t, 82)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	<-w.r.liveReady
+
+	b := perturbDir(t, a, 1, 0.3, nil)
+	m, err := p.Publish(context.Background(), 1, bytes.NewReader(subset(t, b, nil)), int64(len(subset(t, b, nil))), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Protocol != ProtocolParts || len(m.Parts) != 3 {
+		t.Fatalf("manifest of protocol %d with %d parts, want %d with 3", m.Protocol, len(m.Parts), ProtocolParts)
+	}
+	if st := w.waitStatus(t, 1); st.State != StateApplied {
+		t.Fatalf("full version in parts: %+v", st)
+	}
+	checkServes(t, "full version in parts", w, b, moe.RecipePerToken)
+
+	c := perturbDir(t, b, 2, 0.5, experts)
+	publish(t, p, 2, subset(t, c, experts), false)
+	if st := w.waitStatus(t, 2); st.State != StateApplied {
+		t.Fatalf("partial version in parts: %+v", st)
+	}
+	checkServes(t, "partial version in parts", w, c, moe.RecipePerToken)
+
+	d := perturbDir(t, c, 3, 0.05, nil)
+	stream, stats := deltaOf(t, d, c)
+	if stats.DeltaTensors == 0 {
+		t.Fatalf("no delta tensors: %+v", stats)
+	}
+	publishDelta(t, p, 3, 2, stream)
+	if st := w.waitStatus(t, 3); st.State != StateApplied || st.Bytes <= 0 {
+		t.Fatalf("delta version in parts: %+v", st)
+	}
+	checkServes(t, "delta version in parts", w, d, moe.RecipePerToken)
+	if live, stored := w.r.liveChunks.Load(), w.r.storedChunks.Load(); live == 0 {
+		t.Errorf("the delta version's parts came live in %d chunks, from the streams in %d", live, stored)
+	}
+
+	full := perturbDir(t, d, 4, 0.2, nil)
+	publish(t, p, 4, subset(t, full, nil), true)
+	if st := w.waitStatus(t, 4); st.State != StateApplied {
+		t.Fatalf("full version 4 in parts: %+v", st)
+	}
+	checkServes(t, "full version 4 in parts", w, full, moe.RecipePerToken)
+	// A worker that starts now catches up: it reads every part of the
+	// newest version, complete in the streams, from there.
+	late := startWorker(t, srv.URL(), a, "late", moe.RecipePerToken, nil)
+	if st := late.waitStatus(t, 4); st.State != StateApplied {
+		t.Fatalf("late join to a version in parts: %+v", st)
+	}
+	checkServes(t, "late join to a version in parts", late, full, moe.RecipePerToken)
+	if live, stored := late.r.liveChunks.Load(), late.r.storedChunks.Load(); live != 0 || stored == 0 {
+		t.Errorf("late join: %d chunks live, %d from the streams", live, stored)
+	}
+
+	// Every part stream holds the newest two versions only.
+	js, err := jetstream.New(refittest.Connect(t, srv.URL()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		s, err := js.Stream(context.Background(), PartStreamName(testModel, i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(PartStreamSubjects(testModel, i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var vs []string
+		for subj := range info.State.Subjects {
+			vs = append(vs, subj[strings.LastIndex(subj, ".")+1:])
+		}
+		if len(vs) > 2 {
+			t.Errorf("part %d's stream holds versions %v", i, vs)
+		}
+	}
+}
+
+// TestPartsRejects: a publisher of parts refuses to sign and more parts
+// than MaxParts; a worker rejects a version of parts with an unknown tensor
+// in one part before any part writes, and one with a NaN in its last part
+// while it serves its version, and applies the next full version.
+func TestPartsRejects(t *testing.T) {
+	srv := refittest.StartServer(t)
+	nc := refittest.Connect(t, srv.URL())
+	for _, tc := range []struct {
+		cfg  PublisherConfig
+		want string
+	}{
+		{PublisherConfig{Model: testModel, Parts: MaxParts + 1}, fmt.Sprintf("parts %d: want 0 to %d", MaxParts+1, MaxParts)},
+		{PublisherConfig{Model: testModel, Parts: -1}, "parts -1"},
+		{PublisherConfig{Model: testModel, Parts: 2, Signer: sgSigner(t)}, "parts are not signed"},
+	} {
+		if _, err := NewPublisher(nc, tc.cfg, nil); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want an error naming %q", tc.cfg, err, tc.want)
+		}
+	}
+
+	p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 8 << 10, Parts: 2}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	a := modelDir(t, 83)
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(cfg *ReceiverConfig) { cfg.LiveParts = 2 })
+	<-w.r.liveReady
+	b := perturbDir(t, a, 5, 0.3, nil)
+	good := subset(t, b, nil)
+
+	// An unknown tensor, sorted last, so in the last part.
+	bogus := streamOf(t, append(tensorsOf(t, good), stfile.Tensor{Name: "model.zz.weight", DType: stfile.BF16, Shape: []uint64{64}, Data: make([]byte, 128)}))
+	publish(t, p, 1, bogus, true)
+	if st := w.waitStatus(t, 1); st.State != StateRejected || !strings.Contains(st.Reason, "unknown tensor") {
+		t.Fatalf("an unknown tensor in one part: %+v", st)
+	}
+	residentEquals(t, "after a version of parts rejected by its header", w.m, a)
+
+	// A NaN in the last part's last tensor: the first part's bytes are
+	// written by then.
+	h, _, err := readHeader(bytes.NewReader(good), int64(len(good)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := h.Tensors[0]
+	for _, ti := range h.Tensors {
+		if ti.Begin > last.Begin {
+			last = ti
+		}
+	}
+	publish(t, p, 2, setBF16(t, good, last.Name, 0, float32(math.NaN())), true)
+	if st := w.waitStatus(t, 2); st.State != StateRejected || !strings.Contains(st.Reason, "NaN or Inf") {
+		t.Fatalf("a NaN in the last part: %+v", st)
+	}
+	servesA(t, w, a)
+
+	publish(t, p, 3, good, true)
+	if st := w.waitStatus(t, 3); st.State != StateApplied {
+		t.Fatalf("full version after rejected ones: %+v", st)
+	}
+	checkServes(t, "full version after rejected ones", w, b, moe.RecipePerToken)
+}
+
+// tensorsOf returns the tensors of a stream.
+func tensorsOf(t *testing.T, stream []byte) []stfile.Tensor {
+	t.Helper()
+	h, _, err := readHeader(bytes.NewReader(stream), int64(len(stream)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []stfile.Tensor
+	for _, ti := range h.Tensors {
+		shape := make([]uint64, len(ti.Shape))
+		for i, d := range ti.Shape {
+			shape[i] = uint64(d)
+		}
+		out = append(out, stfile.Tensor{Name: ti.Name, DType: stfile.BF16, Shape: shape,
+			Data: stream[h.DataStart()+ti.Begin : h.DataStart()+ti.End]})
+	}
+	return out
+}
