@@ -263,10 +263,15 @@ func (r *Receiver) Run(ctx context.Context) error {
 		}
 		r.live, r.lives = nil, nil
 	}()
+	// The other parts' subscriptions are a fast path: one that cannot be
+	// made now (its subjects not permitted, say) is tried again when a
+	// version of that many parts comes, and the part is read from its
+	// stream meanwhile.
 	for len(r.lives) < r.cfg.LiveParts {
-		l, err := r.subscribeLive(ctx, len(r.lives))
+		l, err := r.trySubscribeLive(ctx, len(r.lives))
 		if err != nil {
-			return err
+			r.log.Warn("refit: no live subscription for a part", zap.Int("part", len(r.lives)), zap.Error(err))
+			break
 		}
 		r.lives = append(r.lives, l)
 	}

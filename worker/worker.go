@@ -64,6 +64,9 @@ type Config struct {
 	// RefitTrust, when set, makes the refit receiver apply only versions
 	// signed by one of its keys (refit.ReceiverConfig.Trust).
 	RefitTrust *refit.Trust
+	// RefitLiveParts is how many parts of a version (refit/PROTOCOL.md,
+	// "Parts") the refit receiver follows live from the start (0: 1).
+	RefitLiveParts int
 }
 
 // DefaultModelID is the model id a worker serves when none is given: the
@@ -204,7 +207,7 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 		ecfg.Graphs = w.graphs
 	}
 	w.eng = policy.NewEngine(w.m, ecfg)
-	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID, Trust: cfg.RefitTrust}, log.Named("refit"), reg); err != nil {
+	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID, Trust: cfg.RefitTrust, LiveParts: cfg.RefitLiveParts}, log.Named("refit"), reg); err != nil {
 		return nil, err
 	}
 	return w, nil

@@ -25,7 +25,7 @@ import (
 // transferConfig is a `bench refit --mode transfer` run.
 type transferConfig struct {
 	preset, device, recipe, natsURL, storage, logDir string
-	layers                                           int
+	layers, parts                                    int
 	seed                                             uint64
 	deltas                                           []float64
 	streamMax, coreBytes                             int64
@@ -85,8 +85,8 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 	if c.layers > 0 {
 		layersDesc = fmt.Sprintf("%d layers", c.layers)
 	}
-	fmt.Fprintf(stdout, "refit transfer: %s (%s), device %s, recipe %s, %s, %s storage; a full version is %.1f MB\n",
-		c.preset, layersDesc, c.device, c.recipe, where, c.storage, float64(versionBytes)/1e6)
+	fmt.Fprintf(stdout, "refit transfer: %s (%s), device %s, recipe %s, %s, %s storage, %d part(s) a version; a full version is %.1f MB\n",
+		c.preset, layersDesc, c.device, c.recipe, where, c.storage, max(c.parts, 1), float64(versionBytes)/1e6)
 
 	if c.coreBytes == 0 {
 		c.coreBytes = min(versionBytes, 4<<30)
@@ -233,7 +233,7 @@ func startBenchWorker(ctx context.Context, self string, c transferConfig, url, m
 	}
 	args := []string{"serve", "--preset", c.preset, "--layers", strconv.Itoa(c.layers), "--device", c.device,
 		"--recipe", c.recipe, "--nats-url", url, "--model-id", model, "--worker-id", "bench-worker",
-		"--http-addr", addr, "--log-format", "json"}
+		"--http-addr", addr, "--log-format", "json", "--refit-live-parts", strconv.Itoa(max(c.parts, 1))}
 	cmd := exec.Command(self, args...)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
@@ -325,6 +325,9 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	}
 	if c.streamMax > 0 {
 		args = append(args, "--stream-max-bytes", strconv.FormatInt(c.streamMax, 10))
+	}
+	if c.parts > 1 {
+		args = append(args, "--parts", strconv.Itoa(c.parts))
 	}
 	var out bytes.Buffer
 	cmd := exec.CommandContext(ctx, self, args...)

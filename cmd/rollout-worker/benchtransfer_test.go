@@ -14,7 +14,8 @@ import (
 // TestBenchRefitTransfer runs `bench refit --mode transfer` on the tiny
 // preset: a worker and a publisher in processes of their own (this test
 // binary, running the commands), a full version and two deltas applied,
-// and a row for each with its rate, commit and the publisher's peak RSS.
+// each in three parts, and a row for each with its rate, commit and the
+// publisher's peak RSS.
 func TestBenchRefitTransfer(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: starts a worker and three publishers")
@@ -22,7 +23,7 @@ func TestBenchRefitTransfer(t *testing.T) {
 	t.Setenv(rssEnv, "1") // the children run the commands, not the tests
 	var out, errOut bytes.Buffer
 	err := run(context.Background(), []string{"bench", "refit", "--mode", "transfer", "--preset", "tiny", "--device", "cpu",
-		"--deltas", "0.05,0.2", "--storage", "memory", "--stream-max-bytes", "67108864"}, &out, &errOut)
+		"--deltas", "0.05,0.2", "--storage", "memory", "--stream-max-bytes", "67108864", "--parts", "3"}, &out, &errOut)
 	if err != 0 {
 		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", err, out.String(), errOut.String())
 	}

@@ -90,6 +90,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	chunkBytes := fs.Int("chunk-bytes", 0, "chunk size in bytes, at most min(4 MiB, the server's max_payload - 4 KiB) (default min(1 MiB, the server's max_payload - 4 KiB))")
 	inflight := fs.Int64("max-inflight-bytes", refit.DefaultMaxInflightBytes, "unacknowledged chunk bytes at most")
 	storage := fs.String("storage", "file", "JetStream storage of the stream and bucket: file or memory")
+	parts := fs.Int("parts", 1, "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start)")
 	streamMax := fs.Int64("stream-max-bytes", 0, "cap the stream at this many bytes, the oldest chunks dropped first (0: keep the newest two versions whole)")
 	verbose := fs.Bool("v", false, "log progress (retries and warnings are always logged)")
 	if err := parseFlags(fs, args); err != nil {
@@ -113,6 +114,10 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--chunk-bytes must not be negative, not %d", *chunkBytes)
 	case *inflight <= 0:
 		return usageErrorf("--max-inflight-bytes must be positive, not %d", *inflight)
+	case *parts < 1 || *parts > refit.MaxParts:
+		return usageErrorf("--parts %d: want 1 to %d", *parts, refit.MaxParts)
+	case *parts > 1 && *signKey != "":
+		return usageErrorf("--parts %d with --sign-key: signed versions come in one part", *parts)
 	case *streamMax != 0 && *streamMax < *inflight:
 		return usageErrorf("--stream-max-bytes %d: want 0 or at least --max-inflight-bytes (%d)", *streamMax, *inflight)
 	case baseVersion.next:
@@ -120,7 +125,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	case baseVersion.set && *base == "":
 		return usageErrorf("--base-version needs --base")
 	}
-	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax}
+	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax, Parts: *parts}
 	switch *storage {
 	case "file":
 		cfg.Storage = jetstream.FileStorage
