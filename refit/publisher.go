@@ -270,9 +270,10 @@ func (p *Publisher) expectStatuses(version uint64) {
 	}
 }
 
-// Close stops recording the workers' statuses. Publish still works, without
-// the check that needs them. It is idempotent; closing the connection does
-// as much.
+// Close stops recording the workers' statuses and closes the connections
+// the Publisher made for Parts. Publish of a version of one part still
+// works, without the check that needs the statuses. It is idempotent;
+// closing the connection does as much for the statuses.
 func (p *Publisher) Close() error {
 	p.closeConns()
 	if err := p.statusSub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrBadSubscription) && !errors.Is(err, nats.ErrConnectionClosed) {
