@@ -71,7 +71,8 @@ same server in the same run, the generation pause (the commit), the
 publisher's peak RSS; then the worker's peak RSS and the full version's
 per-layer table. Flags other than those below are ignored in this mode:
 --preset, --layers, --device, --recipe, --seed, --nats-url, --storage,
---stream-max-bytes, --deltas, --core-bytes, --parts, --timeout, --logs.
+--stream-max-bytes, --deltas, --core-bytes, --parts, --timeout, --logs,
+--profile-seconds.
 
 --mode requantize (the default): build one NVFP4 layer with random weights and time Layer.Requantize (the
 whole layer's FC1 and FC2 copies rebuilt in place) against its floor: BF16
@@ -312,6 +313,7 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	coreBytes := fs.Int64("core-bytes", 0, "transfer: bytes sent over core NATS for the comparison (0: a full version's, at most 4 GiB)")
 	timeout := fs.Duration("timeout", 10*time.Minute, "transfer: how long the worker may take to start, and each version to apply")
 	parts := fs.Int("parts", 1, "transfer: parts a version is published in, each over its own connection (publish --parts)")
+	profile := fs.Int("profile-seconds", 0, "transfer: write a CPU profile of the worker over this many seconds from the first version's start into --logs (0: none)")
 	logDir := fs.String("logs", "", "transfer: keep the worker's and publishers' output in this `directory`")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -320,7 +322,7 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	case "requantize":
 	case "transfer":
 		c := transferConfig{preset: *preset, layers: *layers, device: *device, recipe: *recipe, natsURL: *natsURL,
-			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts}
+			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts, profileSeconds: *profile}
 		if *deltas != "" {
 			for f := range strings.SplitSeq(*deltas, ",") {
 				x, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
@@ -337,6 +339,8 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 			return usageErrorf("--timeout must be positive, not %v", *timeout)
 		case *coreBytes < 0:
 			return usageErrorf("--core-bytes must not be negative, not %d", *coreBytes)
+		case *profile < 0 || (*profile > 0 && *logDir == ""):
+			return usageErrorf("--profile-seconds %d: want 0, or a positive number with --logs", *profile)
 		case *parts < 1 || *parts > refit.MaxParts:
 			return usageErrorf("--parts %d: want 1 to %d", *parts, refit.MaxParts)
 		case *recipe != "bf16" && *recipe != "nvfp4":

@@ -25,7 +25,7 @@ import (
 // transferConfig is a `bench refit --mode transfer` run.
 type transferConfig struct {
 	preset, device, recipe, natsURL, storage, logDir string
-	layers, parts                                    int
+	layers, parts, profileSeconds                    int
 	seed                                             uint64
 	deltas                                           []float64
 	streamMax, coreBytes                             int64
@@ -122,7 +122,19 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			next.Steps = append([]float64(nil), steps...)
 			kind = fmt.Sprintf("delta %g%%", 100*c.deltas[i-1])
 		}
+		var prof chan error
+		if i == 0 && c.profileSeconds > 0 {
+			prof = make(chan error, 1)
+			go func() { prof <- worker.profile(ctx, c.profileSeconds, filepath.Join(logDir, "worker-cpu.pprof")) }()
+		}
 		r, err := publishTimed(ctx, self, c, url, model, next, prev, i > 0, nc, logDir)
+		if prof != nil {
+			if perr := <-prof; perr != nil {
+				fmt.Fprintf(stdout, "(no worker profile: %v)\n", perr)
+			} else {
+				fmt.Fprintf(stdout, "(worker CPU profile of the first %d s of version 1: %s)\n", c.profileSeconds, filepath.Join(logDir, "worker-cpu.pprof"))
+			}
+		}
 		if err != nil {
 			return err
 		}
@@ -216,6 +228,34 @@ type benchWorker struct {
 	log  *os.File
 	done chan error
 	rss  *rssWatch
+	addr string // its /metrics, /readyz and (--pprof) /debug/pprof/
+}
+
+// profile writes a CPU profile of the worker over the next seconds to
+// path: started with the first version, it shows where the worker's
+// receive spends its time.
+func (w *benchWorker) profile(ctx context.Context, seconds int, path string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", w.addr, seconds), nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("bench refit: worker profile: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("bench refit: worker profile: %s", resp.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("bench refit: worker profile: %w", err)
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return fmt.Errorf("bench refit: worker profile: %w", err)
+	}
+	return f.Close()
 }
 
 // startBenchWorker starts `serve` on the preset and waits until it is
@@ -234,13 +274,16 @@ func startBenchWorker(ctx context.Context, self string, c transferConfig, url, m
 	args := []string{"serve", "--preset", c.preset, "--layers", strconv.Itoa(c.layers), "--device", c.device,
 		"--recipe", c.recipe, "--nats-url", url, "--model-id", model, "--worker-id", "bench-worker",
 		"--http-addr", addr, "--log-format", "json", "--refit-live-parts", strconv.Itoa(max(c.parts, 1))}
+	if c.profileSeconds > 0 {
+		args = append(args, "--pprof")
+	}
 	cmd := exec.Command(self, args...)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		log.Close()
 		return nil, fmt.Errorf("bench refit: start the worker: %w", err)
 	}
-	w := &benchWorker{cmd: cmd, log: log, done: make(chan error, 1), rss: watchRSS(cmd.Process.Pid)}
+	w := &benchWorker{cmd: cmd, log: log, done: make(chan error, 1), rss: watchRSS(cmd.Process.Pid), addr: addr}
 	go func() { w.done <- cmd.Wait() }()
 	deadline := time.Now().Add(c.timeout)
 	for {

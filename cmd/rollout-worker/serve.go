@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -128,6 +129,7 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer, be kern
 	fs.IntVar(&cfg.Limits.MaxN, "max-n", 64, "largest n accepted")
 	fs.IntVar(&cfg.Limits.MaxQueue, "max-queue", 256, "requests admitted at once; more are answered overloaded")
 	httpAddr := fs.String("http-addr", "127.0.0.1:9090", "address of /metrics, /healthz and /readyz (empty: none)")
+	pprofOn := fs.Bool("pprof", false, "also serve Go's profiles on --http-addr under /debug/pprof/ (CPU, heap, goroutines, traces)")
 	drainTimeout := fs.Duration("drain-timeout", 30*time.Second, "how long a drain lets in-flight requests finish before aborting them")
 	logFormat := fs.String("log-format", "auto", "log format: auto (JSON unless on a terminal), json or console")
 	fs.IntVar(&cfg.RefitLiveParts, "refit-live-parts", 4, "parts of a weight version (publish --parts) followed live from the start, each on a NATS connection of its own; a version of more parts takes the rest from their streams at first")
@@ -193,6 +195,13 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer, be kern
 			}
 			fmt.Fprintln(rw, "ready")
 		})
+		if *pprofOn {
+			mux.HandleFunc("/debug/pprof/", pprof.Index)
+			mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		}
 		ln, err := net.Listen("tcp", *httpAddr)
 		if err != nil {
 			return fmt.Errorf("--http-addr: %w", err)
