@@ -8,6 +8,7 @@ import (
 	"math"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -245,4 +246,78 @@ func tensorsOf(t *testing.T, stream []byte) []stfile.Tensor {
 			Data: stream[h.DataStart()+ti.Begin : h.DataStart()+ti.End]})
 	}
 	return out
+}
+
+// stallingReader reads a stream until byte limit, then blocks until its
+// context ends: a publisher that stops mid-version.
+type stallingReader struct {
+	ctx   context.Context
+	b     []byte
+	limit int64
+}
+
+func (s *stallingReader) ReadAt(p []byte, off int64) (int, error) {
+	if off+int64(len(p)) > s.limit {
+		<-s.ctx.Done()
+		return 0, s.ctx.Err()
+	}
+	return copy(p, s.b[off:]), nil
+}
+
+// TestPartsSuperseded: a version in parts whose publisher stops in its last
+// part, after the first part is complete, gives way at once to a newer
+// version announced after it, well within chunk_timeout.
+func TestPartsSuperseded(t *testing.T) {
+	const chunkTimeout = 20 * time.Second
+	srv := refittest.StartServer(t)
+	a, b, c := modelDir(t, 84), modelDir(t, 85), modelDir(t, 86)
+	statuses := watchStatuses(t, srv.URL())
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(cfg *ReceiverConfig) {
+		cfg.ChunkTimeout, cfg.LiveParts = chunkTimeout, 2
+	})
+	<-w.r.liveReady
+	fullB := subset(t, b, nil)
+	dead, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 4096, Parts: 2}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dead.Close() })
+	pctx, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
+	// The last 64 KiB never come: part 1 stalls near its end.
+	src := &stallingReader{ctx: pctx, b: fullB, limit: int64(len(fullB)) - 64<<10}
+	died := make(chan error, 1)
+	go func() {
+		_, err := dead.Publish(pctx, 1, src, int64(len(fullB)), true)
+		died <- err
+	}()
+	for deadline := time.Now().Add(10 * time.Second); w.r.receivedBytes() < int64(len(fullB))/2; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the worker received %d of %d bytes of version 1", w.r.receivedBytes(), len(fullB))
+		}
+	}
+	stop()
+	if err := <-died; err == nil {
+		t.Fatal("the stalled publish completed")
+	}
+
+	start := time.Now()
+	p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: 4096, Parts: 2}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	publish(t, p, 2, subset(t, c, nil), true)
+	st := statuses.wait(t, "w", 2)
+	took := time.Since(start)
+	if st.State != StateApplied {
+		t.Fatalf("version 2: %+v", st)
+	}
+	if old, _ := statuses.find("w", 1); old.State != StateRejected || !strings.Contains(old.Reason, "superseded by version 2") {
+		t.Fatalf("version 1: %+v, want rejected as superseded by version 2", old)
+	}
+	if took > chunkTimeout/4 {
+		t.Fatalf("version 2 applied %v after it was published, chunk_timeout is %v", took, chunkTimeout)
+	}
+	residentEquals(t, "the version after a dead one in parts", w.m, c)
 }

@@ -996,29 +996,56 @@ func (r *Receiver) receiveParts(ctx context.Context, a Announce, parts []Part, l
 	}
 	pctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// One goroutine follows the bucket for all parts (a part that is done
+	// early must not leave the others deaf to a newer version): a newer
+	// version announced before this one completes stops every part.
+	var superseded error
+	stopWatch, watchDone := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(watchDone)
+		for {
+			select {
+			case <-stopWatch:
+				return
+			case <-pctx.Done():
+				return
+			case e, ok := <-vw.updates:
+				if !ok {
+					vw.updates = nil
+					return
+				}
+				if err := vw.note(pctx, e); err != nil {
+					superseded = err
+					cancel()
+					return
+				}
+			}
+		}
+	}()
 	pp := &partsPlan{r: r, full: a.Full, ws: make([][]*write, len(parts)), left: len(parts), done: make(chan struct{})}
 	errs := make([]error, len(parts))
 	var wg sync.WaitGroup
 	for i, p := range parts {
 		pa := a
 		pa.Subject, pa.TotalBytes, pa.Chunks = p.Subject, p.TotalBytes, p.Chunks
-		w := vw
-		if i > 0 {
-			w = nil // one part follows the bucket; the others stop with it
-		}
 		wg.Go(func() {
-			if err := r.receivePart(pctx, pa, i, lives[i], w, pp, &res[i]); err != nil {
+			if err := r.receivePart(pctx, pa, i, lives[i], nil, pp, &res[i]); err != nil {
 				errs[i] = err
 				cancel()
 			}
 		})
 	}
 	wg.Wait()
+	close(stopWatch)
+	<-watchDone
 	// The part that failed first says why; the others only stopped.
 	for _, err := range errs {
 		if err != nil && !errors.Is(err, context.Canceled) {
 			return err
 		}
+	}
+	if superseded != nil {
+		return superseded
 	}
 	return errors.Join(errs...)
 }
