@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -320,4 +322,48 @@ func TestPartsSuperseded(t *testing.T) {
 		t.Fatalf("version 2 applied %v after it was published, chunk_timeout is %v", took, chunkTimeout)
 	}
 	residentEquals(t, "the version after a dead one in parts", w.m, c)
+}
+
+// TestPartsPurge: the streams of parts a version does not use (it has too
+// few tensors for them) are purged of versions older than the previous
+// one, as the streams it uses are.
+func TestPartsPurge(t *testing.T) {
+	srv := refittest.StartServer(t)
+	nc := refittest.Connect(t, srv.URL())
+	p, err := NewPublisher(nc, PublisherConfig{Model: testModel, ChunkBytes: 4096, Parts: 4}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	dir := modelDir(t, 87)
+	publish(t, p, 1, subset(t, dir, nil), true)
+	two := regexp.MustCompile(`^model\.layers\.0\.(input|post_attention)_layernorm\.weight$`)
+	publish(t, p, 2, subset(t, dir, two), false)
+	publish(t, p, 3, subset(t, dir, two), false)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 4 {
+		s, err := js.Stream(context.Background(), PartStreamName(testModel, i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(PartStreamSubjects(testModel, i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var held []string
+		for subj := range info.State.Subjects {
+			held = append(held, subj)
+		}
+		slices.Sort(held)
+		var want []string
+		if i < 2 {
+			want = []string{PartSubject(testModel, 2, i), PartSubject(testModel, 3, i)}
+		}
+		if !slices.Equal(held, want) {
+			t.Errorf("part %d's stream holds %v, want %v", i, held, want)
+		}
+	}
 }

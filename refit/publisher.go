@@ -589,7 +589,39 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 			log.Warn("refit: purge old versions", zap.Int("part", i), zap.Error(err))
 		}
 	}
+	if err := p.purgeOtherParts(ctx, len(streams), version, prev); err != nil {
+		log.Warn("refit: purge old versions of parts", zap.Error(err))
+	}
 	return m, nil
+}
+
+// purgeOtherParts purges, in the streams of the parts from on that this
+// Publisher may have used (up to its Parts), the versions older than prev:
+// parts that older versions left there (a version of fewer tensors than
+// Parts is split into fewer parts) would otherwise stay until a version of
+// that many parts comes. A stream that does not exist is skipped.
+func (p *Publisher) purgeOtherParts(ctx context.Context, from int, version, prev uint64) error {
+	for i := from; i < p.cfg.Parts; i++ {
+		name := PartStreamName(p.cfg.Model, i)
+		var st jetstream.Stream
+		err := p.retry(ctx, "look up stream "+name, func(ctx context.Context) (err error) {
+			st, err = p.js.Stream(ctx, name)
+			if errors.Is(err, jetstream.ErrStreamNotFound) {
+				st, err = nil, nil
+			}
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		if st == nil {
+			continue
+		}
+		if err := p.purgeOld(ctx, st, i, version, prev); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // sendParts publishes the parts at once, each over its connection, and
