@@ -67,8 +67,9 @@ type PublisherConfig struct {
 	// max_bytes; the oldest chunks go first). 0 keeps every chunk of the
 	// newest two versions, which is what late joiners and workers that
 	// miss live chunks read: a cap below two versions' bytes saves the
-	// server's memory or disk at the price of those workers answering
-	// needs_full until the next version (PROTOCOL.md, "JetStream objects").
+	// server's memory or disk at the price of those workers rejecting the
+	// version when what they miss is gone (PROTOCOL.md, "JetStream
+	// objects"); the next version is then full.
 	MaxStreamBytes int64
 	// Parts splits every version of more than one tensor into this many
 	// parts (at tensor boundaries, of about equal bytes), each a stream
