@@ -88,6 +88,7 @@ func FuzzParseAnnounce(f *testing.F) {
 	f.Add([]byte(`{"protocol":3,"model":"m","version":1,"subject":"refit.m.v.1","total_bytes":9,"chunk_bytes":4194304,"chunks":1}`))
 	f.Add([]byte(`{"PROTOCOL":1,"Model":"m","version":1e0,"subject":"refit.m.v.1","total_bytes":9,"chunk_bytes":9,"chunks":1,"chunks":1}`))
 	f.Add([]byte(`{"protocol":1,"model":"m","version":18446744073709551615,"subject":"refit.m.v.18446744073709551615","total_bytes":9,"chunk_bytes":1,"chunks":9}`))
+	f.Add([]byte(strings.Replace(wtAnnounce, `"protocol":2,`, `"protocol":3,"parts":[`+wtPart0+`,`+wtPart1+`],`, 1)))
 	f.Add([]byte(`null`))
 	f.Add([]byte(`{}`))
 	f.Add([]byte(`[`))
@@ -128,11 +129,24 @@ func wtCheckAnnounce(t *testing.T, a Announce) {
 	if a.Chunks < 1 || last <= 0 || last > int64(a.ChunkBytes) {
 		t.Fatalf("accepted %d chunks of %d bytes for %d bytes", a.Chunks, a.ChunkBytes, a.TotalBytes)
 	}
+	// Parts: protocol 3 only, 2 to MaxParts, each named and sized as its
+	// part of the version, part 0 the version's own fields.
+	if (a.Protocol == ProtocolParts) != (len(a.Parts) > 0) || len(a.Parts) == 1 || len(a.Parts) > MaxParts {
+		t.Fatalf("accepted protocol %d with %d parts", a.Protocol, len(a.Parts))
+	}
+	for i, pt := range a.Parts {
+		last := pt.TotalBytes - int64(pt.Chunks-1)*int64(a.ChunkBytes)
+		if pt.Subject != PartSubject(a.Model, a.Version, i) || pt.TotalBytes <= 8 || pt.Chunks < 1 || last <= 0 || last > int64(a.ChunkBytes) ||
+			i == 0 && (pt.TotalBytes != a.TotalBytes || pt.Chunks != a.Chunks) {
+			t.Fatalf("accepted part %d %+v of %+v", i, pt, a)
+		}
+	}
 }
 
 func FuzzParseManifest(f *testing.F) {
 	f.Add([]byte(wtManifest))
 	f.Add([]byte(wtManifest1))
+	f.Add([]byte(wtManifestParts))
 	f.Add([]byte(strings.Replace(wtManifest, `"chunk_table_sha256"`, `"sha256"`, 1)))
 	f.Add([]byte(strings.Replace(wtManifest1, `"sha256"`, `"chunk_table_sha256"`, 1)))
 	f.Add([]byte(strings.Replace(wtManifest, `"chunk_table_sha256"`, `"sha256":"`+wtSHA+`","chunk_table_sha256"`, 1)))

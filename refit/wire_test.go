@@ -15,9 +15,19 @@ const (
 	wtAnnounce = `{"protocol":2,"model":"m-1","version":7,"full":true,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3}`
 	wtSHA      = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+	// The parts of a protocol-3 version of wtAnnounce's sizes.
+	wtPart0 = `{"subject":"refit.m-1.v.7","total_bytes":10000,"chunks":3}`
+	wtPart1 = `{"subject":"refit.m-1.p1.v.7","total_bytes":5000,"chunks":2}`
 	wtManifest = `{"protocol":2,"model":"m-1","version":7,"full":false,"base":6,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
 		`"chunk_table_sha256":"` + wtSHA + `","published_at":"2026-12-02T16:00:00Z"}`
+	// wtManifestParts is wtManifest in two parts (protocol 3).
+	wtManifestParts = `{"protocol":3,"model":"m-1","version":7,"full":false,"base":6,"subject":"refit.m-1.v.7",` +
+		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
+		`"chunk_table_sha256":"` + wtSHA + `","published_at":"2026-12-02T16:00:00Z","parts":[` +
+		`{"subject":"refit.m-1.v.7","total_bytes":10000,"chunks":3,"header_bytes":120,"tensors":2,"chunk_table_sha256":"` + wtSHA + `"},` +
+		`{"subject":"refit.m-1.p1.v.7","total_bytes":5000,"chunks":2,"header_bytes":90,"tensors":1,"chunk_table_sha256":"` + wtSHA2 + `"}]}`
+	wtSHA2 = "60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752"
 	// wtManifest1 is a protocol-1 manifest: the whole stream's SHA-256.
 	wtManifest1 = `{"protocol":1,"model":"m-1","version":7,"full":false,"base":6,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
@@ -137,9 +147,19 @@ func TestParseAnnounceRejects(t *testing.T) {
 		{"chunk over 4 MiB", `"chunk_bytes":4000`, `"chunk_bytes":4194305`, "chunk bytes"},
 		{"chunk count", `"chunks":3`, `"chunks":2`, "chunks"},
 		{"string version", `"version":7`, `"version":"7"`, "announce"},
+		{"protocol 3 without parts", `"protocol":2`, `"protocol":3`, "protocol 3 with 0 parts"},
+		{"protocol 2 with parts", `"chunks":3}`, `"chunks":3,"parts":[` + wtPart0 + `,` + wtPart1 + `]}`, "protocol 2 with parts"},
+		{"one part", `"protocol":2,`, `"protocol":3,"parts":[` + wtPart0 + `],`, "protocol 3 with 1 parts"},
+		{"part subject", `"protocol":2,`, `"protocol":3,"parts":[` + wtPart0 + `,` + strings.Replace(wtPart1, "p1", "p2", 1) + `],`, "part 1: subject"},
+		{"part chunks", `"protocol":2,`, `"protocol":3,"parts":[` + wtPart0 + `,` + strings.Replace(wtPart1, `"chunks":2`, `"chunks":3`, 1) + `],`, "part 1: 3 chunks"},
+		{"part 0 differs", `"protocol":2,`, `"protocol":3,"parts":[` + strings.Replace(wtPart0, `"chunks":3`, `"chunks":4`, 1) + `,` + wtPart1 + `],`, "part 0"},
 	}
 	if _, err := ParseAnnounce([]byte(wtAnnounce)); err != nil {
 		t.Fatalf("valid announce: %v", err)
+	}
+	parts := strings.Replace(wtAnnounce, `"protocol":2,`, `"protocol":3,"parts":[`+wtPart0+`,`+wtPart1+`],`, 1)
+	if a, err := ParseAnnounce([]byte(parts)); err != nil || len(a.PartList()) != 2 || a.PartList()[1].TotalBytes != 5000 {
+		t.Fatalf("valid announce of parts: %+v, %v", a, err)
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -157,6 +177,10 @@ func TestParseAnnounceRejects(t *testing.T) {
 func TestParseManifestRejects(t *testing.T) {
 	tests := []struct{ name, manifest, from, to, want string }{
 		{"no chunk table sha256", wtManifest, `"chunk_table_sha256":"` + wtSHA + `",`, ``, "protocol 2: chunk_table_sha256"},
+		{"part without its header bytes", wtManifestParts, `"header_bytes":90,`, ``, "part 1: header_bytes 0"},
+		{"part without tensors", wtManifestParts, `"tensors":1,`, ``, "part 1: tensors 0"},
+		{"part without its chunk table", wtManifestParts, `,"chunk_table_sha256":"` + wtSHA2 + `"`, ``, "part 1: chunk_table_sha256"},
+		{"part 0 differs", wtManifestParts, `"header_bytes":120,"tensors":2,"chunk_table_sha256":"` + wtSHA + `"}`, `"header_bytes":121,"tensors":2,"chunk_table_sha256":"` + wtSHA + `"}`, "part 0 differs"},
 		{"short chunk table sha256", wtManifest, wtSHA, wtSHA[:63], "chunk_table_sha256"},
 		{"chunk table sha256 not hex", wtManifest, wtSHA, "z" + wtSHA[1:], "chunk_table_sha256"},
 		{"chunk table sha256 upper case", wtManifest, wtSHA, strings.ToUpper(wtSHA), "chunk_table_sha256"},
@@ -183,6 +207,13 @@ func TestParseManifestRejects(t *testing.T) {
 	}
 	if m.Protocol != Protocol1 || m.SHA256 != wtSHA || m.Digest() != wtSHA {
 		t.Errorf("valid protocol-1 manifest decoded as %+v", m)
+	}
+	m, err = ParseManifest([]byte(wtManifestParts))
+	if err != nil {
+		t.Fatalf("valid manifest of parts: %v", err)
+	}
+	if m.Protocol != ProtocolParts || len(m.Parts) != 2 || m.Parts[1].HeaderBytes != 90 || m.Parts[1].ChunkTableSHA256 != wtSHA2 {
+		t.Errorf("valid manifest of parts decoded as %+v", m)
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
