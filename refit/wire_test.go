@@ -14,10 +14,10 @@ var wtChunk = Chunk{Protocol: ProtocolVersion, Version: 7, Seq: 1, Offset: 4000,
 const (
 	wtAnnounce = `{"protocol":2,"model":"m-1","version":7,"full":true,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3}`
-	wtSHA      = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+	wtSHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 	// The parts of a protocol-3 version of wtAnnounce's sizes.
-	wtPart0 = `{"subject":"refit.m-1.v.7","total_bytes":10000,"chunks":3}`
-	wtPart1 = `{"subject":"refit.m-1.p1.v.7","total_bytes":5000,"chunks":2}`
+	wtPart0    = `{"subject":"refit.m-1.v.7","total_bytes":10000,"chunks":3}`
+	wtPart1    = `{"subject":"refit.m-1.p1.v.7","total_bytes":5000,"chunks":2}`
 	wtManifest = `{"protocol":2,"model":"m-1","version":7,"full":false,"base":6,"subject":"refit.m-1.v.7",` +
 		`"total_bytes":10000,"chunk_bytes":4000,"chunks":3,"header_bytes":120,"tensors":2,` +
 		`"chunk_table_sha256":"` + wtSHA + `","published_at":"2026-12-02T16:00:00Z"}`
