@@ -78,8 +78,15 @@ func TestSplitParts(t *testing.T) {
 // a stream of its own over its own connection, applied bit for bit by a
 // worker following one part live from the start (the others subscribed
 // when the first such version comes) and by a worker that joins late and
-// reads every part from its stream.
+// reads every part from its stream; under the per_token recipe (experts
+// written in place) and the bf16 one (everything staged).
 func TestRefitParts(t *testing.T) {
+	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16} {
+		t.Run(string(recipe), func(t *testing.T) { testRefitParts(t, recipe) })
+	}
+}
+
+func testRefitParts(t *testing.T, recipe moe.Recipe) {
 	srv := refittest.StartServer(t)
 	// Chunks of an odd size, so that headers and records are split across
 	// them.
@@ -89,7 +96,7 @@ func TestRefitParts(t *testing.T) {
 	}
 	t.Cleanup(func() { p.Close() })
 	a := modelDir(t, 82)
-	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, nil)
+	w := startWorker(t, srv.URL(), a, "w", recipe, nil)
 	<-w.r.liveReady
 
 	b := perturbDir(t, a, 1, 0.3, nil)
@@ -103,14 +110,14 @@ func TestRefitParts(t *testing.T) {
 	if st := w.waitStatus(t, 1); st.State != StateApplied {
 		t.Fatalf("full version in parts: %+v", st)
 	}
-	checkServes(t, "full version in parts", w, b, moe.RecipePerToken)
+	checkServes(t, "full version in parts", w, b, recipe)
 
 	c := perturbDir(t, b, 2, 0.5, experts)
 	publish(t, p, 2, subset(t, c, experts), false)
 	if st := w.waitStatus(t, 2); st.State != StateApplied {
 		t.Fatalf("partial version in parts: %+v", st)
 	}
-	checkServes(t, "partial version in parts", w, c, moe.RecipePerToken)
+	checkServes(t, "partial version in parts", w, c, recipe)
 
 	d := perturbDir(t, c, 3, 0.05, nil)
 	stream, stats := deltaOf(t, d, c)
@@ -121,7 +128,7 @@ func TestRefitParts(t *testing.T) {
 	if st := w.waitStatus(t, 3); st.State != StateApplied || st.Bytes <= 0 {
 		t.Fatalf("delta version in parts: %+v", st)
 	}
-	checkServes(t, "delta version in parts", w, d, moe.RecipePerToken)
+	checkServes(t, "delta version in parts", w, d, recipe)
 	if live, stored := w.r.liveChunks.Load(), w.r.storedChunks.Load(); live == 0 {
 		t.Errorf("the delta version's parts came live in %d chunks, from the streams in %d", live, stored)
 	}
@@ -131,14 +138,14 @@ func TestRefitParts(t *testing.T) {
 	if st := w.waitStatus(t, 4); st.State != StateApplied {
 		t.Fatalf("full version 4 in parts: %+v", st)
 	}
-	checkServes(t, "full version 4 in parts", w, full, moe.RecipePerToken)
+	checkServes(t, "full version 4 in parts", w, full, recipe)
 	// A worker that starts now catches up: it reads every part of the
 	// newest version, complete in the streams, from there.
-	late := startWorker(t, srv.URL(), a, "late", moe.RecipePerToken, nil)
+	late := startWorker(t, srv.URL(), a, "late", recipe, nil)
 	if st := late.waitStatus(t, 4); st.State != StateApplied {
 		t.Fatalf("late join to a version in parts: %+v", st)
 	}
-	checkServes(t, "late join to a version in parts", late, full, moe.RecipePerToken)
+	checkServes(t, "late join to a version in parts", late, full, recipe)
 	if live, stored := late.r.liveChunks.Load(), late.r.storedChunks.Load(); live != 0 || stored == 0 {
 		t.Errorf("late join: %d chunks live, %d from the streams", live, stored)
 	}
