@@ -6,9 +6,10 @@ config with the real shapes (hidden 2048, 128 experts top-8, expert
 intermediate 768, 32 query / 4 KV heads of 128, vocabulary 151936) and a
 cut of its layers, random BF16 weights on the GPU, the `grouped_mm` experts
 backend (torch grouped GEMMs), the default dynamic KV cache, eager mode.
-For each context and batch it prefills `context` random tokens a sequence,
-then times decode steps (one token a sequence, greedy) with
-torch.cuda.synchronize around each step, and prints the mean step time.
+After one untimed warm-up point, for each context and batch it prefills
+`context` random tokens a sequence, then times decode steps (one token a
+sequence, greedy) with torch.cuda.synchronize around each step, and prints
+the mean step time.
 
 Usage (GPU machine, torch and transformers installed):
 
@@ -92,6 +93,9 @@ def main():
     model, impl = build_model(a.layers, a.experts)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
           f"{a.layers} layers, experts {impl}, dynamic cache, eager")
+    # One untimed point first: the first forward passes load kernels and
+    # fill allocator caches, which would otherwise land on the first point.
+    time_point(model, 1, 16, 2, 2)
     rows = []
     print(f"{'context':>8} {'batch':>6} {'step ms':>9} {'median':>9} {'tokens/s':>10}")
     for context in parse_list(a.contexts):
