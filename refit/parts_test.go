@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"regexp"
 	"slices"
@@ -12,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
@@ -151,25 +153,10 @@ func testRefitParts(t *testing.T, recipe moe.Recipe) {
 	}
 
 	// Every part stream holds the newest two versions only.
-	js, err := jetstream.New(refittest.Connect(t, srv.URL()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc := refittest.Connect(t, srv.URL())
 	for i := range 3 {
-		s, err := js.Stream(context.Background(), PartStreamName(testModel, i))
-		if err != nil {
-			t.Fatal(err)
-		}
-		info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(PartStreamSubjects(testModel, i)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var vs []string
-		for subj := range info.State.Subjects {
-			vs = append(vs, subj[strings.LastIndex(subj, ".")+1:])
-		}
-		if len(vs) > 2 {
-			t.Errorf("part %d's stream holds versions %v", i, vs)
+		if held := partSubjects(t, nc, i); len(held) > 2 {
+			t.Errorf("part %d's stream holds %v", i, held)
 		}
 	}
 }
@@ -347,24 +334,8 @@ func TestPartsPurge(t *testing.T) {
 	two := regexp.MustCompile(`^model\.layers\.0\.(input|post_attention)_layernorm\.weight$`)
 	publish(t, p, 2, subset(t, dir, two), false)
 	publish(t, p, 3, subset(t, dir, two), false)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
 	for i := range 4 {
-		s, err := js.Stream(context.Background(), PartStreamName(testModel, i))
-		if err != nil {
-			t.Fatal(err)
-		}
-		info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(PartStreamSubjects(testModel, i)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var held []string
-		for subj := range info.State.Subjects {
-			held = append(held, subj)
-		}
-		slices.Sort(held)
+		held := partSubjects(t, nc, i)
 		var want []string
 		if i < 2 {
 			want = []string{PartSubject(testModel, 2, i), PartSubject(testModel, 3, i)}
@@ -373,4 +344,23 @@ func TestPartsPurge(t *testing.T) {
 			t.Errorf("part %d's stream holds %v, want %v", i, held, want)
 		}
 	}
+}
+
+// partSubjects returns the version subjects that hold messages in the
+// stream of part i, sorted.
+func partSubjects(t *testing.T, nc *nats.Conn, i int) []string {
+	t.Helper()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := js.Stream(context.Background(), PartStreamName(testModel, i))
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(PartStreamSubjects(testModel, i)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.Sorted(maps.Keys(info.State.Subjects))
 }

@@ -26,6 +26,20 @@ struct AttRow {
     int seq, q0, nq, len;
 };
 
+// att_seq_of returns the sequence of query row row: the first k in
+// [0, nseq] with queryStart[k] > row is one past it, so a row before
+// queryStart[0] gives -1 and one from queryStart[nseq] on gives nseq
+// (padding, left untouched). Block-uniform.
+__device__ __forceinline__ int att_seq_of(const int *queryStart, int nseq, int row) {
+    int lo = 0, hi = nseq + 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (queryStart[mid] > row) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo - 1;
+}
+
 // att_locate checks the launch's query starts, finds the sequence of the
 // block's query row and checks the sequence (its length against its
 // queries and its page-table row, and every page it reads). Every thread
@@ -52,16 +66,7 @@ __device__ bool att_locate(int *err, const int *pageTable, const int *seqLens, c
     }
     if (__syncthreads_or(bad)) return false;
 
-    // This row's sequence: the first k in [0, nseq] with queryStart[k] > row
-    // is one past it; rows before queryStart[0] or from queryStart[nseq] on
-    // are padding and left untouched. (Block-uniform.)
-    int lo = 0, hi = nseq + 1;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (queryStart[mid] > row) hi = mid;
-        else lo = mid + 1;
-    }
-    const int seq = lo - 1;
+    const int seq = att_seq_of(queryStart, nseq, row);
     if (seq < 0 || seq >= nseq) return false;
     const int q0 = queryStart[seq], nq = queryStart[seq + 1] - q0;
     const int len = seqLens[seq];
@@ -525,13 +530,7 @@ __device__ __forceinline__ int *counter_of(float *scratch, int i) { return reint
 // block z = 0 checks and reports them, and nothing is written for the row.
 __device__ __forceinline__ bool att_idle(const int *seqLens, const int *queryStart, int nseq, int rpb) {
     const int row = blockIdx.x;
-    int lo = 0, hi = nseq + 1;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (queryStart[mid] > row) hi = mid;
-        else lo = mid + 1;
-    }
-    const int seq = lo - 1;
+    const int seq = att_seq_of(queryStart, nseq, row);
     if (seq < 0 || seq >= nseq) return true;
     const int local = row - queryStart[seq], nq = queryStart[seq + 1] - queryStart[seq];
     if (local % rpb != 0 || nq - local != 1) return true;
