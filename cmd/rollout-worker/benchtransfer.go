@@ -25,7 +25,7 @@ import (
 // transferConfig is a `bench refit --mode transfer` run.
 type transferConfig struct {
 	preset, device, recipe, natsURL, storage, logDir string
-	layers, parts, profileSeconds                    int
+	layers, parts, liveParts, profileSeconds         int
 	seed                                             uint64
 	deltas                                           []float64
 	streamMax, coreBytes                             int64
@@ -273,7 +273,7 @@ func startBenchWorker(ctx context.Context, self string, c transferConfig, url, m
 	}
 	args := []string{"serve", "--preset", c.preset, "--layers", strconv.Itoa(c.layers), "--device", c.device,
 		"--recipe", c.recipe, "--nats-url", url, "--model-id", model, "--worker-id", "bench-worker",
-		"--http-addr", addr, "--log-format", "json", "--refit-live-parts", strconv.Itoa(max(c.parts, 1))}
+		"--http-addr", addr, "--log-format", "json", "--refit-live-parts", strconv.Itoa(c.liveParts)}
 	if c.profileSeconds > 0 {
 		args = append(args, "--pprof")
 	}

@@ -1,100 +1,234 @@
 package cuda
 
 import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
 	"testing"
 	"time"
 
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/moe/moetest"
 )
+
+// attBench is a paged KV cache with b sequences and a query row (or
+// several) for each, at Qwen3-30B-A3B's head geometry unless told.
+type attBench struct {
+	args    kernels.AttentionArgs
+	scratch *kernels.Buffer
+}
+
+// newAttBench uploads a cache of pages of ps positions holding sequences
+// of lens (each on its own pages, in a shuffled order), nq[i] query rows
+// of sequence i, random values.
+func newAttBench(t *testing.T, be *Backend, r *rand.Rand, qh, kvh, d, ps int, lens, nq []int) *attBench {
+	t.Helper()
+	maxPages := 0
+	for _, l := range lens {
+		maxPages = max(maxPages, (l+ps-1)/ps)
+	}
+	pages := len(lens) * maxPages
+	perm := r.Perm(pages)
+	table := make([]int32, pages)
+	for i := range table {
+		table[i] = int32(perm[i])
+	}
+	start := []int32{0}
+	lens32 := make([]int32, len(lens))
+	for i, l := range lens {
+		lens32[i] = int32(l)
+		start = append(start, start[i]+int32(nq[i]))
+	}
+	tq := int(start[len(lens)])
+	rnd := func(n int) []byte {
+		b := make([]byte, 2*n)
+		for i := range n {
+			v := bf16.FromFloat32(float32(r.NormFloat64()))
+			b[2*i], b[2*i+1] = byte(v), byte(v>>8)
+		}
+		return b
+	}
+	up := func(data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
+		t.Helper()
+		b := moetest.Alloc(t, be, dt, shape...)
+		if err := be.Upload(b, 0, data); err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	// Large caches are left unset (zeros): only the sizes matter for timing.
+	cache := kernels.KVCache{K: moetest.Alloc(t, be, kernels.BF16, pages, ps, kvh, d), V: moetest.Alloc(t, be, kernels.BF16, pages, ps, kvh, d)}
+	if pages*ps*kvh*d <= 1<<24 {
+		for _, c := range []*kernels.Buffer{cache.K, cache.V} {
+			if err := be.Upload(c, 0, rnd(pages*ps*kvh*d)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	ab := &attBench{args: kernels.AttentionArgs{
+		Out: moetest.Alloc(t, be, kernels.BF16, tq, qh, d), Q: up(rnd(tq*qh*d), kernels.BF16, tq, qh, d), Cache: cache,
+		PageTable: up(kernels.Int32Bytes(table), kernels.I32, len(lens), maxPages), SeqLens: up(kernels.Int32Bytes(lens32), kernels.I32, len(lens)),
+		QueryStart: up(kernels.Int32Bytes(start), kernels.I32, len(lens)+1), Scale: 0.088,
+	}}
+	if n := be.AttentionScratch(len(lens), qh, kvh, d, maxPages*ps); n > 0 {
+		ab.scratch = moetest.Alloc(t, be, kernels.F32, (n+3)/4)
+	}
+	return ab
+}
+
+// run attends with the kernel mode picks, with the scratch or without, and
+// returns the output's bytes.
+func (ab *attBench) run(t *testing.T, be *Backend, mode attMode, scratch bool) []byte {
+	t.Helper()
+	a := ab.args
+	if scratch {
+		a.Scratch = ab.scratch
+	}
+	if err := be.attention(a, mode); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, a.Out.Size())
+	if err := be.Download(got, a.Out, 0); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// TestAttentionWidths runs att_tc in 4-warp and 1-warp blocks, with and
+// without scratch (one-row tiles spread over blocks or not), on decode
+// rows and prefill chunks whose sequences end inside, at and past split
+// and group bounds: every output bit must agree. The conformance suite
+// checks the kernels against the reference at sizes the host serves in
+// 4-warp blocks; this ties the 1-warp blocks to them.
+func TestAttentionWidths(t *testing.T) {
+	be := gpu(t)
+	lens := []int{1, 31, 100, 128, 129, 511, 512, 513, 1100, 2100, 4097}
+	for _, g := range []struct{ qh, kvh, d int }{{32, 4, 128}, {16, 4, 64}, {16, 16, 128}} {
+		for _, prefill := range []bool{false, true} {
+			nq := make([]int, len(lens))
+			for i, l := range lens {
+				nq[i] = 1
+				if prefill {
+					nq[i] = min(l, 1+i*7) // tiles of several rows, some ending in a one-row tile
+				}
+			}
+			ab := newAttBench(t, be, rand.New(rand.NewPCG(uint64(g.d), uint64(g.kvh))), g.qh, g.kvh, g.d, 16, lens, nq)
+			want := ab.run(t, be, attWide, false)
+			for _, c := range []struct {
+				name    string
+				mode    attMode
+				scratch bool
+			}{{"4 warps, scratch", attWide, true}, {"1 warp", attNarrow, false}, {"1 warp, scratch", attNarrow, true},
+				{"1 warp, scratch again", attNarrow, true}, {"auto", attAuto, true}} {
+				if got := ab.run(t, be, c.mode, c.scratch); !bytes.Equal(got, want) {
+					t.Errorf("heads %d/%d of %d, prefill %v: %s differs from 4 warps without scratch", g.qh, g.kvh, g.d, prefill, c.name)
+				}
+			}
+		}
+	}
+}
+
+// TestPlanAttention checks the block width and spread the host picks.
+func TestPlanAttention(t *testing.T) {
+	for _, c := range []struct {
+		pairs, groups, sms, warps int
+		want                      attPlan
+	}{
+		{4, 64, 132, 0, attPlan{4, 64}},   // batch 1, long: 4 warps, spread up to two blocks a multiprocessor
+		{4, 2, 132, 0, attPlan{4, 2}},     // no more blocks than groups
+		{32, 64, 132, 0, attPlan{4, 9}},   // batch 8
+		{256, 64, 132, 0, attPlan{1, 3}},  // batch 64: 1-warp blocks, about four a multiprocessor
+		{1024, 64, 132, 0, attPlan{1, 1}}, // batch 256
+		{1024, 64, 132, 4, attPlan{4, 1}}, // told 4 warps
+		{4, 64, 132, 1, attPlan{1, 64}},   // told 1 warp
+		{0, 0, 132, 0, attPlan{4, 1}},     // nothing to do still plans a grid
+		{132, 1, 132, 0, attPlan{1, 1}},   // one group: nothing to spread
+	} {
+		if got := planAttention(c.pairs, c.groups, c.sms, c.warps); got != c.want {
+			t.Errorf("planAttention(%d, %d, %d, %d) = %+v, want %+v", c.pairs, c.groups, c.sms, c.warps, got, c.want)
+		}
+	}
+}
 
 // TestAttentionDecodeSpeed times decode attention (one query row a
 // sequence) at Qwen3-30B-A3B's head geometry (32 query heads, 4 KV heads of
 // 128) over the paged cache, against its floor: the KV bytes the call reads
-// at 4.3 TB/s. It times att_tc with scratch (positions split over blocks),
-// without, and att_generic (up to 256 k positions a call), side by side;
-// the conformance suite checks that they agree. Contexts 1 k to 32 k, batch
-// 1 to 256; -short skips it.
+// at 4.3 TB/s. Each time is one launch's share of a graph of 10 launches
+// replayed 5 times, so the host's enqueue is not in it. It times the
+// kernel the host picks, att_tc in 4-warp and in 1-warp blocks (all with
+// scratch) and att_generic (up to 256 k positions a call, enqueued one by
+// one) side by side; TestAttentionWidths and the conformance suite check
+// that they agree. Contexts 128 to 32 k, batch 1 to 256; -short skips it.
 func TestAttentionDecodeSpeed(t *testing.T) {
 	be := gpu(t)
 	if testing.Short() {
 		t.Skip("timing test")
 	}
-	const qh, kvh, d, ps, iters = 32, 4, 128, 16, 10
-	alloc := func(dt kernels.DType, shape ...int) *kernels.Buffer {
+	const qh, kvh, d, ps, launches, replays = 32, 4, 128, 16, 10, 5
+	graphTime := func(t *testing.T, run func() error) time.Duration {
 		t.Helper()
-		b, err := be.Alloc(dt, shape...)
+		if err := run(); err != nil { // warm, and fail outside the capture
+			t.Fatal(err)
+		}
+		if err := be.BeginCapture(); err != nil {
+			t.Fatal(err)
+		}
+		for range launches {
+			if err := run(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		g, err := be.EndCapture()
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { _ = be.Free(b) })
-		return b
-	}
-	free := func(bs ...*kernels.Buffer) {
-		for _, b := range bs {
-			if err := be.Free(b); err != nil {
-				t.Fatal(err)
-			}
+		defer g.Destroy()
+		if err := g.Launch(); err != nil {
+			t.Fatal(err)
 		}
+		dt, err := be.Time(replays, g.Launch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return dt / launches
 	}
-	t.Logf("%6s %5s %10s %10s %8s %12s %10s", "ctx", "batch", "floor us", "split us", "x floor", "no split us", "generic us")
-	for _, ctx := range []int{1024, 4096, 16384, 32768} {
+	t.Logf("%6s %5s %9s %9s %8s %10s %10s %11s %11s", "ctx", "batch", "floor us", "auto us", "x floor", "4 warps us", "1 warp us", "plan", "generic us")
+	for _, ctx := range []int{128, 1024, 4096, 16384, 32768} {
 		for _, b := range []int{1, 8, 64, 256} {
-			pagesPer := (ctx + ps - 1) / ps
-			pages := b * pagesPer
-			ck, err := be.Alloc(kernels.BF16, pages, ps, kvh, d)
-			if err != nil {
-				t.Fatal(err)
-			}
-			cv, err := be.Alloc(kernels.BF16, pages, ps, kvh, d)
-			if err != nil {
-				t.Fatal(err)
-			}
-			table := make([]int32, b*pagesPer)
-			for i := range table {
-				table[i] = int32(i)
-			}
-			lens, start := make([]int32, b), make([]int32, b+1)
-			for i := range lens {
-				lens[i], start[i+1] = int32(ctx), int32(i+1)
-			}
-			pt, sl, qs := alloc(kernels.I32, b, pagesPer), alloc(kernels.I32, b), alloc(kernels.I32, b+1)
-			for _, u := range []struct {
-				b *kernels.Buffer
-				v []int32
-			}{{pt, table}, {sl, lens}, {qs, start}} {
-				if err := be.Upload(u.b, 0, kernels.Int32Bytes(u.v)); err != nil {
-					t.Fatal(err)
+			// A subtest a size, so that its cache is freed before the next.
+			t.Run(fmt.Sprintf("ctx%d_b%d", ctx, b), func(t *testing.T) {
+				lens, nq := make([]int, b), make([]int, b)
+				for i := range lens {
+					lens[i], nq[i] = ctx, 1
 				}
-			}
-			q, out := alloc(kernels.BF16, b, qh, d), alloc(kernels.BF16, b, qh, d)
-			var scratch *kernels.Buffer
-			if n := be.AttentionScratch(b, qh, kvh, d, ctx); n > 0 {
-				scratch = alloc(kernels.F32, (n+3)/4)
-			}
-			args := kernels.AttentionArgs{Out: out, Q: q, Cache: kernels.KVCache{K: ck, V: cv}, PageTable: pt, SeqLens: sl,
-				QueryStart: qs, Scale: 0.088, Scratch: scratch}
-			plain := args
-			plain.Scratch = nil
-			var ts [3]time.Duration
-			for i, run := range []func() error{
-				func() error { return be.attention(args, false) },
-				func() error { return be.attention(plain, false) },
-				func() error { return be.attention(plain, true) },
-			} {
-				if i == 2 && ctx*b > 4096*64 {
-					continue // the generic kernel is slow; enough sizes to compare
+				ab := newAttBench(t, be, rand.New(rand.NewPCG(uint64(ctx), uint64(b))), qh, kvh, d, ps, lens, nq)
+				args := ab.args
+				args.Scratch = ab.scratch
+				var ts [3]time.Duration
+				for i, mode := range []attMode{attAuto, attWide, attNarrow} {
+					ts[i] = graphTime(t, func() error { return be.attention(args, mode) })
 				}
-				if err := run(); err != nil {
-					t.Fatal(err)
+				gen := "-"
+				if ctx*b <= 4096*64 {
+					run := func() error { return be.attention(ab.args, attGeneric) }
+					if err := run(); err != nil {
+						t.Fatal(err)
+					}
+					dt, err := be.Time(launches, run)
+					if err != nil {
+						t.Fatal(err)
+					}
+					gen = us(dt)
 				}
-				if ts[i], err = be.Time(iters, run); err != nil {
-					t.Fatal(err)
-				}
-			}
-			floor := float64(b) * float64(ctx) * kvh * d * 2 * 2 / 4.3e12
-			us := func(d time.Duration) float64 { return float64(d) / 1e3 }
-			t.Logf("%6d %5d %10.1f %10.1f %7.2fx %12.1f %10.1f", ctx, b, floor*1e6, us(ts[0]), ts[0].Seconds()/floor, us(ts[1]), us(ts[2]))
-			free(ck, cv)
+				p := planAttention(b*kvh, (ctx+attTCGroupLen-1)/attTCGroupLen, be.info.SMs, 0)
+				floor := float64(b) * float64(ctx) * kvh * d * 2 * 2 / 4.3e12
+				t.Logf("%6d %5d %9.1f %9s %7.2fx %10s %10s %6dw z%-3d %11s", ctx, b, floor*1e6, us(ts[0]), ts[0].Seconds()/floor,
+					us(ts[1]), us(ts[2]), p.warps, p.z, gen)
+			})
 		}
 	}
 }
+
+// us formats d in microseconds.
+func us(d time.Duration) string { return fmt.Sprintf("%.1f", float64(d)/1e3) }

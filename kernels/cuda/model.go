@@ -111,8 +111,8 @@ func (be *Backend) KVWrite(a kernels.KVWriteArgs) error {
 }
 
 // QKVPrep is the q/k norms, RoPE and the cache write in one launch
-// (model_qkv_prep: a block per token, a warp per head); head dims past
-// prepMaxD take the three ops one by one.
+// (model_qkv_prep: a warp per token and head, prepThreads / 32 heads a
+// block); head dims past prepMaxD take the three ops one by one.
 func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error {
 	t, qh, cs, maxPos, err := a.Validate()
 	if err != nil {
@@ -129,7 +129,8 @@ func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error {
 		if t == 0 {
 			return nil
 		}
-		return be.launch(kQKVPrep, drv.Dim3{X: t}, drv.Dim3{X: prepThreads}, 0,
+		heads := (qh + cs.KVHeads + prepThreads/32 - 1) / (prepThreads / 32)
+		return be.launch(kQKVPrep, drv.Dim3{X: t, Y: heads}, drv.Dim3{X: prepThreads}, 0,
 			be.errw, ptr(a.Q), ptr(a.K), ptr(a.V), ptr(a.QNorm), ptr(a.KNorm), eps, ptr(a.Positions), ptr(a.Cos), ptr(a.Sin),
 			ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.Slots), int32(qh), int32(cs.KVHeads), int32(cs.D), int32(maxPos),
 			int64(cs.Pages)*int64(cs.PageSize))
@@ -140,29 +141,55 @@ func (be *Backend) QKVPrep(a kernels.QKVPrepArgs) error {
 // for (attDims, attGroups) run on tensor cores: a block per (query row, KV
 // head, z), where only the first row of each tile of a sequence's rows
 // works, and a decode row's positions spread over gridDim.z blocks when
-// there is scratch. Other geometries take att_generic: one block per
-// (query row, KV head). Neither the kernel nor a row's bits depend on the
-// batch (attention.cu).
-func (be *Backend) Attention(a kernels.AttentionArgs) error { return be.attention(a, false) }
+// there is scratch; planAttention picks the block width and z from the
+// launch's size. Other geometries take att_generic: one block per (query
+// row, KV head). Neither the kernels, the width nor z change a row's bits
+// (attention.cu).
+func (be *Backend) Attention(a kernels.AttentionArgs) error { return be.attention(a, attAuto) }
 
-// attention is Attention, on att_generic whatever the geometry when
-// generic is set (for tests that compare the two).
-func (be *Backend) attention(a kernels.AttentionArgs, generic bool) error {
+// attMode chooses attention's kernel: as Attention does, att_generic
+// whatever the geometry, or att_tc in blocks of a given width (for tests
+// that compare them).
+type attMode int
+
+const (
+	attAuto attMode = iota
+	attGeneric
+	attWide   // att_tc, 4-warp blocks
+	attNarrow // att_tc, 1-warp blocks
+)
+
+// attention is Attention with the kernel chosen by mode.
+func (be *Backend) attention(a kernels.AttentionArgs, mode attMode) error {
 	var s kernels.AttentionShape
 	var shared, groups int
 	var tc bool
+	var key attKernel
+	var plan attPlan
 	validate := func() (err error) {
 		if s, err = a.Validate(); err != nil {
 			return err
 		}
 		group, d := s.QHeads/s.Cache.KVHeads, s.Cache.D
-		_, tc = be.kernels[attKernel{d, group}]
-		tc = tc && !generic
-		if tc {
-			shared = attTCSmem(d)
-			groups = (s.MaxPages*s.Cache.PageSize + attTCGroupLen - 1) / attTCGroupLen
-		} else {
+		_, tc = be.kernels[attKernel{d, group, 4}]
+		tc = tc && mode != attGeneric
+		if !tc {
 			shared = attentionShared(group, d)
+		} else {
+			groups = (s.MaxPages*s.Cache.PageSize + attTCGroupLen - 1) / attTCGroupLen
+			warps := 0 // planAttention's choice
+			if _, narrow := be.kernels[attKernel{d, group, 1}]; !narrow || mode == attWide {
+				warps = 4
+			}
+			if mode == attNarrow {
+				if warps == 4 {
+					return fmt.Errorf("cuda: attention: head dim %d has no 1-warp kernel", d)
+				}
+				warps = 1
+			}
+			plan = planAttention(s.Tq*s.Cache.KVHeads, groups, be.info.SMs, warps)
+			key = attKernel{d, group, plan.warps}
+			shared = attTCSmem(d, plan.warps)
 		}
 		if shared > be.info.SharedOptin {
 			return fmt.Errorf("cuda: attention: %d query heads per kv head of dim %d need %d bytes of shared memory, the device has %d",
@@ -181,19 +208,16 @@ func (be *Backend) attention(a kernels.AttentionArgs, generic bool) error {
 				int32(s.Tq), int32(s.QHeads), int32(cs.KVHeads), int32(cs.D), int32(cs.PageSize), int32(cs.Pages),
 				int32(s.S), int32(s.MaxPages), a.Scale)
 		}
-		// z: enough blocks for two a multiprocessor when every row decodes
-		// (empty ones exit at once), never more than a row has groups, and
-		// 1 (no scratch needed) unless the scratch holds the launch's
-		// sequences.
-		rows := s.Tq * cs.KVHeads
-		z, scratch := max(1, min(groups, (2*be.info.SMs+rows-1)/rows)), drv.DevicePtr(0)
+		// z > 1 needs scratch that holds the launch's sequences; without
+		// it the launch runs z = 1 (the same bits, fewer blocks).
+		z, scratch := plan.z, drv.DevicePtr(0)
 		if a.Scratch == nil || a.Scratch.Size() < attScratchBytes(s.S, cs.KVHeads, groups, cs.D) {
 			z = 1
 		}
 		if z > 1 {
 			scratch = ptr(a.Scratch)
 		}
-		return be.launch(attKernel{cs.D, s.QHeads / cs.KVHeads}, drv.Dim3{X: s.Tq, Y: cs.KVHeads, Z: z}, drv.Dim3{X: attTCThreads}, shared,
+		return be.launch(key, drv.Dim3{X: s.Tq, Y: cs.KVHeads, Z: z}, drv.Dim3{X: 32 * plan.warps}, shared,
 			be.errw, ptr(a.Out), ptr(a.Q), ptr(a.Cache.K), ptr(a.Cache.V), ptr(a.PageTable), ptr(a.SeqLens), ptr(a.QueryStart),
 			scratch, int32(s.Tq), int32(s.QHeads), int32(cs.KVHeads), int32(cs.PageSize), int32(cs.Pages),
 			int32(s.S), int32(s.MaxPages), int32(groups), a.Scale)
@@ -202,18 +226,17 @@ func (be *Backend) attention(a kernels.AttentionArgs, generic bool) error {
 
 // AttentionScratch is the scratch Attention uses to spread a decode row's
 // positions over several blocks (kernels.AttentionScratcher): 0 for a
-// geometry att_tc does not serve. Only launches of fewer rows than two a
-// multiprocessor spread, so it is sized for at most that many sequences;
-// a launch of more sequences runs without it (the same bits, fewer
-// blocks).
+// geometry att_tc does not serve. Only launches of few enough rows spread
+// (attSpreadSeqs), so it is sized for at most that many sequences; a
+// launch of more sequences runs without it (the same bits, fewer blocks).
 func (be *Backend) AttentionScratch(seqs, qHeads, kvHeads, d, maxLen int) int {
 	if kvHeads <= 0 || qHeads%kvHeads != 0 {
 		return 0
 	}
-	if _, ok := be.kernels[attKernel{d, qHeads / kvHeads}]; !ok {
+	if _, ok := be.kernels[attKernel{d, qHeads / kvHeads, 4}]; !ok {
 		return 0
 	}
-	seqs = min(seqs, (2*be.info.SMs+kvHeads-1)/kvHeads)
+	seqs = min(seqs, attSpreadSeqs(kvHeads, be.info.SMs))
 	return attScratchBytes(seqs, kvHeads, (maxLen+attTCGroupLen-1)/attTCGroupLen, d)
 }
 

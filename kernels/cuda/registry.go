@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"slices"
 
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 )
@@ -94,15 +95,18 @@ type tileKernel struct {
 	swiglu, ks2 bool
 }
 
-// attKernel is att_tc<d, group>, attention on tensor cores for head dim d
-// and group query heads per KV head (attention.cu).
-type attKernel struct{ d, group int }
+// attKernel is att_tc<d, group, warps>, attention on tensor cores for head
+// dim d and group query heads per KV head, in blocks of warps warps (4 or
+// 1) (attention.cu).
+type attKernel struct{ d, group, warps int }
 
 // attDims and attGroups are the geometries att_tc is built for; others
-// take att_generic.
+// take att_generic. attNarrowDims are the head dims also built in 1-warp
+// blocks (the others always run 4 warps a block).
 var (
-	attDims   = []int{16, 32, 64, 128}
-	attGroups = []int{1, 2, 4, 8, 16}
+	attDims       = []int{16, 32, 64, 128}
+	attGroups     = []int{1, 2, 4, 8, 16}
+	attNarrowDims = []int{64, 128}
 )
 
 // wsKernel is the warp-specialised wgmma NVFP4 grouped GEMM of rows-row
@@ -139,14 +143,13 @@ const (
 	wsSmem192 = 2*(192+128)*256 + 2*256*5*20 + 1024
 	// Model kernels' block sizes (model.go).
 	copyThreads     = 128  // embed, kv write, rope: one block per token
-	prepThreads     = 128  // qkv prep: a block per token, a warp per head (MODEL_PREP_WARPS)
+	prepThreads     = 128  // qkv prep: a warp per (token, head), 4 heads a block (MODEL_PREP_WARPS)
 	prepMaxD        = 256  // qkv prep: the largest head dim (MODEL_PREP_MAXD)
 	normMaxThreads  = 256  // rmsnorm: one block per row
 	addThreads      = 256  // add: grid-stride
 	attTile         = 64   // att_generic: positions per shared-memory tile (attention.cu ATT_G_TILE)
 	attThreads      = 256  // att_generic: threads per (query row, kv head) (ATT_G_THREADS)
-	attTCThreads    = 128  // att_tc: ATT_WARPS warps
-	attTCGroupLen   = 512  // att_tc: positions a block joins at once (ATT_GROUPLEN)
+	attTCGroupLen   = 512  // att_tc: positions a group joins (ATT_GROUPLEN)
 	sampleThreads   = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
 	logprobsThreads = 512  // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
 	scatterThreads  = 256  // scatter bf16: one block per span (MODEL_SCATTER_THREADS)
@@ -190,10 +193,51 @@ func routeSmem(e, k int) int { return routeWarps * (e*5 + k*4) }
 // 32 per-warp counters and an offset per expert, and one more offset.
 func permuteSmem(e int) int { return (32*e + e + 1) * 4 }
 
-// attTCSmem is att_tc's dynamic shared memory for head dim d (AttTC<D>::SMEM):
-// 4 warps' two stages of 32 K and 32 V rows (padded by 8 elements), two
-// 16 x d FP32 areas a warp, the per-row maxima and sums, a flag.
-func attTCSmem(d int) int { return 4*2*(2*32*(d+8))*2 + 4*2*16*d*4 + 2*4*16*4 + 16 }
+// attTCSmem is the dynamic shared memory of att_tc for head dim d in
+// blocks of w warps (AttTC<D>::smem<W>()): each warp's two stages of 32 K
+// and 32 V rows (padded by 8 elements) and two 16 x d FP32 areas, the
+// per-row maxima and sums, a flag.
+func attTCSmem(d, w int) int { return w*2*(2*32*(d+8))*2 + w*2*16*d*4 + 2*w*16*4 + 16 }
+
+// attNarrowBlocks is how many 1-warp att_tc blocks of head dim 128 a
+// multiprocessor holds (shared memory bound: 4 x 51 KB of 228 KB); a
+// launch spreads decode rows over z blocks until about that many blocks
+// per multiprocessor run.
+const attNarrowBlocks = 4
+
+// attPlan is how att_tc serves a launch: blocks of warps warps, and a
+// one-row tile's groups spread over z blocks.
+type attPlan struct{ warps, z int }
+
+// planAttention picks att_tc's block width and spread for a launch of
+// pairs (query row, KV head) pairs whose sequences have at most groups
+// groups of positions, on sms multiprocessors; warps is the block width
+// to use, or 0 to choose. Fewer pairs than multiprocessors take 4-warp
+// blocks, a group's four splits side by side, spread over z blocks until
+// there are two a multiprocessor; more take 1-warp blocks, spread until
+// attNarrowBlocks a multiprocessor. Neither choice changes a row's bits
+// (attention.cu), so it may follow the batch.
+func planAttention(pairs, groups, sms, warps int) attPlan {
+	pairs = max(1, pairs)
+	if warps == 0 {
+		warps = 4
+		if pairs >= sms {
+			warps = 1
+		}
+	}
+	per := 2
+	if warps == 1 {
+		per = attNarrowBlocks
+	}
+	return attPlan{warps: warps, z: max(1, min(groups, (per*sms+pairs-1)/pairs))}
+}
+
+// attSpreadSeqs is the most sequences a launch of kvHeads KV heads can
+// spread over z > 1 blocks (planAttention): the scratch AttentionScratch
+// sizes holds that many.
+func attSpreadSeqs(kvHeads, sms int) int {
+	return (attNarrowBlocks*sms + kvHeads - 1) / kvHeads
+}
 
 // attScratchEntry is the floats of one group partial in att_tc's scratch
 // (AttTC<D>::ENTRY): the 16 x d accumulators and 16 maxima and sums.
@@ -315,8 +359,12 @@ func kernelRegistry() []kernelSpec {
 	}
 	for _, d := range attDims {
 		for _, g := range attGroups {
-			ks = append(ks, kernelSpec{key: attKernel{d, g}, name: fmt.Sprintf("att_tc_d%d_g%d", d, g), unit: "attention.cu",
-				expr: fmt.Sprintf("rw::att_tc<%d, %d>", d, g), threads: attTCThreads, smem: attTCSmem(d)})
+			ks = append(ks, kernelSpec{key: attKernel{d, g, 4}, name: fmt.Sprintf("att_tc_d%d_g%d", d, g), unit: "attention.cu",
+				expr: fmt.Sprintf("rw::att_tc<%d, %d, 4>", d, g), threads: 4 * 32, smem: attTCSmem(d, 4)})
+			if slices.Contains(attNarrowDims, d) {
+				ks = append(ks, kernelSpec{key: attKernel{d, g, 1}, name: fmt.Sprintf("att_tc_d%d_g%d_w1", d, g), unit: "attention.cu",
+					expr: fmt.Sprintf("rw::att_tc<%d, %d, 1>", d, g), threads: 32, smem: attTCSmem(d, 1)})
+			}
 		}
 	}
 	for _, per := range []int{1, 2, 4, 8} {

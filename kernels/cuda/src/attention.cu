@@ -1,12 +1,13 @@
 // Causal grouped-query attention over the paged KV cache
 // (kernels.AttentionArgs), two kernels:
 //
-//   - att_tc<D, GROUP>, on tensor cores, for head dims 16..128 and groups
-//     of query heads per KV head that divide 16. Positions are split at
-//     fixed boundaries so that one query row's positions spread over many
-//     warps and blocks (flash-decoding), and every row is reduced by the
-//     same fixed tree whatever the batch, whichever kernel geometry serves
-//     it, and whether it is decoded alone or prefilled with other rows.
+//   - att_tc<D, GROUP, W>, on tensor cores, for head dims 16..128 and
+//     groups of query heads per KV head that divide 16, in blocks of W
+//     warps (4 or 1). Positions are split at fixed boundaries so that one
+//     query row's positions spread over many warps and blocks
+//     (flash-decoding), and every row is reduced by the same fixed tree
+//     whatever the batch, whichever kernel geometry (and W) serves it, and
+//     whether it is decoded alone or prefilled with other rows.
 //   - att_generic, any geometry: one block per (query row, KV head),
 //     positions in order.
 //
@@ -52,26 +53,30 @@ __device__ bool att_locate(int *err, const int *pageTable, const int *seqLens, c
     const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
     const bool reporter = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     // QueryStart must lie in [0, tq] and not decrease. Every block checks
-    // it (it is short); block (0, 0) reports.
+    // it (it is short) with loads that do not wait on each other; only
+    // when something is wrong does block (0, 0, 0) walk it again to report.
     int bad = 0;
+#pragma unroll 4
     for (int s = tid; s <= nseq; s += blockDim.x) {
-        const int a = queryStart[s];
-        if (a < 0 || a > tq) {
-            bad = 1;
-            if (reporter) report(err, E_ATT_QSTART, s, a, tq);
-        } else if (s < nseq && queryStart[s + 1] < a) {
-            bad = 1;
-            if (reporter) report(err, E_ATT_DECREASE, s, a, queryStart[s + 1]);
-        }
+        const int a = queryStart[s], b = s < nseq ? queryStart[s + 1] : tq;
+        bad |= a < 0 || a > tq || b < a;
     }
-    if (__syncthreads_or(bad)) return false;
+    if (__syncthreads_or(bad)) {
+        for (int s = tid; reporter && s <= nseq; s += blockDim.x) {
+            const int a = queryStart[s];
+            if (a < 0 || a > tq) report(err, E_ATT_QSTART, s, a, tq);
+            else if (s < nseq && queryStart[s + 1] < a) report(err, E_ATT_DECREASE, s, a, queryStart[s + 1]);
+        }
+        return false;
+    }
 
     const int seq = att_seq_of(queryStart, nseq, row);
     if (seq < 0 || seq >= nseq) return false;
     const int q0 = queryStart[seq], nq = queryStart[seq + 1] - q0;
     const int len = seqLens[seq];
     // Sequence errors are reported by the block of its first query row.
-    const bool first = row == q0 && kvh == 0 && blockIdx.z == 0 && tid == 0;
+    const bool owner = row == q0 && kvh == 0 && blockIdx.z == 0;
+    const bool first = owner && tid == 0;
     if (len < nq) {
         if (first) report(err, E_ATT_QUERIES, seq, nq, len);
         return false;
@@ -84,14 +89,18 @@ __device__ bool att_locate(int *err, const int *pageTable, const int *seqLens, c
     const int npages = (int)(((long long)len + pageSize - 1) / pageSize);
     const int *pt = pageTable + (size_t)seq * maxPages;
     bad = 0;
+#pragma unroll 4
     for (int j = tid; j < npages; j += blockDim.x) {
         const int p = pt[j];
-        if (p < 0 || p >= pages) {
-            bad = 1;
-            if (row == q0 && kvh == 0 && blockIdx.z == 0) report(err, E_ATT_PAGE, seq, j, p);
-        }
+        bad |= p < 0 || p >= pages;
     }
-    if (__syncthreads_or(bad)) return false;
+    if (__syncthreads_or(bad)) {
+        for (int j = tid; owner && j < npages; j += blockDim.x) {
+            const int p = pt[j];
+            if (p < 0 || p >= pages) report(err, E_ATT_PAGE, seq, j, p);
+        }
+        return false;
+    }
 
     r.seq = seq;
     r.q0 = q0;
@@ -253,7 +262,7 @@ att_generic(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16
 }
 
 
-// ---- att_tc<D, GROUP>: tensor cores, positions split at fixed bounds. ----
+// ---- att_tc<D, GROUP, W>: tensor cores, positions split at fixed bounds. ----
 //
 // The m16 rows of a warp's MMA tile are (query row, head) pairs: the GROUP
 // query heads that share the KV head, for 16 / GROUP consecutive query rows
@@ -270,19 +279,20 @@ att_generic(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16
 //     (att_join), starting from the group's first split;
 //   - the groups are joined in order into the row's result, which is
 //     divided by its sum and rounded to BF16.
-// A row that has a single query in its tile (decode) spreads its splits
-// over the block's warps and its groups over gridDim.z blocks (partials in
-// the scratch buffer, joined by the last block to finish); rows of a
-// prefill tile walk every split in one warp. Both follow the same tree, so
-// a row's output bits do not depend on the batch, the grid or whether it
+// A row that has a single query in its tile (decode) spreads its groups
+// over gridDim.z blocks (partials in the scratch buffer, joined by the
+// last block to finish) and, in a 4-warp block, a group's splits over the
+// warps; rows of a prefill tile, and decode rows in a 1-warp block, walk
+// their splits in one warp. All follow the same tree, so a row's output
+// bits do not depend on the batch, the grid, the block width or whether it
 // was prefilled or decoded. A position a row must not see scores -Inf
 // (probability 0, the running max and sum untouched, the rescale exactly 1),
 // and cache rows past the warp's last visible position are zero-filled, so
 // stale cache contents never reach a result.
-constexpr int ATT_WARPS = 4;
+constexpr int ATT_SPLITS = 4;                        // splits a group joins (the warps of a 4-warp block)
 constexpr int ATT_CHUNK = 32;                         // positions a cp.async stage holds
 constexpr int ATT_SPLIT = 128;                        // positions of one online softmax
-constexpr int ATT_GROUPLEN = ATT_WARPS * ATT_SPLIT;   // positions a block joins at once
+constexpr int ATT_GROUPLEN = ATT_SPLITS * ATT_SPLIT;  // positions a group joins
 constexpr float ATT_LOG2E = 1.4426950408889634f;
 
 template <int D>
@@ -297,9 +307,11 @@ struct AttTC {
     static constexpr int ACC = NT * 4;                   // accumulator floats a lane holds
     static constexpr int AREA = 32 * ACC;                // floats of a warp tile's accumulators (16 x D)
     static constexpr int ENTRY = AREA + 32;              // floats of a scratch partial: acc, m[16], l[16]
-    // Shared memory: each warp's two stages, two accumulator areas per
-    // warp, the warps' per-row maxima and sums, the last-block flag.
-    static constexpr int SMEM = ATT_WARPS * 2 * STAGE * 2 + ATT_WARPS * 2 * AREA * 4 + 2 * ATT_WARPS * 16 * 4 + 16;
+    // Shared memory of a block of W warps: each warp's two stages, two
+    // accumulator areas per warp, the warps' per-row maxima and sums, the
+    // last-block flag.
+    template <int W>
+    __host__ __device__ static constexpr int smem() { return W * 2 * STAGE * 2 + W * 2 * AREA * 4 + 2 * W * 16 * 4 + 16; }
 };
 
 __device__ __forceinline__ float att_ex2(float x) {
@@ -537,23 +549,29 @@ __device__ __forceinline__ bool att_idle(const int *seqLens, const int *querySta
     return (long long)blockIdx.z * ATT_GROUPLEN >= (long long)seqLens[seq];
 }
 
-// att_tc: grid (query rows, KV heads, z), ATT_WARPS warps. A block whose
-// row starts a tile of its sequence (16 / GROUP rows a warp, ATT_WARPS warps)
-// serves the tile; other blocks exit. A one-row tile spreads its groups
-// over the gridDim.z blocks of its row: with gridDim.z > 1 each group's
-// partial goes to scratch (per sequence and KV head: a counter at the
-// front, then maxGroups entries of AttTC<D>::ENTRY floats) and the last
+// att_tc: grid (query rows, KV heads, z), blocks of W warps (4 or 1). A
+// block whose row starts a tile of its sequence (16 / GROUP rows a warp, W
+// warps) serves the tile; other blocks exit. A one-row tile spreads its
+// groups over the gridDim.z blocks of its row: with gridDim.z > 1 each
+// group's partial goes to scratch (per sequence and KV head: a counter at
+// the front, then maxGroups entries of AttTC<D>::ENTRY floats) and the last
 // block joins them; with gridDim.z == 1 the block joins them itself and
-// scratch may be null.
-template <int D, int GROUP>
-__global__ void __launch_bounds__(ATT_WARPS * 32, 1)
+// scratch may be null. A 4-warp block runs a group's four splits on its
+// four warps at once; a 1-warp block walks them in order. Either way a
+// group's splits are joined in split order and the groups in group order,
+// by the same operations, so W changes no bit: the host takes 4 warps when
+// a launch has few rows (a row's positions spread widest) and 1 when it has
+// many (four blocks a multiprocessor, no warp idle while another walks).
+template <int D, int GROUP, int W>
+__global__ void __launch_bounds__(W * 32, 1)
 att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *cv, const int *pageTable, const int *seqLens,
        const int *queryStart, float *scratch, int tq, int qHeads, int kvHeads, int pageSize, int pages, int nseq, int maxPages,
        int maxGroups, float scale) {
     typedef AttTC<D> T;
     static_assert(16 % GROUP == 0, "group");
-    constexpr int RPW = 16 / GROUP;       // query rows a warp holds
-    constexpr int RPB = ATT_WARPS * RPW;  // query rows a tile holds
+    static_assert(W == 1 || W == ATT_SPLITS, "block width");
+    constexpr int RPW = 16 / GROUP; // query rows a warp holds
+    constexpr int RPB = W * RPW;    // query rows a tile holds
     if (blockIdx.z > 0 && att_idle(seqLens, queryStart, nseq, RPB)) return;
     AttRow r;
     if (!att_locate(err, pageTable, seqLens, queryStart, tq, pageSize, pages, nseq, maxPages, r)) return;
@@ -568,9 +586,9 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
 
     extern __shared__ float4 att_smem[];
     bf16_t *bufs = reinterpret_cast<bf16_t *>(att_smem) + warp * 2 * T::STAGE;
-    float *areas = reinterpret_cast<float *>(reinterpret_cast<bf16_t *>(att_smem) + ATT_WARPS * 2 * T::STAGE);
-    float *mS = areas + ATT_WARPS * 2 * T::AREA, *lS = mS + ATT_WARPS * 16;
-    int *lastS = reinterpret_cast<int *>(lS + ATT_WARPS * 16);
+    float *areas = reinterpret_cast<float *>(reinterpret_cast<bf16_t *>(att_smem) + W * 2 * T::STAGE);
+    float *mS = areas + W * 2 * T::AREA, *lS = mS + W * 16;
+    int *lastS = reinterpret_cast<int *>(lS + W * 16);
 
     // The warp's rows: its query rows wbase .. wbase + wrows - 1 of the
     // tile; a lane holds m16 rows lr (A) and lr + 8 (B), row m being query
@@ -605,46 +623,99 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
         const size_t orow = (size_t)(r.q0 + local + wbase + j) * qHeads + kvh * GROUP + m % GROUP;
         out[orow * D + att_col(idx)] = f2bf(__fdiv_rn(acc, sum));
     };
+    float *entries = scratch + ((nseq * kvHeads + 3) & ~3);
+    const size_t entry0 = (size_t)(r.seq * kvHeads + kvh) * maxGroups;
 
-    if (!split) {
-        // A prefill tile: the warp walks all its splits, joining them into
-        // its group partial G and the groups into its total Tt (both in
-        // shared memory, each element owned by its lane).
+    if (!split || W == 1) {
+        // The warp walks its splits in order: all of a prefill tile's, or
+        // a one-row tile's groups z, z + nz, ... . It joins them into its
+        // group partial G and the groups into its total Tt (both in shared
+        // memory, each element owned by its lane), or, for a one-row tile
+        // spread over several blocks, writes each group's partial to
+        // scratch for the last block to join.
         if (wrows == 0) return;
+        const int ngroups = (limit + ATT_GROUPLEN - 1) / ATT_GROUPLEN;
+        const int g0 = split ? z : 0, gstep = split ? nz : 1;
+        if (g0 >= ngroups) return;
+        const bool spread = split && nz > 1;
+        // G and Tt start at zero, as the 4-warp block's registers do: a
+        // row whose partial is empty keeps them.
         float *G = areas + (warp * 2) * T::AREA, *Tt = G + T::AREA;
-        float gmA = -inf_f32(), gmB = -inf_f32(), glA = 0.0f, glB = 0.0f;
         float tmA = -inf_f32(), tmB = -inf_f32(), tlA = 0.0f, tlB = 0.0f;
-        const int nsplits = (limit + ATT_SPLIT - 1) / ATT_SPLIT;
+        for (int e = 0; e < T::ACC; e++) Tt[e * 32 + lane] = 0.0f;
         int stage = 0;
-        att_load<D>(bufs, kv, 0, limit, lane);
+        att_load<D>(bufs, kv, g0 * ATT_GROUPLEN, limit, lane);
         AttSplit<D> s;
-        for (int sp = 0; sp < nsplits; sp++) {
-            const int s0 = sp * ATT_SPLIT, s1 = min(s0 + ATT_SPLIT, limit);
-            att_split<D>(s, qf, bufs, stage, kv, s0, s1, sp + 1 < nsplits ? s1 : -1, limit, cntA, cntB, scale2, lane);
-            if (sp % ATT_WARPS == 0) gmA = gmB = -inf_f32(); // the group starts empty
-            const AttMix xA = att_mix(gmA, s.mA), xB = att_mix(gmB, s.mB);
+        for (int g = g0; g < ngroups; g += gstep) {
+            float gmA = -inf_f32(), gmB = -inf_f32(), glA = 0.0f, glB = 0.0f; // the group starts empty
+            for (int e = 0; e < T::ACC; e++) G[e * 32 + lane] = 0.0f;
+            for (int k = 0; k < ATT_SPLITS; k++) {
+                const int s0 = (g * ATT_SPLITS + k) * ATT_SPLIT;
+                if (s0 >= limit) break;
+                const int s1 = min(s0 + ATT_SPLIT, limit);
+                const int ng = (g + gstep) * ATT_GROUPLEN;
+                const int next = k + 1 < ATT_SPLITS && s1 < limit ? s1 : ng < limit ? ng : -1;
+                att_split<D>(s, qf, bufs, stage, kv, s0, s1, next, limit, cntA, cntB, scale2, lane);
+                const AttMix xA = att_mix(gmA, s.mA), xB = att_mix(gmB, s.mB);
 #pragma unroll
-            for (int n = 0; n < T::NT; n++)
+                for (int n = 0; n < T::NT; n++)
 #pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int idx = (n * 4 + c) * 32 + lane;
-                    G[idx] = att_join(c < 2 ? xA : xB, G[idx], s.acc[n][c]);
+                    for (int c = 0; c < 4; c++) {
+                        const int idx = (n * 4 + c) * 32 + lane;
+                        G[idx] = att_join(c < 2 ? xA : xB, G[idx], s.acc[n][c]);
+                    }
+                glA = att_join(xA, glA, s.lA);
+                glB = att_join(xB, glB, s.lB);
+                gmA = xA.m;
+                gmB = xB.m;
+            }
+            if (spread) {
+                float *ent = entries + (entry0 + g) * T::ENTRY;
+                for (int e = 0; e < T::ACC; e++) ent[e * 32 + lane] = G[e * 32 + lane];
+                if ((lane & 3) == 0) {
+                    ent[T::AREA + lr] = gmA;
+                    ent[T::AREA + lr + 8] = gmB;
+                    ent[T::AREA + 16 + lr] = glA;
+                    ent[T::AREA + 16 + lr + 8] = glB;
                 }
-            glA = att_join(xA, glA, s.lA);
-            glB = att_join(xB, glB, s.lB);
-            gmA = xA.m;
-            gmB = xB.m;
-            if (sp % ATT_WARPS == ATT_WARPS - 1 || sp == nsplits - 1) {
-                const AttMix yA = att_mix(tmA, gmA), yB = att_mix(tmB, gmB);
-                for (int e = 0; e < T::ACC; e++) {
-                    const int idx = e * 32 + lane;
-                    Tt[idx] = att_join((e & 2) ? yB : yA, Tt[idx], G[idx]);
-                }
-                tlA = att_join(yA, tlA, glA);
-                tlB = att_join(yB, tlB, glB);
+                continue;
+            }
+            const AttMix yA = att_mix(tmA, gmA), yB = att_mix(tmB, gmB);
+            for (int e = 0; e < T::ACC; e++) {
+                const int idx = e * 32 + lane;
+                Tt[idx] = att_join((e & 2) ? yB : yA, Tt[idx], G[idx]);
+            }
+            tlA = att_join(yA, tlA, glA);
+            tlB = att_join(yB, tlB, glB);
+            tmA = yA.m;
+            tmB = yB.m;
+        }
+        if (spread) {
+            // The last of the row's blocks to finish joins every group
+            // into Tt, element by element, as the 4-warp block does.
+            __threadfence();
+            __syncwarp();
+            int last = 0;
+            if (lane == 0) last = atomicAdd(counter_of(scratch, r.seq * kvHeads + kvh), 1) == min(nz, ngroups) - 1;
+            if (!__shfl_sync(ATT_FULL, last, 0)) return;
+            __threadfence();
+            float tacc[T::ACC];
+#pragma unroll
+            for (int e = 0; e < T::ACC; e++) tacc[e] = 0.0f;
+#pragma unroll 2
+            for (int g = 0; g < ngroups; g++) {
+                const float *ent = entries + (entry0 + g) * T::ENTRY;
+                const AttMix yA = att_mix(tmA, __ldcg(ent + T::AREA + lr)), yB = att_mix(tmB, __ldcg(ent + T::AREA + lr + 8));
+#pragma unroll
+                for (int e = 0; e < T::ACC; e++) tacc[e] = att_join((e & 2) ? yB : yA, tacc[e], __ldcg(ent + e * 32 + lane));
+                tlA = att_join(yA, tlA, __ldcg(ent + T::AREA + 16 + lr));
+                tlB = att_join(yB, tlB, __ldcg(ent + T::AREA + 16 + lr + 8));
                 tmA = yA.m;
                 tmB = yB.m;
             }
+            if (lane == 0) *counter_of(scratch, r.seq * kvHeads + kvh) = 0; // ready for the next launch
+#pragma unroll
+            for (int e = 0; e < T::ACC; e++) Tt[e * 32 + lane] = tacc[e];
         }
         for (int e = 0; e < T::ACC; e++) {
             const int idx = e * 32 + lane;
@@ -655,26 +726,25 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
         return;
     }
 
-    // A one-row tile: warp w takes split 4g + w of each group g of this
-    // block (g = z, z + nz, ...), prefetching its next split's first chunk
-    // across groups. Thread tid owns accumulator elements tid + 128 i of
-    // the tile, all of one m16 row, and joins them in registers.
-    constexpr int PER = T::AREA / (ATT_WARPS * 32);
+    // A one-row tile in a 4-warp block: warp w takes split 4g + w of each
+    // group g of this block (g = z, z + nz, ...), prefetching its next
+    // split's first chunk across groups. Thread tid owns accumulator
+    // elements tid + 128 i of the tile, all of one m16 row, and joins them
+    // in registers.
+    constexpr int PER = T::AREA / (W * 32);
     const int ngroups = (limit + ATT_GROUPLEN - 1) / ATT_GROUPLEN;
     if (z >= ngroups) return;
     const int myRow = att_row(tid);
     const bool rowWriter = (lane & 3) == 0 && (warp & 1) == 0; // one thread a row
     float *A = areas + (warp * 2) * T::AREA;
-    float *entries = scratch + ((nseq * kvHeads + 3) & ~3);
-    const size_t entry0 = (size_t)(r.seq * kvHeads + kvh) * maxGroups;
     float tacc[PER], tm = -inf_f32(), tl = 0.0f;
 #pragma unroll
     for (int i = 0; i < PER; i++) tacc[i] = 0.0f;
     int stage = 0;
-    if ((z * ATT_WARPS + warp) * ATT_SPLIT < limit) att_load<D>(bufs, kv, (z * ATT_WARPS + warp) * ATT_SPLIT, limit, lane);
+    if ((z * ATT_SPLITS + warp) * ATT_SPLIT < limit) att_load<D>(bufs, kv, (z * ATT_SPLITS + warp) * ATT_SPLIT, limit, lane);
     for (int g = z; g < ngroups; g += nz) {
         AttSplit<D> s;
-        const int s0 = (g * ATT_WARPS + warp) * ATT_SPLIT, n0 = ((g + nz) * ATT_WARPS + warp) * ATT_SPLIT;
+        const int s0 = (g * ATT_SPLITS + warp) * ATT_SPLIT, n0 = ((g + nz) * ATT_SPLITS + warp) * ATT_SPLIT;
         if (s0 < limit)
             att_split<D>(s, qf, bufs, stage, kv, s0, min(s0 + ATT_SPLIT, limit), n0 < limit ? n0 : -1, limit, cntA, cntB, scale2, lane);
         else
@@ -694,7 +764,7 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
         float gv[PER], gm = -inf_f32(), gl = 0.0f;
 #pragma unroll
         for (int i = 0; i < PER; i++) gv[i] = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++) {
+        for (int w = 0; w < ATT_SPLITS; w++) {
             const AttMix x = att_mix(gm, mS[w * 16 + myRow]);
 #pragma unroll
             for (int i = 0; i < PER; i++) gv[i] = att_join(x, gv[i], areas[(w * 2) * T::AREA + tid + 128 * i]);

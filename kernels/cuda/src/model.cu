@@ -162,11 +162,13 @@ __global__ void model_rope(int *err, bf16_t *x, const int *positions, const bf16
     }
 }
 
-// ---- QKV prep: one block per token, a warp per head. ----
+// ---- QKV prep: a warp per (token, head). ----
 //
 // The per-head RMSNorm of q and k (when the weights are given), RoPE, and
-// the cache write of k and v, in one launch. Each head row goes through
-// its warp: the sum of squares in lane order then a fixed shuffle tree,
+// the cache write of k and v, in one launch: grid (tokens, head blocks),
+// MODEL_PREP_WARPS heads a block, so that a token's heads run side by side
+// (block y = 0 also copies the token's v to the cache and reports). Each
+// head row goes through its warp: the sum of squares in lane order then a fixed shuffle tree,
 // the normalised values (BF16, as model_rmsnorm writes them) in shared
 // memory, then the rotation as model_rope does it, written back to q or k
 // and, for k, to the cache slot. A bad position skips the token, a slot
@@ -180,19 +182,20 @@ __global__ void model_qkv_prep(int *err, bf16_t *q, bf16_t *k, const bf16_t *v, 
     __shared__ float buf[MODEL_PREP_WARPS][MODEL_PREP_MAXD];
     pdl_enter();
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool reporter = blockIdx.y == 0 && threadIdx.x == 0;
     const int p = positions[t];
     if (p < 0 || p >= maxPos) {
-        if (threadIdx.x == 0) report(err, E_ROPE_POS, t, p, maxPos);
+        if (reporter) report(err, E_ROPE_POS, t, p, maxPos);
         return;
     }
     const int slot = slots[t];
     const bool store = slot >= 0 && (long long)slot < nslots;
-    if (slot >= 0 && !store && threadIdx.x == 0) report(err, E_KV_SLOT, t, slot, (int)min(nslots, 2147483647LL));
+    if (slot >= 0 && !store && reporter) report(err, E_KV_SLOT, t, slot, (int)min(nslots, 2147483647LL));
     const int half = d / 2;
     const bf16_t *c = cosT + (size_t)p * half;
     const bf16_t *sn = sinT + (size_t)p * half;
     float *b = buf[warp];
-    for (int h = warp; h < qHeads + kvHeads; h += MODEL_PREP_WARPS) {
+    for (int h = blockIdx.y * MODEL_PREP_WARPS + warp; h < qHeads + kvHeads; h += gridDim.y * MODEL_PREP_WARPS) {
         const bool isK = h >= qHeads;
         bf16_t *row = isK ? k + ((size_t)t * kvHeads + (h - qHeads)) * d : q + ((size_t)t * qHeads + h) * d;
         const bf16_t *w = isK ? kn : qn;
@@ -225,7 +228,7 @@ __global__ void model_qkv_prep(int *err, bf16_t *q, bf16_t *k, const bf16_t *v, 
         }
         __syncwarp(); // the warp's buffer is read before the next head fills it
     }
-    if (store) model_copy_row(cv + (size_t)slot * kvHeads * d, v + (size_t)t * kvHeads * d, kvHeads * d);
+    if (store && blockIdx.y == 0) model_copy_row(cv + (size_t)slot * kvHeads * d, v + (size_t)t * kvHeads * d, kvHeads * d);
 }
 
 // ---- KVWrite: one block per token. ----
