@@ -4,14 +4,16 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"go.uber.org/zap"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
 
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
 	"github.com/rollout-worker/rollout-worker/moe"
@@ -223,5 +225,93 @@ func TestLiveOverflow(t *testing.T) {
 	}
 	if n, _, _ := l.sub.Pending(); n != 2 {
 		t.Fatalf("%d messages left: want version 3's other 2", n)
+	}
+}
+
+// TestStreamPull reads the four parts of a version (48 MiB each) from
+// their streams at once over one connection, as a worker does after it
+// falls back or joins late: every chunk arrives in order, and the server
+// never cuts the connection off as a slow consumer. Consumers that pulled
+// the receiver's whole MaxBytes each were cut off again and again, each
+// time starting over (pullBytes).
+func TestStreamPull(t *testing.T) {
+	if testing.Short() {
+		t.Skip("publishes 192 MiB")
+	}
+	srv := refittest.StartServer(t)
+	p := newPublisher(t, srv.URL())
+	const parts, chunk, n = 4, 512 << 10, 96
+	for i := range parts {
+		if _, err := p.ensurePartStream(context.Background(), i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pub := refittest.Connect(t, srv.URL())
+	pjs, err := jetstream.New(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := make([]byte, chunk)
+	for part := range parts {
+		for i := range n {
+			data[0], data[1], data[2] = byte(i), byte(i>>8), byte(part)
+			c := Chunk{Version: 1, Seq: i, Offset: int64(i) * chunk, Total: n * chunk, Chunks: n, CRC: CRC32C(data)}
+			msg := &nats.Msg{Subject: PartSubject(testModel, 1, part), Header: c.Header(), Data: data}
+			if _, err := pjs.PublishMsgAsync(msg); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	select {
+	case <-pjs.PublishAsyncComplete():
+	case <-time.After(60 * time.Second):
+		t.Fatal("publish did not complete")
+	}
+
+	var cutOff atomic.Int64
+	nc, err := nats.Connect(srv.URL(), nats.DisconnectErrHandler(func(*nats.Conn, error) { cutOff.Add(1) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &Receiver{nc: nc, js: js, log: zap.NewNop(), cfg: ReceiverConfig{Model: testModel, MaxBytes: 64 << 20, ChunkTimeout: 20 * time.Second}}
+	start := time.Now()
+	errs := make(chan error, parts)
+	for part := range parts {
+		go func() {
+			f := r.newFeed(Announce{Protocol: ProtocolVersion, Model: testModel, Version: 1, Full: true, Subject: PartSubject(testModel, 1, part),
+				TotalBytes: n * chunk, ChunkBytes: chunk, Chunks: n}, part, nil)
+			f.share = parts
+			defer f.close()
+			want := expect{total: -1}
+			for i := range n {
+				c, err := f.next(context.Background(), want)
+				if err != nil {
+					errs <- fmt.Errorf("part %d, chunk %d: %w", part, i, err)
+					return
+				}
+				if c.data[0] != byte(i) || c.data[1] != byte(i>>8) || c.data[2] != byte(part) {
+					errs <- fmt.Errorf("part %d, chunk %d: the payload of part %d, chunk %d", part, i, c.data[2], int(c.data[0])|int(c.data[1])<<8)
+					return
+				}
+				want = expect{seq: i + 1, offset: int64(i+1) * chunk, total: c.Total, chunks: c.Chunks}
+			}
+			errs <- nil
+		}()
+	}
+	for range parts {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	el := time.Since(start)
+	t.Logf("%d parts of %d MiB from their streams over one connection in %v (%.2f GB/s), cut off %d times",
+		parts, n*chunk>>20, el, float64(parts*n*chunk)/el.Seconds()/1e9, cutOff.Load())
+	if c := cutOff.Load(); c != 0 {
+		t.Errorf("the server cut the connection off %d times", c)
 	}
 }

@@ -39,7 +39,10 @@ type ReceiverConfig struct {
 	Worker string // worker id in status reports
 	// Version is the version of the weights loaded at start (0: none yet).
 	Version uint64
-	// MaxBytes bounds the bytes a consumer pulls ahead (default 64 MiB).
+	// MaxBytes bounds the bytes a consumer pulls ahead (default 64 MiB;
+	// the stream consumers of one connection pull at most 16 MiB ahead
+	// together, see pullBytes) and is the live subscription's default
+	// pending limit.
 	MaxBytes int
 	// LivePendingBytes bounds the live chunks waiting to be read (default
 	// MaxBytes); beyond it the server's deliveries are dropped and the
@@ -1057,6 +1060,9 @@ func (r *Receiver) receiveParts(ctx context.Context, a Announce, parts []Part, l
 func (r *Receiver) receivePart(ctx context.Context, a Announce, part int, ls *liveSub, vw *versionWatch, pp *partsPlan, res *partRecv) (err error) {
 	feed := r.newFeed(a, part, ls)
 	feed.watch = vw
+	if pp != nil {
+		feed.share = len(pp.ws)
+	}
 	defer func() {
 		feed.close()
 		res.fromNet, res.fromJS = feed.fromNet, feed.fromJS
