@@ -16,6 +16,14 @@ import (
 	"go.uber.org/zap"
 )
 
+// DefaultLivePendingBytes is the live chunks a part's subscription holds
+// unread before it drops: a publisher sends a part at up to about 2 GB/s,
+// so 256 MiB rides out about a tenth of a second of the worker not
+// reading (starting a version, a collection), where the default of the
+// NATS client, 64 MiB, overflowed in the first half-second of a version
+// of four parts on a GPU worker. The memory is taken only while behind.
+const DefaultLivePendingBytes = 256 << 20
+
 // DefaultLiveIdle is how long a receiver waits for the next live chunk
 // before it fetches the rest of the version from the stream instead.
 const DefaultLiveIdle = 250 * time.Millisecond
@@ -96,7 +104,7 @@ func (r *Receiver) trySubscribeLive(ctx context.Context, part int) (*liveSub, er
 		return nil, fmt.Errorf("refit: receiver: subscribe to %s: %w", subjects, err)
 	}
 	// Unlimited messages, bounded bytes: chunk sizes vary with max_payload.
-	limit := r.cfg.MaxBytes
+	limit := DefaultLivePendingBytes
 	if r.cfg.LivePendingBytes > 0 {
 		limit = r.cfg.LivePendingBytes
 	}

@@ -315,3 +315,22 @@ func TestStreamPull(t *testing.T) {
 		t.Errorf("the server cut the connection off %d times", c)
 	}
 }
+
+// TestReceiverConfigErrors: a receiver configuration out of range is
+// refused, naming the field, before anything is connected or allocated.
+func TestReceiverConfigErrors(t *testing.T) {
+	for _, c := range []struct {
+		cfg  ReceiverConfig
+		want string
+	}{
+		{ReceiverConfig{Model: "bad model", Worker: "w"}, "model id"},
+		{ReceiverConfig{Model: testModel}, "empty worker id"},
+		{ReceiverConfig{Model: testModel, Worker: "w", LivePendingBytes: -1}, "live pending bytes -1"},
+		{ReceiverConfig{Model: testModel, Worker: "w", LiveParts: MaxParts + 1}, fmt.Sprintf("live parts %d", MaxParts+1)},
+	} {
+		_, err := NewReceiver(nil, nil, nil, c.cfg, zap.NewNop(), nil)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: error %v, want it to name %q", c.cfg, err, c.want)
+		}
+	}
+}

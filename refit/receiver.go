@@ -41,12 +41,11 @@ type ReceiverConfig struct {
 	Version uint64
 	// MaxBytes bounds the bytes a consumer pulls ahead (default 64 MiB;
 	// the stream consumers of one connection pull at most 16 MiB ahead
-	// together, see pullBytes) and is the live subscription's default
-	// pending limit.
+	// together, see pullBytes).
 	MaxBytes int
-	// LivePendingBytes bounds the live chunks waiting to be read (default
-	// MaxBytes); beyond it the server's deliveries are dropped and the
-	// worker fetches what it misses from the stream.
+	// LivePendingBytes bounds the live chunks of a part waiting to be read
+	// (default DefaultLivePendingBytes); beyond it the server's deliveries
+	// are dropped and the worker fetches what it misses from the stream.
 	LivePendingBytes int
 	// ChunkTimeout rejects a version whose chunks (or manifest) stop
 	// arriving for this long: the publisher died (default 30 s).
@@ -178,6 +177,9 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	cfg.LiveIdle = min(cfg.LiveIdle, cfg.ChunkTimeout)
 	if cfg.MaxVersionStep == 0 {
 		cfg.MaxVersionStep = DefaultMaxVersionStep
+	}
+	if cfg.LivePendingBytes < 0 {
+		return nil, fmt.Errorf("refit: receiver: live pending bytes %d: want 0 (the default) or more", cfg.LivePendingBytes)
 	}
 	if cfg.LiveParts < 0 || cfg.LiveParts > MaxParts {
 		return nil, fmt.Errorf("refit: receiver: live parts %d: want 0 to %d", cfg.LiveParts, MaxParts)

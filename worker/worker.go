@@ -67,6 +67,9 @@ type Config struct {
 	// RefitLiveParts is how many parts of a version (refit/PROTOCOL.md,
 	// "Parts") the refit receiver follows live from the start (0: 1).
 	RefitLiveParts int
+	// RefitLivePendingBytes bounds what a part's live subscription holds
+	// unread (0: refit.DefaultLivePendingBytes).
+	RefitLivePendingBytes int
 }
 
 // DefaultModelID is the model id a worker serves when none is given: the
@@ -207,7 +210,7 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 		ecfg.Graphs = w.graphs
 	}
 	w.eng = policy.NewEngine(w.m, ecfg)
-	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID, Trust: cfg.RefitTrust, LiveParts: cfg.RefitLiveParts}, log.Named("refit"), reg); err != nil {
+	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID, Trust: cfg.RefitTrust, LiveParts: cfg.RefitLiveParts, LivePendingBytes: cfg.RefitLivePendingBytes}, log.Named("refit"), reg); err != nil {
 		return nil, err
 	}
 	return w, nil
