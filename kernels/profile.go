@@ -1,6 +1,9 @@
 package kernels
 
-import "time"
+import (
+	"fmt"
+	"time"
+)
 
 // Marker marks where groups of ops begin on a backend's op stream. A model
 // given one calls Mark before each group of its forward pass (the
@@ -30,4 +33,36 @@ type Profile interface {
 // (the CUDA backend, with events).
 type Profiler interface {
 	NewProfile() (Profile, error)
+}
+
+// BatchCopier is implemented by backends that issue many copies in one
+// call, for less than one Copy each costs where every call crosses to the
+// thread that owns the device: the refit commit copies hundreds of staged
+// tensors while generation waits.
+type BatchCopier interface {
+	// CopyAll copies src[i] into dst[i] for every i, in order, as Copy
+	// does. It checks every pair before it copies any.
+	CopyAll(dst, src []*Buffer) error
+}
+
+// CopyAll copies src[i] into dst[i] for every i: through be's CopyAll if it
+// has one, else one Copy at a time after checking every pair's sizes.
+func CopyAll(be Backend, dst, src []*Buffer) error {
+	if len(dst) != len(src) {
+		return fmt.Errorf("copy all: %d destinations for %d sources", len(dst), len(src))
+	}
+	if bc, ok := be.(BatchCopier); ok {
+		return bc.CopyAll(dst, src)
+	}
+	for i := range dst {
+		if dst[i] == nil || src[i] == nil || dst[i].Size() != src[i].Size() {
+			return fmt.Errorf("copy all: pair %d: %v into %v", i, src[i], dst[i])
+		}
+	}
+	for i := range dst {
+		if err := be.Copy(dst[i], src[i]); err != nil {
+			return err
+		}
+	}
+	return nil
 }

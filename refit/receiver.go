@@ -1607,11 +1607,14 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 		start := time.Now()
 		be := r.m.Backend()
 		changed = true
+		// The staged tensors' copies, a layer's in one call: hundreds of
+		// them, each crossing to the device's thread when one at a time.
+		byLayer := map[int][2][]*kernels.Buffer{}
+		var order []int
 		for _, w := range ws {
 			if w.dst == w.target.Buffer || (w.isDelta() && !w.changed) {
 				continue // written in place, or a delta that changed nothing
 			}
-			t0 := time.Now()
 			dst, err := w.target.Buffer.ByteRange(w.target.Offset, w.target.Size())
 			if err != nil {
 				return err
@@ -1620,12 +1623,21 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 			if err != nil {
 				return err
 			}
-			if err := be.Copy(dst, src); err != nil {
-				return fmt.Errorf("copy %s: %w", w.info.Name, err)
+			p, ok := byLayer[w.layer]
+			if !ok {
+				order = append(order, w.layer)
+			}
+			byLayer[w.layer] = [2][]*kernels.Buffer{append(p[0], dst), append(p[1], src)}
+		}
+		for _, layer := range order {
+			p := byLayer[layer]
+			t0 := time.Now()
+			if err := kernels.CopyAll(be, p[0], p[1]); err != nil {
+				return fmt.Errorf("copy layer %d: %w", layer, err)
 			}
 			d := time.Since(t0)
 			copyTotal += d
-			layers[w.layer].CopyMS += ms(d)
+			layers[layer].CopyMS += ms(d)
 		}
 		for layer, es := range experts {
 			slices.Sort(es)

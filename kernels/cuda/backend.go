@@ -381,6 +381,36 @@ func (be *Backend) Copy(dst, src *kernels.Buffer) error {
 	})
 }
 
+// CopyAll copies src[i] into dst[i] on the compute stream, every pair
+// checked first, in one call to the owner thread (kernels.BatchCopier).
+func (be *Backend) CopyAll(dst, src []*kernels.Buffer) error {
+	if len(dst) != len(src) {
+		return fmt.Errorf("cuda: copy all: %d destinations for %d sources", len(dst), len(src))
+	}
+	return be.dev.Do(func(c *drv.Ctx) error {
+		if err := be.refuseInCapture("copy all"); err != nil {
+			return err
+		}
+		for i := range dst {
+			if err := be.own("copy all", "dst", dst[i]); err != nil {
+				return err
+			}
+			if err := be.own("copy all", "src", src[i]); err != nil {
+				return err
+			}
+			if dst[i].Size() != src[i].Size() {
+				return fmt.Errorf("cuda: copy all: pair %d: %v (%d bytes) into %v (%d bytes)", i, src[i], src[i].Size(), dst[i], dst[i].Size())
+			}
+		}
+		for i := range dst {
+			if err := c.DtoDAsync(ptr(dst[i]), ptr(src[i]), dst[i].Size(), be.stream); err != nil {
+				return fmt.Errorf("cuda: copy all: pair %d: %w", i, err)
+			}
+		}
+		return nil
+	})
+}
+
 // Zero clears dst.
 func (be *Backend) Zero(dst *kernels.Buffer) error {
 	return be.dev.Do(func(c *drv.Ctx) error {

@@ -73,6 +73,30 @@ func testBuffers(t *testing.T, be kernels.Backend) {
 	if got := download(t, be, c); !bytes.Equal(got, data) {
 		t.Fatalf("Copy: got % x", got)
 	}
+	// CopyAll: several pairs in order (the second overwrites part of the
+	// first's destination), and a mismatched pair refused before any copy.
+	d := alloc(t, be, kernels.F32, 12)
+	dHead, err := d.Rows(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := kernels.CopyAll(be, []*kernels.Buffer{d, dHead}, []*kernels.Buffer{flat, row2}); err != nil {
+		t.Fatalf("CopyAll: %v", err)
+	}
+	want := slices.Concat(data[24:36], data[12:])
+	if got := download(t, be, d); !bytes.Equal(got, want) {
+		t.Fatalf("CopyAll: got % x, want % x", got, want)
+	}
+	e := alloc(t, be, kernels.F32, 12)
+	if err := kernels.CopyAll(be, []*kernels.Buffer{e, dHead}, []*kernels.Buffer{flat, flat}); err == nil {
+		t.Fatal("CopyAll of a 48-byte buffer into 12 bytes succeeded")
+	}
+	if got := download(t, be, e); !bytes.Equal(got, make([]byte, 48)) {
+		t.Fatalf("a refused CopyAll copied: % x", got)
+	}
+	if err := kernels.CopyAll(be, []*kernels.Buffer{e}, nil); err == nil {
+		t.Fatal("CopyAll of 1 destination and 0 sources succeeded")
+	}
 	if err := be.Zero(row2); err != nil {
 		t.Fatalf("Zero: %v", err)
 	}
