@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sort"
 	"strconv"
@@ -1607,8 +1608,33 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 		start := time.Now()
 		be := r.m.Backend()
 		changed = true
-		// The staged tensors' copies, a layer's in one call: hundreds of
-		// them, each crossing to the device's thread when one at a time.
+		// The staged tensors' copies, a layer's in one call (hundreds of
+		// them, each crossing to the device's thread when one at a time),
+		// then the requantizations, all back to back: one Sync at the end.
+		// With a profiler each layer's copy and requantization time is
+		// the device's, from events; otherwise (a backend whose ops finish
+		// as they are issued) the host's clock.
+		var prof kernels.Profile
+		if p, ok := be.(kernels.Profiler); ok {
+			var err error
+			if prof, err = p.NewProfile(); err != nil {
+				return err
+			}
+			defer prof.Close()
+		}
+		timed := func(group string, d *float64, total *time.Duration, op func() error) error {
+			if prof != nil {
+				if err := prof.Mark(group); err != nil {
+					return err
+				}
+				return op()
+			}
+			t0 := time.Now()
+			err := op()
+			*d += ms(time.Since(t0))
+			*total += time.Since(t0)
+			return err
+		}
 		byLayer := map[int][2][]*kernels.Buffer{}
 		var order []int
 		for _, w := range ws {
@@ -1631,27 +1657,40 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 		}
 		for _, layer := range order {
 			p := byLayer[layer]
-			t0 := time.Now()
-			if err := kernels.CopyAll(be, p[0], p[1]); err != nil {
+			if err := timed(fmt.Sprintf("copy %d", layer), &layers[layer].CopyMS, &copyTotal, func() error { return kernels.CopyAll(be, p[0], p[1]) }); err != nil {
 				return fmt.Errorf("copy layer %d: %w", layer, err)
 			}
-			d := time.Since(t0)
-			copyTotal += d
-			layers[layer].CopyMS += ms(d)
 		}
-		for layer, es := range experts {
-			slices.Sort(es)
-			es = slices.Compact(es)
-			t0 := time.Now()
-			if err := r.m.MoE(layer).Requantize(es...); err != nil {
+		qlayers := slices.Sorted(maps.Keys(experts))
+		for _, layer := range qlayers {
+			es := slices.Compact(slices.Sorted(slices.Values(experts[layer])))
+			if err := timed(fmt.Sprintf("requantize %d", layer), &layers[layer].RequantizeMS, &quantTotal, func() error { return r.m.MoE(layer).Requantize(es...) }); err != nil {
 				return fmt.Errorf("requantize layer %d: %w", layer, err)
 			}
-			if err := be.Sync(); err != nil {
+		}
+		if prof != nil {
+			if err := prof.Mark("end"); err != nil {
 				return err
 			}
-			d := time.Since(t0)
-			quantTotal += d
-			layers[layer].RequantizeMS += ms(d)
+		}
+		if err := be.Sync(); err != nil {
+			return err
+		}
+		if prof != nil {
+			groups, err := prof.Groups()
+			if err != nil {
+				return err
+			}
+			for _, layer := range order {
+				d := groups[fmt.Sprintf("copy %d", layer)]
+				layers[layer].CopyMS += ms(d)
+				copyTotal += d
+			}
+			for _, layer := range qlayers {
+				d := groups[fmt.Sprintf("requantize %d", layer)]
+				layers[layer].RequantizeMS += ms(d)
+				quantTotal += d
+			}
 		}
 		r.eng.SetVersion(v)
 		r.mu.Lock()
