@@ -1617,10 +1617,14 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 		var prof kernels.Profile
 		if p, ok := be.(kernels.Profiler); ok {
 			var err error
-			if prof, err = p.NewProfile(); err != nil {
-				return err
+			if prof, err = p.NewProfile(); err == nil {
+				defer prof.Close()
+				err = prof.Mark("start")
 			}
-			defer prof.Close()
+			if err != nil { // nothing is changed yet: time on the host instead
+				r.log.Warn("refit: no device timing of the commit", zap.Error(err))
+				prof = nil
+			}
 		}
 		timed := func(group string, d *float64, total *time.Duration, op func() error) error {
 			if prof != nil {

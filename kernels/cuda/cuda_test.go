@@ -361,3 +361,39 @@ func TestPDLSameBits(t *testing.T) {
 		}
 	}
 }
+
+// TestProfileEager marks ops issued outside any capture (the refit
+// commit's copies and requantizations): the device times come back.
+func TestProfileEager(t *testing.T) {
+	be := gpu(t)
+	p, err := be.NewProfile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	a, b := moetest.Alloc(t, be, kernels.BF16, 1<<22), moetest.Alloc(t, be, kernels.BF16, 1<<22)
+	for _, g := range []string{"copy", "copy again"} {
+		if err := p.Mark(g); err != nil {
+			t.Fatal(err)
+		}
+		if err := kernels.CopyAll(be, []*kernels.Buffer{a, b}, []*kernels.Buffer{b, a}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Mark("end"); err != nil {
+		t.Fatal(err)
+	}
+	if err := be.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	groups, err := p.Groups()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range []string{"copy", "copy again"} {
+		if groups[g] <= 0 {
+			t.Errorf("group %q: %v", g, groups[g])
+		}
+	}
+	t.Logf("%v", groups)
+}

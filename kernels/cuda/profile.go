@@ -31,7 +31,13 @@ func (p *profile) Mark(group string) error {
 		if err != nil {
 			return fmt.Errorf("cuda: profile: %w", err)
 		}
-		if err := ev.RecordExternal(p.be.stream); err != nil {
+		// Inside a capture the record becomes a graph node (external, so
+		// the graph records it); outside, the driver refuses that flag.
+		record := ev.Record
+		if p.be.cap != nil {
+			record = ev.RecordExternal
+		}
+		if err := record(p.be.stream); err != nil {
 			return errors.Join(fmt.Errorf("cuda: profile: %w", err), ev.Destroy())
 		}
 		p.events = append(p.events, ev)
