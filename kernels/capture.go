@@ -38,9 +38,12 @@ type Liveness interface {
 // from any goroutine while the op-issuing goroutine keeps working: the
 // refit path, which streams a new weight version into staging buffers and
 // resident weight stacks that no running op reads. Stage copies src into
-// dst at byte offset off and returns once src may be reused; it is never
-// recorded by a capture. The caller guarantees that no op reads or writes
-// those bytes meanwhile.
+// dst at byte offset off and returns once src may be reused (the bytes may
+// still be on their way); it is never recorded by a capture. StageSync
+// waits until every byte staged so far is in place, and reports a failed
+// copy: ops issued after it see the bytes. The caller guarantees that no
+// op reads or writes staged bytes before StageSync.
 type Stager interface {
 	Stage(dst *Buffer, off int, src []byte) error
+	StageSync() error
 }

@@ -1601,6 +1601,12 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 			}
 		}
 	}
+	// Staged bytes may still be on their way to the device: wait for them
+	// before the commit reads them (a failed copy rejects the version with
+	// the live weights untouched).
+	if err := r.stager.StageSync(); err != nil {
+		return fmt.Errorf("version %d: staging: %w", v, err)
+	}
 	var copyTotal, quantTotal time.Duration
 	var pause time.Duration
 	changed := false // live weights were touched: a failure from here on is fatal

@@ -248,6 +248,9 @@ var _ kernels.Stager = (*Backend)(nil)
 
 // Stage copies src into dst at byte offset off. Unlike Upload it may be
 // called from any goroutine and is never captured (see kernels.Stager).
+// StageSync returns at once: Stage copies before it returns.
+func (be *Backend) StageSync() error { return nil }
+
 func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 	if dst == nil || dst.Owner() != be || (dst.Host() == nil && dst.Size() > 0) {
 		return fmt.Errorf("cpu: stage: dst %v: %w", dst, kernels.ErrForeignBuffer)

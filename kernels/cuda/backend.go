@@ -20,11 +20,22 @@ type Config struct {
 	// to open (see internal/cuda.Config; empty fields take their
 	// environment variables, then the defaults).
 	Driver drv.Config
-	// StagingBytes is the size of each of the two pinned host buffers that
-	// Stage streams through, and of each of the two device buffers a staged
-	// delta (StageScatterBF16) goes through: default 8 MiB, at least
-	// minStagingBytes.
+	// StagingBytes is the size of each of the pinned host buffers that
+	// Stage streams through (stageRing of them) and that a staged delta
+	// (StageScatterBF16) goes through (two, each with a device buffer of
+	// the size): default 8 MiB, at least minStagingBytes.
 	StagingBytes int
+}
+
+// stageRing is how many pinned buffers Stage cycles through.
+const stageRing = 8
+
+// stageSlot is one of Stage's pinned buffers and the event after its last
+// copy; busy while that copy may be in flight.
+type stageSlot struct {
+	buf  []byte
+	ev   *drv.Event
+	busy bool
 }
 
 // Backend is the CUDA implementation of kernels.Backend, with
@@ -81,6 +92,11 @@ type Backend struct {
 	pinned  [2][]byte
 	events  [2]*drv.Event
 	busy    [2]bool // a copy from pinned[i] may still be in flight
+	// ring is Stage's pinned buffers, ringNext the next to fill (both
+	// guarded by stageMu; a slot's busy flag and event are touched on the
+	// owner thread, under stageMu).
+	ring     [stageRing]stageSlot
+	ringNext int
 	// scratch[i] is the device copy of pinned[i] a staged delta's spans,
 	// words and values are read from (StageScatterBF16); stageErr is the
 	// error word of the kernels on the copy stream, read back through
@@ -182,6 +198,14 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 		}
 		if be.stageErrHost, err = c.HostAlloc(errWordBytes); err != nil {
 			return err
+		}
+		for i := range be.ring {
+			if be.ring[i].buf, err = c.HostAlloc(cfg.StagingBytes); err != nil {
+				return err
+			}
+			if be.ring[i].ev, err = c.NewEvent(); err != nil {
+				return err
+			}
 		}
 		for i := range be.pinned {
 			if be.pinned[i], err = c.HostAlloc(cfg.StagingBytes); err != nil {
@@ -438,10 +462,14 @@ func (be *Backend) Sync() error {
 	})
 }
 
-// Stage copies src into dst at byte offset off through the pinned staging
-// buffers on the copy stream, so the transfer overlaps the ops on the
-// compute stream. It may be called from any goroutine, is never captured,
-// and returns once the bytes are on the device.
+// Stage copies src into dst at byte offset off through a ring of pinned
+// buffers (stageRing of them) on the copy stream, so the transfer overlaps
+// the ops on the compute stream and the next Stage's copy into the next
+// buffer. It may be called from any goroutine, is never captured, and
+// returns once src may be reused: the copy to the device may still be in
+// flight until StageSync. Each slice takes one call to the owner thread,
+// which issues the copy and makes sure the next buffer's earlier copy (a
+// ring ago) is done.
 func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 	be.stageMu.Lock()
 	defer be.stageMu.Unlock()
@@ -454,44 +482,57 @@ func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 	if err := span("stage", dst, off, len(src)); err != nil {
 		return err
 	}
-	i := 0
 	for len(src) > 0 {
 		n := min(len(src), be.staging)
-		// Wait until the pinned buffer's previous copy has left it; the
-		// other buffer's copy keeps the link busy meanwhile.
-		if err := be.outsideCapture(func(*drv.Ctx) error {
-			if be.busy[i] {
-				be.busy[i] = false
-				return be.events[i].Sync()
+		i := be.ringNext
+		sl, next := &be.ring[i], &be.ring[(i+1)%len(be.ring)]
+		// The owner thread never reads sl.buf while it is not busy; sl is
+		// busy here only when the last issue could not free it.
+		if sl.busy {
+			if err := be.outsideCapture(func(*drv.Ctx) error {
+				sl.busy = false
+				return sl.ev.Sync()
+			}); err != nil {
+				return fmt.Errorf("cuda: stage: %w", err)
 			}
-			return nil
-		}); err != nil {
-			return fmt.Errorf("cuda: stage: %w", err)
 		}
-		copy(be.pinned[i], src[:n]) // the owner thread never reads pinned[i] while not busy
+		copy(sl.buf, src[:n])
 		to := ptr(dst).Add(off)
 		if err := be.outsideCapture(func(c *drv.Ctx) error {
 			if err := be.own("stage", "dst", dst); err != nil {
 				return err
 			}
-			if err := c.HtoDAsync(to, be.pinned[i][:n], be.copyS); err != nil {
+			if err := c.HtoDAsync(to, sl.buf[:n], be.copyS); err != nil {
 				return err
 			}
-			be.busy[i] = true
-			return be.events[i].Record(be.copyS)
+			sl.busy = true
+			if err := sl.ev.Record(be.copyS); err != nil {
+				return err
+			}
+			if next.busy { // a ring ago: done but for a backlog on the link
+				next.busy = false
+				return next.ev.Sync()
+			}
+			return nil
 		}); err != nil {
 			return fmt.Errorf("cuda: stage: %w", err)
 		}
-		src, off, i = src[n:], off+n, 1-i
+		be.ringNext = (i + 1) % len(be.ring)
+		src, off = src[n:], off+n
 	}
+	return nil
+}
+
+// StageSync waits for every Stage copy so far (the whole copy stream).
+func (be *Backend) StageSync() error {
+	be.stageMu.Lock()
+	defer be.stageMu.Unlock()
 	return be.outsideCapture(func(*drv.Ctx) error {
-		for j := range be.busy {
-			if be.busy[j] {
-				be.busy[j] = false
-				if err := be.events[j].Sync(); err != nil {
-					return fmt.Errorf("cuda: stage: %w", err)
-				}
-			}
+		if err := be.copyS.Sync(); err != nil {
+			return fmt.Errorf("cuda: stage sync: %w", err)
+		}
+		for i := range be.ring {
+			be.ring[i].busy = false
 		}
 		return nil
 	})
