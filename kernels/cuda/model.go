@@ -177,15 +177,12 @@ func (be *Backend) attention(a kernels.AttentionArgs, mode attMode) error {
 			shared = attentionShared(group, d)
 		} else {
 			groups = (s.MaxPages*s.Cache.PageSize + attTCGroupLen - 1) / attTCGroupLen
-			warps := 0 // planAttention's choice
-			if _, narrow := be.kernels[attKernel{d, group, 1}]; !narrow || mode == attWide {
-				warps = 4
-			}
-			if mode == attNarrow {
-				if warps == 4 {
+			warps := map[attMode]int{attWide: 4, attNarrow: 1}[mode] // 0: planAttention's choice
+			if _, narrow := be.kernels[attKernel{d, group, 1}]; !narrow {
+				if warps == 1 {
 					return fmt.Errorf("cuda: attention: head dim %d has no 1-warp kernel", d)
 				}
-				warps = 1
+				warps = 4
 			}
 			plan = planAttention(s.Tq*s.Cache.KVHeads, groups, be.info.SMs, warps)
 			key = attKernel{d, group, plan.warps}

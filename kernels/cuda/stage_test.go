@@ -19,14 +19,7 @@ import (
 // whose largest span (an index list of every element: 256 KiB) fills most
 // of a buffer alone.
 func TestStageScatterBatches(t *testing.T) {
-	be, err := New(Config{StagingBytes: minStagingBytes}, nil)
-	if errors.Is(err, drv.ErrNoDevice) {
-		t.Skip("no CUDA device: " + err.Error())
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
+	be := minStagingBackend(t)
 	ref, err := cpu.New(cpu.Config{}, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -122,14 +115,7 @@ func TestStagingBytesLeast(t *testing.T) {
 // caller overwrites its source as soon as Stage returns. After StageSync
 // the device holds every byte as staged.
 func TestStageRing(t *testing.T) {
-	be, err := New(Config{StagingBytes: minStagingBytes}, nil)
-	if errors.Is(err, drv.ErrNoDevice) {
-		t.Skip("no CUDA device: " + err.Error())
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
+	be := minStagingBackend(t)
 	const total, piece = 20 << 20, 700 << 10
 	dst, err := be.Alloc(kernels.U8, total+3)
 	if err != nil {
@@ -163,4 +149,20 @@ func TestStageRing(t *testing.T) {
 		}
 		t.Fatalf("byte %d: %#x, staged %#x", i, got[i], want[i])
 	}
+}
+
+// minStagingBackend opens a backend of the least staging buffers (1 MiB),
+// so that tests cross and reuse them with little data; it skips without a
+// GPU and closes at the test's end.
+func minStagingBackend(t *testing.T) *Backend {
+	t.Helper()
+	be, err := New(Config{StagingBytes: minStagingBytes}, nil)
+	if errors.Is(err, drv.ErrNoDevice) {
+		t.Skip("no CUDA device: " + err.Error())
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { be.Close() })
+	return be
 }
