@@ -166,33 +166,6 @@ func TestAttentionDecodeSpeed(t *testing.T) {
 		t.Skip("timing test")
 	}
 	const qh, kvh, d, ps, launches, replays = 32, 4, 128, 16, 10, 5
-	graphTime := func(t *testing.T, run func() error) time.Duration {
-		t.Helper()
-		if err := run(); err != nil { // warm, and fail outside the capture
-			t.Fatal(err)
-		}
-		if err := be.BeginCapture(); err != nil {
-			t.Fatal(err)
-		}
-		for range launches {
-			if err := run(); err != nil {
-				t.Fatal(err)
-			}
-		}
-		g, err := be.EndCapture()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer g.Destroy()
-		if err := g.Launch(); err != nil {
-			t.Fatal(err)
-		}
-		dt, err := be.Time(replays, g.Launch)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return dt / launches
-	}
 	t.Logf("%6s %5s %9s %9s %8s %10s %10s %11s %11s", "ctx", "batch", "floor us", "auto us", "x floor", "4 warps us", "1 warp us", "plan", "generic us")
 	for _, ctx := range []int{128, 1024, 4096, 16384, 32768} {
 		for _, b := range []int{1, 8, 64, 256} {
@@ -207,7 +180,7 @@ func TestAttentionDecodeSpeed(t *testing.T) {
 				args.Scratch = ab.scratch
 				var ts [3]time.Duration
 				for i, mode := range []attMode{attAuto, attWide, attNarrow} {
-					ts[i] = graphTime(t, func() error { return be.attention(args, mode) })
+					ts[i] = graphTime(t, be, launches, replays, func(int) error { return be.attention(args, mode) })
 				}
 				gen := "-"
 				if ctx*b <= 4096*64 {

@@ -89,9 +89,12 @@ type Backend struct {
 	// narrow8 is the kernel for Gemms of at most gemmNarrow8M rows
 	// (kGemmNarrow8; tests force kGemmNarrow, which gives the same bits).
 	narrow8 plainKernel
-	pinned  [2][]byte
-	events  [2]*drv.Event
-	busy    [2]bool // a copy from pinned[i] may still be in flight
+	// denseTile, when set, is the tiled dense GEMM every tiled launch
+	// takes (tests compare the variants); zero: planDenseTile picks.
+	denseTile denseTileKernel
+	pinned    [2][]byte
+	events    [2]*drv.Event
+	busy      [2]bool // a copy from pinned[i] may still be in flight
 	// ring is Stage's pinned buffers, ringNext the next to fill (both
 	// guarded by stageMu; a slot's busy flag and event are touched on the
 	// owner thread, under stageMu).

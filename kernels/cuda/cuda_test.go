@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	drv "github.com/rollout-worker/rollout-worker/internal/cuda"
 	"github.com/rollout-worker/rollout-worker/kernels"
@@ -48,6 +49,37 @@ func gpu(t testing.TB) *Backend {
 		t.Fatal(sharedErr)
 	}
 	return shared
+}
+
+// graphTime returns one launch's share of a graph that holds launches
+// calls of run (run(i) for the i-th), replayed replays times after one
+// untimed replay: kernel times without the host's enqueue.
+func graphTime(t *testing.T, be *Backend, launches, replays int, run func(i int) error) time.Duration {
+	t.Helper()
+	if err := run(0); err != nil { // warm, and fail outside the capture
+		t.Fatal(err)
+	}
+	if err := be.BeginCapture(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range launches {
+		if err := run(i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g, err := be.EndCapture()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Destroy()
+	if err := g.Launch(); err != nil {
+		t.Fatal(err)
+	}
+	dt, err := be.Time(replays, g.Launch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dt / time.Duration(launches)
 }
 
 func TestNoDeviceError(t *testing.T) {

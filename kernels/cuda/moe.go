@@ -70,23 +70,39 @@ func (g gemmLaunch) run(be *Backend) error {
 
 // gemmNarrowN is the widest output the narrow GEMMs compute: the grid's
 // y limit (65535 blocks of 8 columns). Every dense GEMM of the model (the
-// router, q/k/v/o, the LM head) is narrower, so all of them stream their
-// weights through gemm_narrow at every batch size: the generic tiled
-// kernel, staged for large M, read a decode step's weights at a few
-// percent of the memory bandwidth. The choice depends on the shape of w
-// and on alignment, never on M, so a row's bits never depend on the batch.
+// router, q/k/v/o, the LM head) is narrower. The dense GEMMs never take
+// the generic tiled kernel, which read a decode step's weights at a few
+// percent of the memory bandwidth and adds in another order.
 const gemmNarrowN = 65535 * 8
 
 // gemmWideM is the row count from which narrow GEMMs take 32 x 32 blocks
 // (gemm_narrow_wide) instead of 16 x 8 ones: the same bits
-// (src/gemm_narrow.cu), a fraction of the activation and weight reads (the
+// (src/gemm_dense.cu), a fraction of the activation and weight reads (the
 // router at 4096 tokens read its input 32 times over).
 const gemmWideM = 32
 
 // gemmNarrow8M: up to this many rows the narrow GEMM is gemm_narrow8,
-// gemm_narrow with more slices in flight a warp (src/gemm_narrow.cu), the
+// gemm_narrow with more slices in flight a warp (src/gemm_dense.cu), the
 // same bits.
 const gemmNarrow8M = 8
+
+// planDenseTile picks the dense GEMM's tiled kernel for an m x n output on
+// sms multiprocessors, and whether to take it (ok) rather than a narrow
+// one. A tiled block walks the whole K in turn, a stage of loads after
+// another, so it pays only where the grid holds many blocks: 64 x 128
+// tiles from two blocks a multiprocessor, 64 x 64 ones from about one. The
+// choice changes no bit of the output (src/gemm_dense.cu), so it may
+// follow m. Measured on an H100 (TestDenseGemmPaths, graph-timed): the
+// 151936 x 2048 LM head at one row in 225 us against 355 us narrow; q
+// (4096 x 2048) at 256 rows in 27.6 us against 55.2 us; o (2048 x 4096) at
+// 128 rows 34.5 us tiled, 23.8 us narrow.
+func planDenseTile(m, n, sms int) (k denseTileKernel, ok bool) {
+	blocks := func(k denseTileKernel) int { return ((m + k.bm - 1) / k.bm) * ((n + k.bn - 1) / k.bn) }
+	if blocks(denseWide) >= 2*sms {
+		return denseWide, true
+	}
+	return denseSmall, 10*blocks(denseSmall) >= 9*sms
+}
 
 // packedAligned checks what the NVFP4 kernels assume of a quantized
 // operand's addresses: packed rows are read and written 8 bytes at a time,
@@ -113,6 +129,7 @@ type gemmPath int
 const (
 	gemmAuto gemmPath = iota
 	gemmForceNarrow
+	gemmForceTile
 	gemmForceGeneric
 )
 
@@ -128,14 +145,25 @@ func (be *Backend) gemm(dst, a, w *kernels.Buffer, path gemmPath) error {
 			return nil
 		}
 		narrowOK := n <= gemmNarrowN && a.Addr()%4 == 0 && w.Addr()%4 == 0 && k%2 == 0
-		if path == gemmForceNarrow && !narrowOK {
-			return fmt.Errorf("cuda: gemm: the narrow kernels cannot take %dx%d * %dx%d", m, k, n, k)
+		// The tiled kernel copies 16 bytes at a time, a double slice of
+		// 32 k per row, and stores output pairs.
+		tileOK := narrowOK && k%32 == 0 && a.Addr()%16 == 0 && w.Addr()%16 == 0 && dst.Addr()%8 == 0
+		if path == gemmForceNarrow && !narrowOK || path == gemmForceTile && !tileOK {
+			return fmt.Errorf("cuda: gemm: the forced dense kernels cannot take %dx%d * %dx%d", m, k, n, k)
+		}
+		out := outBF16
+		if dst.DType() == kernels.F32 {
+			out = outF32
+		}
+		t, tile := planDenseTile(m, n, be.info.SMs)
+		if tileOK && (path == gemmForceTile || path == gemmAuto && tile) {
+			if be.denseTile != (denseTileKernel{}) {
+				t = be.denseTile
+			}
+			return be.launch(t, drv.Dim3{X: (m + t.bm - 1) / t.bm, Y: (n + t.bn - 1) / t.bn}, drv.Dim3{X: t.threads()}, t.smem(),
+				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
 		}
 		if narrowOK && path != gemmForceGeneric {
-			out := outBF16
-			if dst.DType() == kernels.F32 {
-				out = outF32
-			}
 			if m >= gemmWideM {
 				return be.launch(kGemmNarrowWide, drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, gemmWideSmem,
 					ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)

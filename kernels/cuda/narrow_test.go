@@ -12,18 +12,20 @@ import (
 	"github.com/rollout-worker/rollout-worker/moe/moetest"
 )
 
-// TestNarrowGemmRows runs the router's Gemm (N 256, K 7168 and one longer
-// K that takes more than one round of loads a warp in every kernel) on the
-// first M rows of one matrix, for M from 1 to 40: every narrow kernel
-// (gemm_narrow8 up to 8 rows, gemm_narrow, which tests
-// also force there, up to 31, gemm_narrow_wide from 32) must give each row
-// the bits it gets at M = 40, in FP32 and in BF16.
+// TestNarrowGemmRows runs the router's Gemm (N 256, K 7168, and longer
+// and shorter K: more than one round of loads a warp in every narrow
+// kernel; partials of unequal length; partials of no slice) on the first M
+// rows of one matrix, for M from 1 to 160: every dense kernel (gemm_narrow8
+// up to 8 rows, gemm_narrow, which tests also force there, up to 31,
+// gemm_narrow_wide from 32, and each gemm_dense_tile variant wherever K
+// allows it) must give each row the bits gemm_narrow_wide gives it at
+// M = 160, in FP32 and in BF16.
 func TestNarrowGemmRows(t *testing.T) {
 	be := gpu(t)
-	defer func(k plainKernel) { be.narrow8 = k }(be.narrow8)
+	defer func(k plainKernel, d denseTileKernel) { be.narrow8, be.denseTile = k, d }(be.narrow8, be.denseTile)
 	r := rand.New(rand.NewPCG(61, 62))
-	const N, maxM = 256, 40
-	for _, K := range []int{7168, 7168 + 3584 + 8} {
+	const N, maxM = 256, 160
+	for _, K := range []int{7168, 7168 + 3584 + 8, 7168 + 3584 + 32, 224} {
 		x := make([]byte, maxM*K*2)
 		for i := 0; i < maxM*K; i++ {
 			v := bf16.FromFloat32(float32(r.NormFloat64()) * float32(1+i/K%5))
@@ -38,16 +40,27 @@ func TestNarrowGemmRows(t *testing.T) {
 		if err := be.Upload(w, 0, wb); err != nil {
 			t.Fatal(err)
 		}
+		// A kernel to compare: a narrow one (the path forced narrow, the
+		// few-row kernel set) or a tiled one.
+		type kern struct {
+			name    string
+			narrow8 plainKernel
+			tile    denseTileKernel
+		}
 		for _, dt := range []kernels.DType{kernels.F32, kernels.BF16} {
-			gemm := func(m int, narrow8 plainKernel) []byte {
+			gemm := func(m int, k kern) []byte {
 				t.Helper()
-				be.narrow8 = narrow8
+				be.narrow8, be.denseTile = k.narrow8, k.tile
+				path := gemmForceNarrow
+				if k.tile != (denseTileKernel{}) {
+					path = gemmForceTile
+				}
 				a := moetest.Alloc(t, be, kernels.BF16, m, K)
 				if err := be.Upload(a, 0, x[:m*K*2]); err != nil {
 					t.Fatal(err)
 				}
 				out := moetest.Alloc(t, be, dt, m, N)
-				if err := be.Gemm(out, a, w); err != nil {
+				if err := be.gemm(out, a, w, path); err != nil {
 					t.Fatal(err)
 				}
 				got := make([]byte, out.Size())
@@ -56,15 +69,25 @@ func TestNarrowGemmRows(t *testing.T) {
 				}
 				return got
 			}
-			want := gemm(maxM, kGemmNarrow8)
+			want := gemm(maxM, kern{narrow8: kGemmNarrow8})
 			row := len(want) / maxM
-			for _, m := range []int{1, 2, 5, 8, 9, 16, 17, 31, 32} {
-				kerns := []plainKernel{kGemmNarrow8}
-				if m <= gemmNarrow8M {
-					kerns = []plainKernel{kGemmNarrow8, kGemmNarrow}
+			for _, m := range []int{1, 2, 5, 8, 9, 16, 17, 31, 32, 64, 65, 130} {
+				var kerns []kern
+				switch {
+				case m <= gemmNarrow8M:
+					kerns = []kern{{"gemm_narrow8", kGemmNarrow8, denseTileKernel{}}, {"gemm_narrow", kGemmNarrow, denseTileKernel{}}}
+				case m < gemmWideM:
+					kerns = []kern{{"gemm_narrow", kGemmNarrow8, denseTileKernel{}}}
+				default:
+					kerns = []kern{{"gemm_narrow_wide", kGemmNarrow8, denseTileKernel{}}}
+				}
+				if K%32 == 0 {
+					for _, d := range denseTiles {
+						kerns = append(kerns, kern{fmt.Sprintf("gemm_dense_tile_%dx%d", d.bm, d.bn), kGemmNarrow8, d})
+					}
 				}
 				for _, k := range kerns {
-					t.Run(fmt.Sprintf("K%d_%v_M%d_%s", K, dt, m, be.kernels[k].spec.name), func(t *testing.T) {
+					t.Run(fmt.Sprintf("K%d_%v_M%d_%s", K, dt, m, k.name), func(t *testing.T) {
 						if got := gemm(m, k); !bytes.Equal(got, want[:m*row]) {
 							for i := range m {
 								if !bytes.Equal(got[i*row:(i+1)*row], want[i*row:(i+1)*row]) {
@@ -79,12 +102,12 @@ func TestNarrowGemmRows(t *testing.T) {
 	}
 }
 
-// TestDenseGemmPaths times the two dense GEMM families side by side on
-// the dense GEMMs of a Qwen3-30B-A3B decoder layer and its LM head, at
-// decode and prefill row counts, against the floor of docs/PERF.md (bytes
-// at 4.3 TB/s, FLOPs at 790 TFLOP/s): the narrow kernels (what Gemm runs
-// for every one of these shapes) and the generic tiled one. It checks only
-// that both run; the figures are its output.
+// TestDenseGemmPaths times the dense GEMM kernels side by side on the
+// dense GEMMs of a Qwen3-30B-A3B decoder layer and its LM head, at decode
+// and prefill row counts, against the floor of docs/PERF.md (bytes at 4.3
+// TB/s, FLOPs at 790 TFLOP/s): what Gemm picks, the narrow kernels, each
+// variant of the tiled one and the generic tiled kernel. It checks only
+// that they run; the figures are its output.
 func TestDenseGemmPaths(t *testing.T) {
 	be := gpu(t)
 	pattern := make([]byte, 1<<20)
@@ -120,25 +143,40 @@ func TestDenseGemmPaths(t *testing.T) {
 		{"router", 128, 2048, kernels.F32},
 		{"lm head", 151936, 2048, kernels.F32},
 	}
-	const iters = 20
-	t.Logf("%-8s %5s %10s %10s %10s %8s %8s %8s", "gemm", "M", "floor us", "narrow us", "generic us", "narrow/f", "gener/f", "gen/nar")
+	// Each time is one launch's share of a graph of 10 to 80 launches that
+	// cycle through copies of w, 150 MB of them where 80 copies reach it,
+	// so that the weights come from memory as in a model's step, not from
+	// L2 (the router's and k/v's do not quite).
+	const replays = 5
+	defer func(d denseTileKernel) { be.denseTile = d }(be.denseTile)
+	t.Logf("%-8s %5s %9s %9s %9s %10s %9s %9s %8s %8s", "gemm", "M", "floor us", "auto us", "narrow us", "tile64x128", "tile64", "generic", "auto/f", "nar/f")
 	for _, s := range shapes {
-		w := alloc(kernels.BF16, s.n, s.k)
-		fill(w)
-		for _, m := range []int{1, 8, 64, 256, 2048} {
+		copies := (150<<20 + 2*s.n*s.k - 1) / (2 * s.n * s.k)
+		launches := min(80, max(10, copies))
+		ws := make([]*kernels.Buffer, min(launches, copies))
+		for i := range ws {
+			ws[i] = alloc(kernels.BF16, s.n, s.k)
+			fill(ws[i])
+		}
+		for _, m := range []int{1, 8, 16, 32, 64, 128, 256, 2048} {
 			a := alloc(kernels.BF16, m, s.k)
 			fill(a)
 			out := alloc(s.out, m, s.n)
-			var d [2]time.Duration
-			for i, path := range []gemmPath{gemmForceNarrow, gemmForceGeneric} {
-				if err := be.gemm(out, a, w, path); err != nil { // warm
-					t.Fatal(err)
-				}
-				var err error
-				if d[i], err = be.Time(iters, func() error { return be.gemm(out, a, w, path) }); err != nil {
-					t.Fatal(err)
-				}
+			type run struct {
+				path gemmPath
+				tile denseTileKernel
 			}
+			runs := []run{{path: gemmAuto}, {path: gemmForceNarrow}}
+			for _, d := range denseTiles {
+				runs = append(runs, run{gemmForceTile, d})
+			}
+			runs = append(runs, run{path: gemmForceGeneric})
+			d := make([]time.Duration, len(runs))
+			for i, r := range runs {
+				be.denseTile = r.tile
+				d[i] = graphTime(t, be, launches, replays, func(l int) error { return be.gemm(out, a, ws[l%len(ws)], r.path) })
+			}
+			be.denseTile = denseTileKernel{}
 			ob := 2
 			if s.out == kernels.F32 {
 				ob = 4
@@ -146,16 +184,50 @@ func TestDenseGemmPaths(t *testing.T) {
 			bytes := float64(2*(m+s.n)*s.k + ob*m*s.n)
 			floor := max(bytes/4.3e12, 2*float64(m)*float64(s.n)*float64(s.k)/790e12)
 			us := func(d time.Duration) float64 { return float64(d) / 1e3 }
-			t.Logf("%-8s %5d %10.1f %10.1f %10.1f %7.2fx %7.2fx %7.2fx", s.name, m, floor*1e6, us(d[0]), us(d[1]),
-				d[0].Seconds()/floor, d[1].Seconds()/floor, float64(d[1])/float64(d[0]))
+			t.Logf("%-8s %5d %9.1f %9.1f %9.1f %10.1f %9.1f %9.1f %7.2fx %7.2fx", s.name, m, floor*1e6, us(d[0]), us(d[1]),
+				us(d[2]), us(d[3]), us(d[4]), d[0].Seconds()/floor, d[1].Seconds()/floor)
 			for _, b := range []*kernels.Buffer{a, out} {
 				if err := be.Free(b); err != nil {
 					t.Fatal(err)
 				}
 			}
 		}
-		if err := be.Free(w); err != nil {
-			t.Fatal(err)
+		for _, w := range ws {
+			if err := be.Free(w); err != nil {
+				t.Fatal(err)
+			}
 		}
+	}
+}
+
+// TestPlanDenseTile pins which dense GEMMs of a Qwen3-30B-A3B layer take
+// the tiled kernel on 132 multiprocessors, and with which tile: the
+// choices the H100 timings of TestDenseGemmPaths favour.
+func TestPlanDenseTile(t *testing.T) {
+	const sms = 132
+	for _, tc := range []struct {
+		name string
+		m, n int
+		want denseTileKernel
+		ok   bool
+	}{
+		{"lm head, 1 row", 1, 151936, denseWide, true},
+		{"lm head, 256 rows", 256, 151936, denseWide, true},
+		{"q, 64 rows", 64, 4096, denseSmall, false},
+		{"q, 128 rows", 128, 4096, denseSmall, true},
+		{"q, 256 rows", 256, 4096, denseSmall, true},
+		{"q, 2048 rows", 2048, 4096, denseWide, true},
+		{"o, 128 rows", 128, 2048, denseSmall, false},
+		{"o, 256 rows", 256, 2048, denseSmall, true},
+		{"k/v, 256 rows", 256, 512, denseSmall, false},
+		{"k/v, 2048 rows", 2048, 512, denseSmall, true},
+		{"router, 2048 rows", 2048, 128, denseSmall, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, ok := planDenseTile(tc.m, tc.n, sms)
+			if ok != tc.ok || ok && got != tc.want {
+				t.Fatalf("planDenseTile(%d, %d, %d) = %+v, %v; want %+v, %v", tc.m, tc.n, sms, got, ok, tc.want, tc.ok)
+			}
+		})
 	}
 }

@@ -95,6 +95,28 @@ type tileKernel struct {
 	swiglu, ks2 bool
 }
 
+// denseTileKernel is gemm_dense_tile<DenseTile<bm, bn, wm, wn, stages,
+// sps>>: bm x bn tiles of a dense GEMM's output in wm x wn warps, a
+// cp.async ring of stages stages of sps double slices (32 k) each.
+type denseTileKernel struct{ bm, bn, wm, wn, stages, sps int }
+
+// denseTiles are the tiled dense GEMM's variants (planDenseTile): 64 x
+// 128 and 64 x 64 in 4 warps, each ring 96 KB, two blocks a
+// multiprocessor. (128 x 128 tiles in 8 warps measured slower than 64 x
+// 128 ones on an H100 at every shape of the model up to 2048 rows.)
+var denseTiles = []denseTileKernel{denseWide, denseSmall}
+
+var (
+	denseWide  = denseTileKernel{64, 128, 2, 2, 4, 2}
+	denseSmall = denseTileKernel{64, 64, 2, 2, 3, 4}
+)
+
+func (k denseTileKernel) threads() int { return 32 * k.wm * k.wn }
+
+// smem is DenseTile::SMEM: a double slice holds 64 bytes of every A and w
+// row.
+func (k denseTileKernel) smem() int { return k.stages * k.sps * (k.bm + k.bn) * 64 }
+
 // attKernel is att_tc<d, group, warps>, attention on tensor cores for head
 // dim d and group query heads per KV head, in blocks of warps warps (4 or
 // 1) (attention.cu).
@@ -342,9 +364,9 @@ func kernelRegistry() []kernelSpec {
 		plain(kFinalize, "finalize", "dispatch.cu", 256, 0, true),
 		plain(kFinalizeScattered, "finalize_scattered", "dispatch.cu", 256, 0, false),
 		plain(kGroupedGemm, "grouped_gemm", "gemm_generic.cu", gemmThreads, 0, false),
-		plain(kGemmNarrow, "gemm_narrow", "gemm_narrow.cu", 512, 0, true),
-		plain(kGemmNarrow8, "gemm_narrow8", "gemm_narrow.cu", 512, 0, true),
-		plain(kGemmNarrowWide, "gemm_narrow_wide", "gemm_narrow.cu", 512, gemmWideSmem, true),
+		plain(kGemmNarrow, "gemm_narrow", "gemm_dense.cu", 512, 0, true),
+		plain(kGemmNarrow8, "gemm_narrow8", "gemm_dense.cu", 512, 0, true),
+		plain(kGemmNarrowWide, "gemm_narrow_wide", "gemm_dense.cu", 512, gemmWideSmem, true),
 		plain(kEmbed, "model_embed", "model.cu", copyThreads, 0, true),
 		perLaunch(plain(kRMSNorm, "model_rmsnorm", "model.cu", 0, 0, true), normMaxThreads),
 		perLaunch(plain(kAddRMSNorm, "model_add_rmsnorm", "model.cu", 0, 0, true), normMaxThreads),
@@ -356,6 +378,11 @@ func kernelRegistry() []kernelSpec {
 		plain(kSample, "model_sample", "model.cu", sampleThreads, 0, false),
 		plain(kLogProbs, "model_logprobs", "model.cu", logprobsThreads, 0, false),
 		plain(kScatterBF16, "model_scatter_bf16", "model.cu", scatterThreads, 0, false),
+	}
+	for _, k := range denseTiles {
+		ks = append(ks, kernelSpec{key: k, name: fmt.Sprintf("gemm_dense_tile_%dx%d", k.bm, k.bn), unit: "gemm_dense.cu",
+			expr:    fmt.Sprintf("rw::gemm_dense_tile<rw::DenseTile<%d, %d, %d, %d, %d, %d>>", k.bm, k.bn, k.wm, k.wn, k.stages, k.sps),
+			threads: k.threads(), smem: k.smem(), pdl: true})
 	}
 	for _, d := range attDims {
 		for _, g := range attGroups {

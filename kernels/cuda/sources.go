@@ -38,7 +38,7 @@ func compileUnits() []unitSpec {
 		{file: "gemm_ws.cu", minArch: archWGMMA, perKernel: true},
 		{file: "gemm_stream.cu", perKernel: true},
 		{file: "gemm_tile.cu", perKernel: true},
-		{file: "gemm_narrow.cu"},
+		{file: "gemm_dense.cu"},
 		{file: "quantize.cu"},
 	}
 }
