@@ -535,6 +535,25 @@ func ValidateGemm(dst, a, w *Buffer) (m, n, k int, err error) {
 	return m, n, k, disjoint("gemm", []operand{{"dst", dst}}, []operand{{"a", a}, {"w", w}})
 }
 
+// ValidateGemmSet checks the GEMMs of GemmSet: each dst[i] = a * w[i]^T as
+// ValidateGemm checks it, and no output overlapping another GEMM's
+// operands or output. It returns M, each GEMM's N and K.
+func ValidateGemmSet(dst []*Buffer, a *Buffer, w []*Buffer) (m int, n []int, k int, err error) {
+	if len(dst) != len(w) || len(dst) == 0 {
+		return 0, nil, 0, fmt.Errorf("kernels: gemm set: %d outputs for %d weights", len(dst), len(w))
+	}
+	n = make([]int, len(dst))
+	outs, ins := make([]operand, len(dst)), []operand{{"a", a}}
+	for i := range dst {
+		if m, n[i], k, err = ValidateGemm(dst[i], a, w[i]); err != nil {
+			return 0, nil, 0, fmt.Errorf("gemm %d: %w", i, err)
+		}
+		outs[i] = operand{fmt.Sprintf("dst[%d]", i), dst[i]}
+		ins = append(ins, operand{fmt.Sprintf("w[%d]", i), w[i]})
+	}
+	return m, n, k, disjoint("gemm set", outs, ins)
+}
+
 func checkNVFP4(op, name string, q NVFP4, rank int) error {
 	if err := check(op, name+".packed", q.Packed, U8, rank); err != nil {
 		return err

@@ -66,3 +66,29 @@ func CopyAll(be Backend, dst, src []*Buffer) error {
 	}
 	return nil
 }
+
+// GemmSetter is implemented by backends that run several GEMMs of one
+// input in one launch (a layer's q, k and v projections): fewer launches
+// where a decode step at one token is bound by them.
+type GemmSetter interface {
+	// GemmSet computes dst[i] = a * w[i]^T for every i, each with the bits
+	// Gemm gives it alone.
+	GemmSet(dst []*Buffer, a *Buffer, w []*Buffer) error
+}
+
+// GemmSet computes dst[i] = a * w[i]^T for every i: through be's GemmSet if
+// it has one, else one Gemm at a time after checking them all.
+func GemmSet(be Backend, dst []*Buffer, a *Buffer, w []*Buffer) error {
+	if gs, ok := be.(GemmSetter); ok {
+		return gs.GemmSet(dst, a, w)
+	}
+	if _, _, _, err := ValidateGemmSet(dst, a, w); err != nil {
+		return err
+	}
+	for i := range dst {
+		if err := be.Gemm(dst[i], a, w[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -145,9 +145,9 @@ func (m *Model) step(sh Shape) error {
 				return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.inNorm, Eps: eps, Residual: residual})
 			},
 			mark("projections"),
-			func() error { return be.Gemm(q2, x, l.q) },
-			func() error { return be.Gemm(k2, x, l.k) },
-			func() error { return be.Gemm(v2, x, l.v) },
+			func() error { // one launch where the backend can (kernels.GemmSet)
+				return kernels.GemmSet(be, []*kernels.Buffer{q2, k2, v2}, x, []*kernels.Buffer{l.q, l.k, l.v})
+			},
 			mark("attention"),
 			func() error {
 				a := kernels.QKVPrepArgs{Q: q, K: k, V: vv, Positions: pos, Cos: m.cos, Sin: m.sin, Cache: l.kv, Slots: slots}

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 
@@ -119,11 +120,45 @@ func packedAligned(op, name string, q kernels.NVFP4) error {
 }
 
 // Gemm computes dst = a * w^T (BF16 tensor cores, FP32 accumulation).
-func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error { return be.gemm(dst, a, w, gemmAuto) }
+func (be *Backend) Gemm(dst, a, w *kernels.Buffer) error {
+	return be.gemm([]*kernels.Buffer{dst}, a, []*kernels.Buffer{w}, gemmAuto)
+}
+
+// denseSegMax is how many GEMMs one dense launch computes side by side
+// (src/gemm_dense.cu DenseSegs), and denseSegAlign what every width but
+// the last must be a multiple of: the widest block's columns, so that no
+// block straddles two GEMMs.
+const (
+	denseSegMax   = 3
+	denseSegAlign = 128
+)
+
+// GemmSet computes dst[i] = a * w[i]^T for every i (kernels.GemmSetter):
+// in one launch where they fit one (up to denseSegMax GEMMs of one output
+// type, widths but the last multiples of denseSegAlign), else one launch
+// each. Either way each output has the bits Gemm gives it.
+func (be *Backend) GemmSet(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.Buffer) error {
+	return be.gemm(dst, a, w, gemmAuto)
+}
+
+// gemmSegmentable reports whether the GEMMs dst[i] = a * w[i]^T can share
+// a launch; it looks only at shapes and types, the launch checks the rest.
+func gemmSegmentable(dst, w []*kernels.Buffer) bool {
+	if len(dst) > denseSegMax || len(dst) != len(w) {
+		return false
+	}
+	for i := range dst {
+		if dst[i] == nil || w[i] == nil || dst[i].DType() != dst[0].DType() || w[i].Rank() != 2 ||
+			i < len(dst)-1 && w[i].Dim(0)%denseSegAlign != 0 {
+			return false
+		}
+	}
+	return true
+}
 
 // gemmPath picks the dense GEMM's kernel family: gemmAuto is the
-// production choice (narrow wherever its shape and alignment allow); the
-// others force one family, for tests that compare them.
+// production choice (tiled or narrow wherever its shape and alignment
+// allow); the others force one family, for tests that compare them.
 type gemmPath int
 
 const (
@@ -133,26 +168,63 @@ const (
 	gemmForceGeneric
 )
 
-func (be *Backend) gemm(dst, a, w *kernels.Buffer, path gemmPath) error {
-	var m, n, k int
+// denseSegs is the DenseSegs kernel argument: weights, outputs, widths.
+func denseSegs(dst, w []*kernels.Buffer) drv.RawArg {
+	b := make(drv.RawArg, 64)
+	for i := range dst {
+		binary.LittleEndian.PutUint64(b[8*i:], uint64(ptr(w[i])))
+		binary.LittleEndian.PutUint64(b[24+8*i:], uint64(ptr(dst[i])))
+		binary.LittleEndian.PutUint32(b[48+4*i:], uint32(w[i].Dim(0)))
+	}
+	return b
+}
+
+// gemm runs the GEMMs dst[i] = a * w[i]^T: one launch of the dense kernels
+// where gemmSegmentable allows, else one launch each (the generic kernel
+// always takes one at a time).
+func (be *Backend) gemm(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.Buffer, path gemmPath) error {
+	if !gemmSegmentable(dst, w) {
+		if _, _, _, err := kernels.ValidateGemmSet(dst, a, w); err != nil {
+			return fmt.Errorf("cuda: %w", err)
+		}
+		for i := range dst {
+			if err := be.gemm(dst[i:i+1], a, w[i:i+1], path); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var m, k int
+	var ns []int
 	validate := func() (err error) {
-		m, n, k, err = kernels.ValidateGemm(dst, a, w)
+		m, ns, k, err = kernels.ValidateGemmSet(dst, a, w)
 		return err
 	}
-	args := struct{ Dst, A, W *kernels.Buffer }{dst, a, w}
+	args := struct {
+		Dst []*kernels.Buffer
+		A   *kernels.Buffer
+		W   []*kernels.Buffer
+	}{dst, a, w}
 	return be.issue("gemm", args, validate, func(*drv.Ctx) error {
+		n := 0
+		narrowOK, tileOK := a.Addr()%4 == 0 && k%2 == 0, a.Addr()%16 == 0 && k%32 == 0
+		for i := range dst {
+			n += ns[i]
+			narrowOK = narrowOK && w[i].Addr()%4 == 0
+			// The tiled kernel copies 16 bytes at a time, a double slice
+			// of 32 k per row, and stores output pairs.
+			tileOK = tileOK && w[i].Addr()%16 == 0 && dst[i].Addr()%8 == 0
+		}
 		if m == 0 || n == 0 {
 			return nil
 		}
-		narrowOK := n <= gemmNarrowN && a.Addr()%4 == 0 && w.Addr()%4 == 0 && k%2 == 0
-		// The tiled kernel copies 16 bytes at a time, a double slice of
-		// 32 k per row, and stores output pairs.
-		tileOK := narrowOK && k%32 == 0 && a.Addr()%16 == 0 && w.Addr()%16 == 0 && dst.Addr()%8 == 0
+		narrowOK = narrowOK && n <= gemmNarrowN
+		tileOK = tileOK && narrowOK
 		if path == gemmForceNarrow && !narrowOK || path == gemmForceTile && !tileOK {
 			return fmt.Errorf("cuda: gemm: the forced dense kernels cannot take %dx%d * %dx%d", m, k, n, k)
 		}
 		out := outBF16
-		if dst.DType() == kernels.F32 {
+		if dst[0].DType() == kernels.F32 {
 			out = outF32
 		}
 		t, tile := planDenseTile(m, n, be.info.SMs)
@@ -161,28 +233,30 @@ func (be *Backend) gemm(dst, a, w *kernels.Buffer, path gemmPath) error {
 				t = be.denseTile
 			}
 			return be.launch(t, drv.Dim3{X: (m + t.bm - 1) / t.bm, Y: (n + t.bn - 1) / t.bn}, drv.Dim3{X: t.threads()}, t.smem(),
-				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
+				ptr(a), denseSegs(dst, w), int32(m), int32(k), out)
 		}
 		if narrowOK && path != gemmForceGeneric {
 			if m >= gemmWideM {
 				return be.launch(kGemmNarrowWide, drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, gemmWideSmem,
-					ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
+					ptr(a), denseSegs(dst, w), int32(m), int32(k), out)
 			}
 			kern := kGemmNarrow
 			if m <= gemmNarrow8M {
 				kern = be.narrow8
 			}
 			return be.launch(kern, drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
-				ptr(a), ptr(w), ptr(dst), int32(m), int32(n), int32(k), out)
+				ptr(a), denseSegs(dst, w), int32(m), int32(k), out)
 		}
-		g := gemmLaunch{aFmt: fmtBF16, a: ptr(a), aK: int32(k), aVec: aligned16(a, k), ta: int32(m),
-			wFmt: fmtBF16, w: ptr(w), wK: int32(k), wVec: aligned16(w, k), n: int32(n),
-			e: 1, r: int32(m), kp: int32(k), act: int32(kernels.Identity), out: ptr(dst), outN: int32(n),
-			maxTiles: (m + gemmBM - 1) / gemmBM, colTiles: (n + gemmBN - 1) / gemmBN}
-		if dst.DType() == kernels.F32 {
-			g.outFmt = outF32
+		for i := range dst {
+			g := gemmLaunch{aFmt: fmtBF16, a: ptr(a), aK: int32(k), aVec: aligned16(a, k), ta: int32(m),
+				wFmt: fmtBF16, w: ptr(w[i]), wK: int32(k), wVec: aligned16(w[i], k), n: int32(ns[i]),
+				e: 1, r: int32(m), kp: int32(k), act: int32(kernels.Identity), out: ptr(dst[i]), outN: int32(ns[i]),
+				maxTiles: (m + gemmBM - 1) / gemmBM, colTiles: (ns[i] + gemmBN - 1) / gemmBN, outFmt: out}
+			if err := g.run(be); err != nil {
+				return err
+			}
 		}
-		return g.run(be)
+		return nil
 	})
 }
 

@@ -60,7 +60,7 @@ func TestNarrowGemmRows(t *testing.T) {
 					t.Fatal(err)
 				}
 				out := moetest.Alloc(t, be, dt, m, N)
-				if err := be.gemm(out, a, w, path); err != nil {
+				if err := be.gemm([]*kernels.Buffer{out}, a, []*kernels.Buffer{w}, path); err != nil {
 					t.Fatal(err)
 				}
 				got := make([]byte, out.Size())
@@ -174,7 +174,9 @@ func TestDenseGemmPaths(t *testing.T) {
 			d := make([]time.Duration, len(runs))
 			for i, r := range runs {
 				be.denseTile = r.tile
-				d[i] = graphTime(t, be, launches, replays, func(l int) error { return be.gemm(out, a, ws[l%len(ws)], r.path) })
+				d[i] = graphTime(t, be, launches, replays, func(l int) error {
+					return be.gemm([]*kernels.Buffer{out}, a, []*kernels.Buffer{ws[l%len(ws)]}, r.path)
+				})
 			}
 			be.denseTile = denseTileKernel{}
 			ob := 2
@@ -229,5 +231,73 @@ func TestPlanDenseTile(t *testing.T) {
 				t.Fatalf("planDenseTile(%d, %d, %d) = %+v, %v; want %+v, %v", tc.m, tc.n, sms, got, ok, tc.want, tc.ok)
 			}
 		})
+	}
+}
+
+// TestGemmSet runs a layer's q, k and v projections (Qwen3-30B-A3B's 4096,
+// 512 and 512 columns, K 2048) as one GemmSet and as three Gemms, at row
+// counts that take every dense kernel, each family forced too: the bits
+// must agree. A set whose widths cannot share a launch (a first width off
+// denseSegAlign) must give the same bits through one launch each, and a
+// set whose outputs overlap must be refused.
+func TestGemmSet(t *testing.T) {
+	be := gpu(t)
+	r := rand.New(rand.NewPCG(5, 6))
+	const K = 2048
+	fill := func(b *kernels.Buffer, scale float32) {
+		t.Helper()
+		raw := make([]byte, b.Size())
+		for i := 0; i < len(raw); i += 2 {
+			v := bf16.FromFloat32(float32(r.NormFloat64()) * scale)
+			raw[i], raw[i+1] = byte(v), byte(v>>8)
+		}
+		if err := be.Upload(b, 0, raw); err != nil {
+			t.Fatal(err)
+		}
+	}
+	download := func(b *kernels.Buffer) []byte {
+		t.Helper()
+		got := make([]byte, b.Size())
+		if err := be.Download(got, b, 0); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	for _, widths := range [][]int{{4096, 512, 512}, {4000, 512, 512}} {
+		ws := make([]*kernels.Buffer, len(widths))
+		for i, n := range widths {
+			ws[i] = moetest.Alloc(t, be, kernels.BF16, n, K)
+			fill(ws[i], 1.0/64)
+		}
+		for _, m := range []int{1, 8, 20, 64, 128, 256} {
+			a := moetest.Alloc(t, be, kernels.BF16, m, K)
+			fill(a, 1)
+			for _, path := range []gemmPath{gemmAuto, gemmForceNarrow, gemmForceTile} {
+				t.Run(fmt.Sprintf("n%d_M%d_path%d", widths[0], m, path), func(t *testing.T) {
+					sep, set := make([]*kernels.Buffer, len(widths)), make([]*kernels.Buffer, len(widths))
+					for i, n := range widths {
+						sep[i] = moetest.Alloc(t, be, kernels.BF16, m, n)
+						set[i] = moetest.Alloc(t, be, kernels.BF16, m, n)
+						if err := be.gemm(sep[i:i+1], a, ws[i:i+1], path); err != nil {
+							t.Fatal(err)
+						}
+					}
+					if err := be.gemm(set, a, ws, path); err != nil {
+						t.Fatal(err)
+					}
+					for i := range widths {
+						if !bytes.Equal(download(set[i]), download(sep[i])) {
+							t.Fatalf("gemm %d (%d columns): the set's bits differ from the GEMM's alone", i, widths[i])
+						}
+					}
+				})
+			}
+		}
+	}
+	a := moetest.Alloc(t, be, kernels.BF16, 4, K)
+	w := moetest.Alloc(t, be, kernels.BF16, 256, K)
+	out := moetest.Alloc(t, be, kernels.BF16, 4, 256)
+	if err := be.GemmSet([]*kernels.Buffer{out, out}, a, []*kernels.Buffer{w, w}); err == nil {
+		t.Fatal("GemmSet with one output twice: no error")
 	}
 }

@@ -55,6 +55,7 @@ type NewBackend func(t *testing.T) kernels.Backend
 func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("Buffers", func(t *testing.T) { testBuffers(t, newBackend(t)) })
 	t.Run("Gemm", func(t *testing.T) { testGemm(t, newBackend(t)) })
+	t.Run("GemmSet", func(t *testing.T) { testGemmSet(t, newBackend(t)) })
 	t.Run("Route", func(t *testing.T) { testRoute(t, newBackend(t)) })
 	t.Run("Permute", func(t *testing.T) { testPermute(t, newBackend(t)) })
 	t.Run("Dispatch", func(t *testing.T) { testDispatch(t, newBackend(t)) })

@@ -159,6 +159,50 @@ func testGemm(t *testing.T, be kernels.Backend) {
 	}
 }
 
+// testGemmSet: kernels.GemmSet over three weights of one input (widths
+// that can share a launch, and widths that cannot) gives each output the
+// bits Gemm gives it; a set with mismatched counts or overlapping outputs
+// is refused.
+func testGemmSet(t *testing.T, be kernels.Backend) {
+	r := rand.New(rand.NewPCG(3, 4))
+	const k = 96
+	for _, widths := range [][]int{{256, 128, 40}, {40, 128, 256}} {
+		for _, m := range []int{1, 9, 70} {
+			t.Run(fmt.Sprintf("%v_m%d", widths, m), func(t *testing.T) {
+				A := bf16Buf(t, be, randBF16(r, m*k, 1), m, k)
+				ws, sep, set := make([]*kernels.Buffer, 3), make([]*kernels.Buffer, 3), make([]*kernels.Buffer, 3)
+				for i, n := range widths {
+					ws[i] = bf16Buf(t, be, randBF16(r, n*k, 0.1), n, k)
+					sep[i], set[i] = alloc(t, be, kernels.BF16, m, n), alloc(t, be, kernels.BF16, m, n)
+					if err := be.Gemm(sep[i], A, ws[i]); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := kernels.GemmSet(be, set, A, ws); err != nil {
+					t.Fatal(err)
+				}
+				for i := range widths {
+					if !bytes.Equal(download(t, be, set[i]), download(t, be, sep[i])) {
+						t.Fatalf("output %d: GemmSet's bits differ from Gemm's", i)
+					}
+				}
+			})
+		}
+	}
+	A := bf16Buf(t, be, randBF16(r, 2*k, 1), 2, k)
+	W := bf16Buf(t, be, randBF16(r, 8*k, 1), 8, k)
+	D := alloc(t, be, kernels.F32, 2, 8)
+	for name, err := range map[string]error{
+		"count":   kernels.GemmSet(be, []*kernels.Buffer{D}, A, []*kernels.Buffer{W, W}),
+		"overlap": kernels.GemmSet(be, []*kernels.Buffer{D, D}, A, []*kernels.Buffer{W, W}),
+		"empty":   kernels.GemmSet(be, nil, A, nil),
+	} {
+		if err == nil {
+			t.Errorf("GemmSet (%s): no error", name)
+		}
+	}
+}
+
 // readFloats downloads an F32 or BF16 buffer as float32 values.
 func readFloats(t *testing.T, be kernels.Backend, b *kernels.Buffer) []float32 {
 	t.Helper()

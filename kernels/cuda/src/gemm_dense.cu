@@ -22,6 +22,33 @@ namespace rw {
 // once per 16 rows) agree bit for bit. K is even (the caller checks), so
 // BF16 pairs are read 4 bytes at a time; pairs past K read as zeros.
 constexpr int GN_WARPS = 16;
+
+// DenseSegs: the outputs of up to three GEMMs that share their input (a
+// layer's q, k and v projections) side by side as one launch's columns:
+// segment i is n[i] columns of o[i], computed with w[i] (n[i] = 0 for an
+// unused one). Every kernel here takes one; the host puts the segment
+// boundaries on multiples of every block's width, so a block's columns lie
+// in one segment, and a column's bits are those of its GEMM alone.
+struct DenseSegs {
+    const bf16_t *w[3];
+    void *o[3];
+    int n[3];
+};
+
+// dense_seg finds the segment of launch column c: its weights, output and
+// width, and the launch column of its first.
+__device__ __forceinline__ void dense_seg(const DenseSegs &s, int c, const bf16_t *&w, void *&o, int &n, int &first) {
+    int i = 0;
+    first = 0;
+    if (c >= s.n[0]) {
+        first = s.n[0];
+        i = c >= s.n[0] + s.n[1] ? 2 : 1;
+        if (i == 2) first += s.n[1];
+    }
+    w = s.w[i];
+    o = s.o[i];
+    n = s.n[i];
+}
 __device__ __forceinline__ unsigned gn_ld(const bf16_t *row, int k, int K, bool ok) {
     return ok && k < K ? __ldg(reinterpret_cast<const unsigned *>(row + k)) : 0u;
 }
@@ -41,10 +68,14 @@ __device__ __forceinline__ uint4 gn_ld8(const bf16_t *row, int k, int K, bool ok
 // the tile are missing, zeros, as they would read with H = 2), which
 // frees the registers of their loads for more slices in flight.
 template <int MI, int NJ, int UNROLL, int H = 2>
-__device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *out, int M, int N, int K, int outFmt, float *part) {
+__device__ __forceinline__ void gn_gemm(const bf16_t *A, const DenseSegs &segs, int M, int K, int outFmt, float *part) {
     constexpr int RM = 16 * MI, CN = 8 * NJ, LDP = CN + 1;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int r0 = blockIdx.x * RM, c0 = blockIdx.y * CN;
+    const bf16_t *W;
+    void *out;
+    int N, first;
+    dense_seg(segs, blockIdx.y * CN, W, out, N, first);
+    const int r0 = blockIdx.x * RM, c0 = blockIdx.y * CN - first;
     const bf16_t *ar[MI][2], *wr[NJ];
     bool rok[MI][2], wok[NJ];
 #pragma unroll
@@ -124,11 +155,10 @@ __device__ __forceinline__ void gn_gemm(const bf16_t *A, const bf16_t *W, void *
     }
 }
 
-__global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
-                                                                        int K, int outFmt) {
+__global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
     __shared__ float part[GN_WARPS * 16 * 9];
     pdl_enter();
-    gn_gemm<1, 1, 8>(A, W, out, M, N, K, outFmt, part);
+    gn_gemm<1, 1, 8>(A, segs, M, K, outFmt, part);
 }
 
 // gemm_narrow8: gemm_narrow for M <= 8 (one row tile, its first half):
@@ -137,19 +167,17 @@ __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, co
 // gives it 24 bytes of spills at 128 registers; measured on the H200 it
 // is still 0.7 us faster at one token than 7 slices in flight without
 // spills.
-__global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow8(const bf16_t *A, const bf16_t *W, void *out, int M, int N,
-                                                                         int K, int outFmt) {
+__global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow8(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
     __shared__ float part[GN_WARPS * 16 * 9];
     pdl_enter();
-    gn_gemm<1, 1, 28, 1>(A, W, out, M, N, K, outFmt, part);
+    gn_gemm<1, 1, 28, 1>(A, segs, M, K, outFmt, part);
 }
 
 // gemm_narrow_wide: dynamic shared memory GN_WARPS x 32 x 33 floats.
-__global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow_wide(const bf16_t *A, const bf16_t *W, void *out, int M,
-                                                                             int N, int K, int outFmt) {
+__global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow_wide(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
     extern __shared__ float gn_part[];
     pdl_enter();
-    gn_gemm<2, 4, 2>(A, W, out, M, N, K, outFmt, gn_part);
+    gn_gemm<2, 4, 2>(A, segs, M, K, outFmt, gn_part);
 }
 
 // ---- Dense GEMM, tiled: many rows ----
@@ -190,13 +218,16 @@ struct DenseTile {
 __device__ __forceinline__ int gd_slabs(int K, int w) { return 32 * w < K ? (K - 32 * w + 511) / 512 : 0; }
 
 template <class T>
-__global__ void __launch_bounds__(T::THREADS) gemm_dense_tile(const bf16_t *A, const bf16_t *W, void *out, int M, int N, int K,
-                                                                 int outFmt) {
+__global__ void __launch_bounds__(T::THREADS) gemm_dense_tile(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
     extern __shared__ __align__(16) unsigned char gd_smem[];
     pdl_enter();
     constexpr int MI = T::MI, NJ = T::NJ;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int r0 = blockIdx.x * T::BM, c0 = blockIdx.y * T::BN;
+    const bf16_t *W;
+    void *out;
+    int N, first;
+    dense_seg(segs, blockIdx.y * T::BN, W, out, N, first);
+    const int r0 = blockIdx.x * T::BM, c0 = blockIdx.y * T::BN - first;
     const int wm0 = warp / (T::BN / T::TN) * T::TM, wn0 = warp % (T::BN / T::TN) * T::TN;
     // This thread's copies: the same rows and 16-byte columns every stage.
     const bf16_t *src[T::LOADS];
