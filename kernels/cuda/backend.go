@@ -66,6 +66,9 @@ type Backend struct {
 	// its loaded function (New fills it; read-only after).
 	kernels map[any]loadedKernel
 	errw    drv.DevicePtr // the device error word (see errors.go)
+	// sampleScr is the wide sampler's scratch (sampleScratch bytes, zeroed
+	// once: each launch leaves its counters at zero).
+	sampleScr drv.DevicePtr
 	// fp4TileRows is the average rows per expert above which NVFP4 grouped
 	// GEMMs run the tiled kernel (defaultTileRows; tests force either).
 	fp4TileRows int
@@ -89,6 +92,10 @@ type Backend struct {
 	// narrow8 is the kernel for Gemms of at most gemmNarrow8M rows
 	// (kGemmNarrow8; tests force kGemmNarrow, which gives the same bits).
 	narrow8 plainKernel
+	// sampleWide: Sample serves rows that keep every token (or greedy
+	// ones) with the wide sampler (always, but for tests that compare it
+	// with model_sample alone).
+	sampleWide bool
 	// denseTile, when set, is the tiled dense GEMM every tiled launch
 	// takes (tests compare the variants); zero: planDenseTile picks.
 	denseTile denseTileKernel
@@ -157,7 +164,7 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, kernels: make(map[any]loadedKernel),
 		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, fp4WS192Rows: math.MaxInt32, pdl: true,
-		narrow8: kGemmNarrow8}
+		narrow8: kGemmNarrow8, sampleWide: true}
 	if be.hasWGMMA() {
 		be.fp4WSRows, be.fp4WS192Rows = defaultWSRows, defaultWS192Rows
 	}
@@ -191,6 +198,12 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 			return err
 		}
 		if err := c.Memset8(be.errw, 0, errWordBytes); err != nil {
+			return err
+		}
+		if be.sampleScr, err = c.Alloc(sampleScratch); err != nil {
+			return err
+		}
+		if err := c.Memset8(be.sampleScr, 0, sampleScratch); err != nil {
 			return err
 		}
 		if be.stageErr, err = c.Alloc(errWordBytes); err != nil {

@@ -248,10 +248,33 @@ func (be *Backend) Sample(a kernels.SampleArgs) error {
 		if rows == 0 {
 			return nil
 		}
-		return be.launch(kSample, drv.Dim3{X: rows}, drv.Dim3{X: sampleThreads}, 0,
+		// model_sample checks every row and serves those that truncate;
+		// the wide sampler the others, a block per segment of a row, where
+		// its scratch holds the launch.
+		segs := (v + sampleSeg - 1) / sampleSeg
+		wide := rows <= sampleWideRows && segs <= sampleWideSegs && be.sampleWide
+		if err := be.launch(kSample, drv.Dim3{X: rows}, drv.Dim3{X: sampleThreads}, 0,
 			be.errw, ptr(a.Logits), ptr(a.Temperature), ptr(a.TopK), ptr(a.TopP), ptr(a.Seeds),
-			ptr(a.SampleIDs), ptr(a.Positions), ptr(a.Tokens), ptr(a.LogProbs), int32(v))
+			ptr(a.SampleIDs), ptr(a.Positions), ptr(a.Tokens), ptr(a.LogProbs), int32(v), boolArg(wide)); err != nil || !wide {
+			return err
+		}
+		grid := drv.Dim3{X: segs, Y: rows}
+		if err := be.launch(kSampleMax, grid, drv.Dim3{X: sampleWideThreads}, 0,
+			ptr(a.Logits), ptr(a.Temperature), ptr(a.TopK), ptr(a.TopP), be.sampleScr, int32(sampleWideRows), int32(v)); err != nil {
+			return err
+		}
+		return be.launch(kSampleWide, grid, drv.Dim3{X: sampleWideThreads}, 0,
+			ptr(a.Logits), ptr(a.Temperature), ptr(a.TopK), ptr(a.TopP), ptr(a.Seeds), ptr(a.SampleIDs), ptr(a.Positions),
+			ptr(a.Tokens), ptr(a.LogProbs), be.sampleScr, int32(sampleWideRows), int32(v))
 	})
+}
+
+// boolArg is a C int flag.
+func boolArg(b bool) int32 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // LogProbs scores given tokens: one block of logprobsThreads per row.

@@ -64,6 +64,8 @@ const (
 	kQKVPrep
 	kAttention
 	kSample
+	kSampleMax
+	kSampleWide
 	kLogProbs
 	kScatterBF16
 )
@@ -164,18 +166,28 @@ const (
 	wsSmem    = 2*(128+128)*256 + 4*256*4*20 + 1024
 	wsSmem192 = 2*(192+128)*256 + 2*256*5*20 + 1024
 	// Model kernels' block sizes (model.go).
-	copyThreads     = 128  // embed, kv write, rope: one block per token
-	prepThreads     = 128  // qkv prep: a warp per (token, head), 4 heads a block (MODEL_PREP_WARPS)
-	prepMaxD        = 256  // qkv prep: the largest head dim (MODEL_PREP_MAXD)
-	normMaxThreads  = 256  // rmsnorm: one block per row
-	addThreads      = 256  // add: grid-stride
-	attTile         = 64   // att_generic: positions per shared-memory tile (attention.cu ATT_G_TILE)
-	attThreads      = 256  // att_generic: threads per (query row, kv head) (ATT_G_THREADS)
-	attTCGroupLen   = 512  // att_tc: positions a group joins (ATT_GROUPLEN)
-	sampleThreads   = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
-	logprobsThreads = 512  // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
-	scatterThreads  = 256  // scatter bf16: one block per span (MODEL_SCATTER_THREADS)
-	routeWarps      = 4    // route, route_r: a warp per token
+	copyThreads    = 128  // embed, kv write, rope: one block per token
+	prepThreads    = 128  // qkv prep: a warp per (token, head), 4 heads a block (MODEL_PREP_WARPS)
+	prepMaxD       = 256  // qkv prep: the largest head dim (MODEL_PREP_MAXD)
+	normMaxThreads = 256  // rmsnorm: one block per row
+	addThreads     = 256  // add: grid-stride
+	attTile        = 64   // att_generic: positions per shared-memory tile (attention.cu ATT_G_TILE)
+	attThreads     = 256  // att_generic: threads per (query row, kv head) (ATT_G_THREADS)
+	attTCGroupLen  = 512  // att_tc: positions a group joins (ATT_GROUPLEN)
+	sampleThreads  = 1024 // sample: one block per row (MODEL_SAMPLE_THREADS)
+	// The wide sampler (model_sample_max, model_sample_wide): a block per
+	// segment of sampleSeg logits of a row (MODEL_SAMPLE_SEG,
+	// MODEL_SAMPLE_WIDE_THREADS), for up to sampleWideRows rows of up to
+	// sampleWideSegs segments (its scratch: a counter a row, then a
+	// 24-byte ModelSampleSeg a segment).
+	sampleSeg         = 8192
+	sampleWideThreads = 256
+	sampleWideRows    = 1024
+	sampleWideSegs    = 32
+	sampleScratch     = (sampleWideRows*4+7)&^7 + sampleWideRows*sampleWideSegs*24
+	logprobsThreads   = 512 // logprobs: one block per row (MODEL_LOGPROBS_THREADS)
+	scatterThreads    = 256 // scatter bf16: one block per span (MODEL_SCATTER_THREADS)
+	routeWarps        = 4   // route, route_r: a warp per token
 )
 
 // streamSmem is the dynamic shared memory of a streamed kernel of bm-row
@@ -376,6 +388,8 @@ func kernelRegistry() []kernelSpec {
 		plain(kQKVPrep, "model_qkv_prep", "model.cu", prepThreads, 0, true),
 		plain(kAttention, "att_generic", "attention.cu", attThreads, smemPerLaunch, false),
 		plain(kSample, "model_sample", "model.cu", sampleThreads, 0, false),
+		plain(kSampleMax, "model_sample_max", "model.cu", sampleWideThreads, 0, false),
+		plain(kSampleWide, "model_sample_wide", "model.cu", sampleWideThreads, 0, false),
 		plain(kLogProbs, "model_logprobs", "model.cu", logprobsThreads, 0, false),
 		plain(kScatterBF16, "model_scatter_bf16", "model.cu", scatterThreads, 0, false),
 	}

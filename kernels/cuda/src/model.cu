@@ -408,6 +408,207 @@ constexpr int MODEL_SAMPLE_THREADS = 1024;
 // backend's scaled). With lmax 0 and T 1 it is l itself.
 __device__ __forceinline__ float model_scaled(float l, float lmax, float T) { return __fdiv_rn(__fsub_rn(l, lmax), T); }
 
+// model_sample_wide_row tells the rows model_sample_max and
+// model_sample_wide serve, where model_sample is asked to (wide): rows with
+// valid parameters that are greedy or keep every token (top k 0 or V, top
+// p 1), the sampling of an RL rollout. model_sample still checks every
+// row's parameters and serves the truncated ones.
+__device__ __forceinline__ bool model_sample_wide_row(float temp, int tk, float tp, int V) {
+    if (!(temp >= 0.0f) || temp == inf_f32() || !(tp > 0.0f && tp <= 1.0f) || tk < 0 || tk > V) return false;
+    return temp == 0.0f || ((tk == 0 || tk == V) && tp >= 1.0f);
+}
+
+// The wide sampler splits a row into segments of MODEL_SAMPLE_SEG logits,
+// a block each, so that one row spreads over the GPU instead of one
+// multiprocessor (a 151936-wide row took 330 us in one block). The split
+// depends on V alone, so a row's bits do not depend on the batch.
+constexpr int MODEL_SAMPLE_SEG = 8192;
+constexpr int MODEL_SAMPLE_WIDE_THREADS = 256;
+
+// ModelSampleSeg is a segment's partial in the wide sampler's scratch
+// (after a counter per row): its largest logit, whether it holds a NaN or
+// +Inf, its greedy key and its weight sum.
+struct ModelSampleSeg {
+    double z;
+    unsigned long long best;
+    float lmax;
+    int bad;
+};
+
+__device__ __forceinline__ ModelSampleSeg *model_sample_segs(void *scratch, int rowsCap, int r, int nseg) {
+    return reinterpret_cast<ModelSampleSeg *>(reinterpret_cast<char *>(scratch) + ((rowsCap * 4 + 7) & ~7)) + (size_t)r * nseg;
+}
+
+// model_sample_max: grid (segments, rows). Pass 1 of model_sample over one
+// segment: its validity, largest logit and greedy key.
+__global__ void __launch_bounds__(MODEL_SAMPLE_WIDE_THREADS)
+model_sample_max(const float *logits, const float *temperature, const int *topK, const float *topP, void *scratch, int rowsCap, int V) {
+    __shared__ float scrF[33];
+    __shared__ int scrI[33];
+    __shared__ unsigned long long scrU[33];
+    const int b = blockIdx.x, r = blockIdx.y, tid = threadIdx.x;
+    if (!model_sample_wide_row(temperature[r], topK[r], topP[r], V)) return;
+    const float *row = logits + (size_t)r * V;
+    const int lo = b * MODEL_SAMPLE_SEG, hi = min(V, lo + MODEL_SAMPLE_SEG);
+    int bad = 0;
+    float lmax = -inf_f32();
+    unsigned long long best = 0;
+    for (int i = lo + tid; i < hi; i += blockDim.x) {
+        const float l = row[i];
+        if (l != l || l == inf_f32()) {
+            bad = 1;
+            continue;
+        }
+        lmax = fmaxf(lmax, l);
+        const unsigned long long kk = ((unsigned long long)model_key(l) << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
+        best = kk > best ? kk : best;
+    }
+    bad = block_reduce(bad, scrI, OpMax());
+    best = block_reduce(best, scrU, OpMax());
+    lmax = block_reduce(lmax, scrF, OpMax());
+    if (tid == 0) {
+        ModelSampleSeg *e = model_sample_segs(scratch, rowsCap, r, gridDim.x) + b;
+        e->bad = bad;
+        e->best = best;
+        e->lmax = lmax;
+    }
+}
+
+// model_sample_seg_sum is the weight sum of logits lo .. hi - 1 of a row
+// over the block: thread t adds its contiguous share in id order, the
+// block adds the shares by model_block_exscan (start: the threads before
+// t). w = exp(s - m), s the scaled logit.
+__device__ __forceinline__ double model_sample_seg_sum(const float *row, int lo, int hi, float lshift, float T, double m, double *scrD,
+                                                       double *start, int *t0, int *t1) {
+    const int per = (hi - lo + blockDim.x - 1) / blockDim.x;
+    *t0 = min(hi, lo + (int)threadIdx.x * per);
+    *t1 = min(hi, *t0 + per);
+    double w = 0.0;
+    for (int i = *t0; i < *t1; i++) w += exp((double)model_scaled(row[i], lshift, T) - m);
+    double total;
+    *start = model_block_exscan(w, scrD, &total);
+    return total;
+}
+
+// model_sample_wide: grid (segments, rows), after model_sample_max. Each
+// block joins its row's segment maxima (max and or: no order), then adds
+// its segment's weights exp(s - m) (model_sample's scaling); the row's last
+// block to finish adds the segment sums in segment order (z), and draws:
+// the first token, in id order, whose cumulative weight / z exceeds u
+// (model_sample's draw over unnormalised weights), found segment by
+// segment, then within the segment as model_sample does within a row.
+// Logprobs as model_sample writes them.
+__global__ void __launch_bounds__(MODEL_SAMPLE_WIDE_THREADS)
+model_sample_wide(const float *logits, const float *temperature, const int *topK, const float *topP, const int *seeds,
+                  const int *sampleIDs, const int *positions, int *tokens, float *logprobs, void *scratch, int rowsCap, int V) {
+    __shared__ double scrD[33];
+    __shared__ int scrI[33];
+    __shared__ int lastS;
+    __shared__ double zS;
+    __shared__ int segS;
+    __shared__ double cS;
+    const int b = blockIdx.x, r = blockIdx.y, tid = threadIdx.x, nseg = gridDim.x;
+    const float temp = temperature[r];
+    if (!model_sample_wide_row(temp, topK[r], topP[r], V)) return;
+    const float *row = logits + (size_t)r * V;
+    ModelSampleSeg *segs = model_sample_segs(scratch, rowsCap, r, nseg);
+    // The row's maximum, validity and greedy key, from every segment (each
+    // thread reads them all: they are few).
+    int bad = 0;
+    float lmax = -inf_f32();
+    unsigned long long best = 0;
+    for (int j = 0; j < nseg; j++) {
+        bad |= segs[j].bad;
+        lmax = fmaxf(lmax, segs[j].lmax);
+        best = segs[j].best > best ? segs[j].best : best;
+    }
+    if (bad || lmax == -inf_f32()) {
+        if (b == 0 && tid == 0) {
+            tokens[r] = -1;
+            logprobs[r] = __int_as_float(0x7fc00000); // NaN
+        }
+        return;
+    }
+    const bool greedy = temp == 0.0f;
+    const float T = greedy ? 1.0f : temp;
+    const float lshift = greedy ? 0.0f : lmax;
+    const double m = greedy ? (double)lmax : 0.0;
+    const int lo = b * MODEL_SAMPLE_SEG, hi = min(V, lo + MODEL_SAMPLE_SEG);
+    double start;
+    int t0, t1;
+    const double zb = model_sample_seg_sum(row, lo, hi, lshift, T, m, scrD, &start, &t0, &t1);
+    if (tid == 0) segs[b].z = zb;
+    __threadfence();
+    __syncthreads();
+    int *counter = reinterpret_cast<int *>(scratch) + r;
+    if (tid == 0) lastS = atomicAdd(counter, 1) == nseg - 1;
+    __syncthreads();
+    if (!lastS) return;
+    __threadfence();
+    if (tid == 0) {
+        *counter = 0; // ready for the next launch
+        double z = 0.0;
+        for (int j = 0; j < nseg; j++) z += __ldcg(&segs[j].z);
+        zS = z;
+    }
+    __syncthreads();
+    const double z = zS, logZ = log(z);
+    if (greedy) {
+        if (tid == 0) {
+            const int tok = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
+            tokens[r] = tok;
+            logprobs[r] = (float)((double)row[tok] - (m + logZ)); // the CPU's logSumExp form
+        }
+        return;
+    }
+    const double u = model_philox_uniform((unsigned long long)(unsigned)seeds[2 * r] | ((unsigned long long)(unsigned)seeds[2 * r + 1] << 32),
+                                          (unsigned)sampleIDs[r], (unsigned)positions[r]);
+    if (tid == 0) {
+        // The segment the draw falls in: the first whose end crosses u, or
+        // (rounding) the last that holds any weight.
+        double c = 0.0, cLast = 0.0;
+        int seg = -1, segLast = 0;
+        for (int j = 0; j < nseg; j++) {
+            const double zj = __ldcg(&segs[j].z);
+            if (zj > 0.0) {
+                segLast = j;
+                cLast = c;
+                if ((c + zj) / z > u) {
+                    seg = j;
+                    break;
+                }
+            }
+            c += zj;
+        }
+        segS = seg >= 0 ? seg : segLast;
+        cS = seg >= 0 ? c : cLast;
+    }
+    __syncthreads();
+    const int s0 = segS * MODEL_SAMPLE_SEG, s1 = min(V, s0 + MODEL_SAMPLE_SEG);
+    model_sample_seg_sum(row, s0, s1, lshift, T, m, scrD, &start, &t0, &t1);
+    int pick = V, lastKept = -1;
+    double cum = cS + start;
+    for (int i = t0; i < t1; i++) {
+        const double w = exp((double)model_scaled(row[i], lshift, T) - m);
+        if (w > 0.0) lastKept = i;
+        cum += w;
+        if (w > 0.0 && cum / z > u) {
+            pick = i;
+            break;
+        }
+    }
+    pick = block_reduce(pick, scrI, model_OpMin());
+    __syncthreads();
+    // Rounding left no crossing inside: the segment's last token of weight
+    // (every thread walked its whole share, so lastKept is its last).
+    if (pick == V) lastKept = block_reduce(lastKept, scrI, OpMax());
+    if (tid == 0) {
+        const int tok = pick < V ? pick : lastKept;
+        tokens[r] = tok;
+        logprobs[r] = (float)((double)model_scaled(row[tok], lshift, T) - logZ); // the CPU's form (m is 0)
+    }
+}
+
 // model_sample draws one token per row, as kernels.SampleArgs and the CPU
 // backend's Sample document. Validation: temperature, top p, top k (a bad
 // parameter is reported in the error word and the row skipped), then the
@@ -436,7 +637,7 @@ __device__ __forceinline__ float model_scaled(float l, float lmax, float T) { re
 // probability; there the key keeps the exact order.
 __global__ void __launch_bounds__(MODEL_SAMPLE_THREADS)
 model_sample(int *err, const float *logits, const float *temperature, const int *topK, const float *topP,
-             const int *seeds, const int *sampleIDs, const int *positions, int *tokens, float *logprobs, int V) {
+             const int *seeds, const int *sampleIDs, const int *positions, int *tokens, float *logprobs, int V, int wide) {
     __shared__ double scrD[33];
     __shared__ float scrF[33];
     __shared__ unsigned long long scrU[33];
@@ -466,6 +667,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
         return;
     }
     const bool greedy = temp == 0.0f;
+    if (wide && model_sample_wide_row(temp, tk, tp, V)) return; // model_sample_wide's row
 
     // Pass 1: validity, the largest logit, and the greedy argmax (largest
     // key, then lowest id: the low word holds ~id).
