@@ -29,6 +29,15 @@ NVFP4 speedup over BF16. The KV cache holds the context already (its
 contents do not change the work, so no prefill runs). --csv and --plot
 write the points.
 
+--mode prefill: --prompts prompts of --prompt-len tokens (default 4096)
+prefilled in forward passes of at most --chunk tokens, prompts packed in
+order, each pass staged and run eagerly as the engine runs prefill chunks,
+a prompt's last pass sampling its first token; for each recipe of
+--recipes: the time of the whole prefill (mean of --runs after one
+untimed), tokens/s against the compute floor (2 FLOPs per active weight
+a token and the causal attention scores at the H200's 790 TFLOP/s), and
+the device time by group of ops.
+
 --mode rollouts: whole rollouts through the engine (continuous batching,
 prefill, decode through graphs): --requests requests of --n samples
 submitted at once; generated tokens/s and rollouts/s. --stop-prob gives
@@ -53,14 +62,14 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		fmt.Fprint(fs.Output(), benchGenerateUsage)
 		fs.PrintDefaults()
 	}
-	mode := fs.String("mode", "steps", "steps (decode-step sweep) or rollouts (whole rollouts through the engine)")
+	mode := fs.String("mode", "steps", "steps (decode-step sweep), prefill (prompts prefilled in chunks) or rollouts (whole rollouts through the engine)")
 	preset := fs.String("preset", "tiny", "random model preset, initialised in memory (ignored with --model): "+strings.Join(policy.PresetNames(), ", "))
 	layers := fs.Int("layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
 	dir := fs.String("model", "", "model `directory` to load instead of a preset")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
 	seed := fs.Uint64("seed", 1, "seed of the random model and the tokens")
 	// steps
-	recipes := fs.String("recipes", "nvfp4,bf16", "steps: MoE recipes, measured one after the other in the same run")
+	recipes := fs.String("recipes", "nvfp4,bf16", "steps, prefill: MoE recipes, measured one after the other in the same run")
 	batches := fs.String("batches", "1,8,64,256", "steps: comma-separated sequences per step")
 	contexts := fs.String("contexts", "128,1024", "steps: comma-separated tokens already in each sequence's KV cache")
 	steps := fs.Int("steps", 32, "steps: timed steps per point")
@@ -71,7 +80,11 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 	recipeName := fs.String("recipe", "bf16", "rollouts: MoE recipe: bf16 or nvfp4")
 	requests := fs.Int("requests", 16, "rollouts: requests submitted at once")
 	n := fs.Int("n", 4, "rollouts: samples per request")
-	promptLen := fs.Int("prompt-len", 32, "rollouts: prompt tokens per request")
+	promptLen := fs.Int("prompt-len", 32, "rollouts: prompt tokens per request; prefill: tokens per prompt (default 4096 there)")
+	// prefill
+	prompts := fs.Int("prompts", 16, "prefill: prompts")
+	chunk := fs.Int("chunk", 8192, "prefill: most tokens a forward pass carries")
+	runs := fs.Int("runs", 2, "prefill: timed prefills of every prompt, after one untimed")
 	maxTokens := fs.Int("max-tokens", 64, "rollouts: tokens generated per sample")
 	temperature := fs.Float64("temperature", 1, "rollouts: sampling temperature")
 	graphs := fs.Bool("graphs", true, "rollouts: replay decode steps from captured graphs (steps always do)")
@@ -81,16 +94,17 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	only := map[string][]string{
-		"steps":    {"recipes", "batches", "contexts", "steps", "warmup", "csv", "plot"},
-		"rollouts": {"recipe", "requests", "n", "prompt-len", "max-tokens", "temperature", "graphs", "stop-prob", "kv-pages", "kv-modes"},
+	only := map[string][]string{ // flag -> the modes it applies to
+		"recipes": {"steps", "prefill"}, "batches": {"steps"}, "contexts": {"steps"}, "steps": {"steps"}, "warmup": {"steps"},
+		"csv": {"steps"}, "plot": {"steps"},
+		"prompts": {"prefill"}, "chunk": {"prefill"}, "runs": {"prefill"}, "prompt-len": {"rollouts", "prefill"},
+		"recipe": {"rollouts"}, "requests": {"rollouts"}, "n": {"rollouts"}, "max-tokens": {"rollouts"}, "temperature": {"rollouts"},
+		"graphs": {"rollouts"}, "stop-prob": {"rollouts"}, "kv-pages": {"rollouts"}, "kv-modes": {"rollouts"},
 	}
 	set := setFlags(fs)
-	for m, names := range only {
-		for _, name := range names {
-			if set[name] && m != *mode {
-				return usageErrorf("--%s applies to --mode %s, not %s", name, m, *mode)
-			}
+	for name, modes := range only {
+		if set[name] && !slices.Contains(modes, *mode) {
+			return usageErrorf("--%s applies to --mode %s, not %s", name, strings.Join(modes, " and "), *mode)
 		}
 	}
 	if *dir != "" && *layers != 0 {
@@ -134,9 +148,23 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		return benchRollouts(ctx, stdout, stderr, *device, load, cfg, recipe, genbench.Config{Requests: *requests, N: *n,
 			PromptLen: *promptLen, MaxTokens: *maxTokens, Params: policy.SamplingParams{Temperature: float32(*temperature)}, Seed: *seed,
 			StopProb: *stopProb}, *graphs, *kvPages, onDemand)
+	case "prefill":
+		pl := *promptLen
+		if !set["prompt-len"] {
+			pl = 4096
+		}
+		rcs, err := recipeList(*recipes)
+		if err != nil {
+			return err
+		}
+		if *prompts < 1 || pl < 1 || *chunk < 1 || *runs < 1 {
+			return usageErrorf("--prompts, --prompt-len, --chunk and --runs must be positive")
+		}
+		return benchPrefill(ctx, stdout, stderr, *device, load, cfg, rcs,
+			genbench.PrefillConfig{Prompts: *prompts, PromptLen: pl, Chunk: *chunk, Runs: *runs, Seed: *seed})
 	case "steps":
 	default:
-		return usageErrorf("--mode %q: want steps or rollouts", *mode)
+		return usageErrorf("--mode %q: want steps, prefill or rollouts", *mode)
 	}
 	rcs, err := recipeList(*recipes)
 	if err != nil {
@@ -212,6 +240,46 @@ func benchDecode(ctx context.Context, be kernels.Backend, load func(kernels.Back
 	}
 	defer func() { err = errors.Join(err, g.Close()) }()
 	return genbench.Decode(ctx, m, g, dc)
+}
+
+// benchPrefill prefills pc's prompts under each recipe, one model loaded
+// at a time, and writes the table and the breakdown.
+func benchPrefill(ctx context.Context, stdout, stderr io.Writer, device string, load func(kernels.Backend, policy.ModelOptions) (*policy.Model, error),
+	cfg policy.Config, rcs []moe.Recipe, pc genbench.PrefillConfig) (err error) {
+	be, closeBackend, err := newBackend(device, nil)
+	if err != nil {
+		return err
+	}
+	defer closeBackend()
+	const pageSize = 16
+	fmt.Fprintf(stderr, "bench generate: %s, %d layers, hidden %d, %d experts top-%d (%s), vocab %d, %s backend\n",
+		cfg.Architecture, cfg.Layers, cfg.Hidden, cfg.Experts, cfg.TopK, cfg.Activation, cfg.VocabSize, be.Name())
+	var results []genbench.PrefillResult
+	for _, rc := range rcs {
+		seqs := genbench.PrefillSeqs(pc)
+		opts := policy.ModelOptions{Recipe: rc, MaxSeqs: seqs, MaxTokens: pc.Chunk, MaxLogitRows: seqs,
+			PageSize: pageSize, KVPages: genbench.PrefillKVPages(pc, pageSize)}
+		r, err := func() (_ genbench.PrefillResult, err error) {
+			m, err := load(be, opts)
+			if err != nil {
+				return genbench.PrefillResult{}, err
+			}
+			defer func() { err = errors.Join(err, m.Close()) }()
+			return genbench.Prefill(ctx, m, pc)
+		}()
+		if err != nil {
+			return fmt.Errorf("%s: %w", rc, err)
+		}
+		results = append(results, r)
+	}
+	if err := genbench.PrefillTable(stdout, results); err != nil {
+		return err
+	}
+	if slices.ContainsFunc(results, func(r genbench.PrefillResult) bool { return r.Groups != nil }) {
+		fmt.Fprintln(stdout, "\nWhere a prefill's device time goes (ms, summed over its passes, an event at each group):")
+		return genbench.PrefillBreakdown(stdout, results)
+	}
+	return nil
 }
 
 // benchRollouts runs whole rollouts through the engine.
