@@ -207,3 +207,31 @@ type DeltaStager interface {
 	// byte offset dstOff (device to device).
 	StageCopy(dst *Buffer, dstOff int, src *Buffer, srcOff, n int) error
 }
+
+// AmaxStager is implemented by backends that measure a BF16 stack's
+// matrices on the staging path, after the bytes staged so far and off the
+// op stream: the refit path takes the amax of the experts a version
+// rewrote before the commit, so that the commit's requantization
+// (QuantizeArgs.Amax) reads each matrix once instead of twice while
+// generation waits.
+type AmaxStager interface {
+	// StageAmax writes each matrix's largest |value| of src (BF16 [E, N,
+	// K]) into dst (F32 [E]), after every byte staged so far; StageSync
+	// waits for it. The caller guarantees no op writes src or touches dst
+	// meanwhile.
+	StageAmax(dst, src *Buffer) error
+}
+
+// ValidateAmax checks StageAmax's operands and returns E and N x K.
+func ValidateAmax(dst, src *Buffer) (mats, per int, err error) {
+	if err := check("stage amax", "src", src, BF16, 3); err != nil {
+		return 0, 0, err
+	}
+	if err := check("stage amax", "dst", dst, F32, 1); err != nil {
+		return 0, 0, err
+	}
+	if err := shapeIs("stage amax", "dst", dst, src.Dim(0)); err != nil {
+		return 0, 0, err
+	}
+	return src.Dim(0), src.Dim(1) * src.Dim(2), disjoint("stage amax", []operand{{"dst", dst}}, []operand{{"src", src}})
+}

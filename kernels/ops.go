@@ -195,6 +195,12 @@ type QuantizeArgs struct {
 	Src  *Buffer
 	Dst  NVFP4
 	Mode QuantMode
+	// Amax, optional in PerMatrix mode: F32 [matrices], each matrix's
+	// largest |value|, known to a caller that saw every value (the refit
+	// receiver checks each on the host). The backend then skips its own
+	// pass over the matrices for it; the result is the same bits. The CPU
+	// backend checks the values and fails on one that differs.
+	Amax *Buffer
 }
 
 // QuantizeShape is the geometry Validate derives.
@@ -246,7 +252,22 @@ func (a QuantizeArgs) Validate() (QuantizeShape, error) {
 	if err := shapeIs("quantize", "scale", a.Dst.Scale, want); err != nil {
 		return s, err
 	}
-	return s, disjoint("quantize", []operand{{"packed", a.Dst.Packed}, {"scales", a.Dst.Scales}, {"scale", a.Dst.Scale}}, []operand{{"src", a.Src}})
+	if a.Amax != nil {
+		if a.Mode != PerMatrix {
+			return s, fmt.Errorf("kernels: quantize: an amax applies to per-matrix mode, not %s", a.Mode)
+		}
+		if err := check("quantize", "amax", a.Amax, F32, 1); err != nil {
+			return s, err
+		}
+		if err := shapeIs("quantize", "amax", a.Amax, s.Mats); err != nil {
+			return s, err
+		}
+	}
+	ins := []operand{{"src", a.Src}}
+	if a.Amax != nil {
+		ins = append(ins, operand{"amax", a.Amax})
+	}
+	return s, disjoint("quantize", []operand{{"packed", a.Dst.Packed}, {"scales", a.Dst.Scales}, {"scale", a.Dst.Scale}}, ins)
 }
 
 // Activation is the expert activation fused into a grouped GEMM's epilogue.

@@ -30,6 +30,11 @@ type Layer struct {
 	fc2    *kernels.Buffer // BF16 [E, H, I]
 	fc1q   kernels.NVFP4   // [E, I1, Hp/2], [E, I1, Hp/16], alpha [E]
 	fc2q   kernels.NVFP4   // [E, H, Ip/2], [E, H, Ip/16], alpha [E]
+	// amax1, amax2: each expert's FC1 and FC2 amax as StageAmax last
+	// measured them (F32 [E]); amaxGen counts StageAmax calls, so that a
+	// hint from an older one is never used.
+	amax1, amax2 *kernels.Buffer
+	amaxGen      uint64
 
 	// Workspaces for MaxTokens tokens (R = MaxTokens * TopK sorted rows).
 	logits  *kernels.Buffer // F32 [T, E]
@@ -111,6 +116,7 @@ func (l *Layer) alloc() error {
 	if l.spec.quantWeights {
 		l.fc1q = quant([]int{E, I1}, Hp, E)
 		l.fc2q = quant([]int{E, H}, Ip, E)
+		l.amax1, l.amax2 = buf(kernels.F32, E), buf(kernels.F32, E)
 	}
 	l.logits = buf(kernels.F32, T, E)
 	l.ids = buf(kernels.I32, T, c.TopK)
@@ -154,37 +160,114 @@ func (l *Layer) Quantized() (fc1, fc2 kernels.NVFP4) { return l.fc1q, l.fc2q }
 // Requantize rebuilds the NVFP4 copies of the given experts (all of them
 // when none are given) from the BF16 stacks, into the same buffers. It is a
 // no-op for recipes without weight copies.
-func (l *Layer) Requantize(experts ...int) error {
+func (l *Layer) Requantize(experts ...int) error { return l.RequantizeHinted(AmaxHint{}, experts...) }
+
+// AmaxHint says which experts' amax StageAmax measured for one
+// requantization (RequantizeHinted). The zero value holds none.
+type AmaxHint struct {
+	l   *Layer
+	gen uint64
+	has []bool // by expert
+}
+
+// StageAmax measures the FC1 and FC2 amax of the given experts on the
+// backend's staging path (kernels.AmaxStager: after every byte staged so
+// far, off the op stream; the caller's StageSync waits for it), for a
+// RequantizeHinted of the same experts once their BF16 weights are final:
+// the refit path calls it when a version's bytes are all in, before the
+// commit, so the commit's requantization reads each matrix once. It holds
+// no experts where the backend cannot (or the recipe has no copies). A
+// later StageAmax supersedes the hint.
+func (l *Layer) StageAmax(experts ...int) (AmaxHint, error) {
+	st, ok := l.be.(kernels.AmaxStager)
+	if l.closed || !ok || !l.spec.quantWeights {
+		return AmaxHint{}, nil
+	}
+	l.amaxGen++
+	h := AmaxHint{l: l, gen: l.amaxGen, has: make([]bool, l.cfg.Experts)}
+	err := forRuns(experts, l.cfg.Experts, func(lo, hi int) error {
+		for _, m := range [][2]*kernels.Buffer{{l.amax1, l.fc1}, {l.amax2, l.fc2}} {
+			dst, err := m[0].Slice(lo, hi)
+			if err != nil {
+				return err
+			}
+			src, err := m[1].Slice(lo, hi)
+			if err != nil {
+				return err
+			}
+			if err := st.StageAmax(dst, src); err != nil {
+				return err
+			}
+		}
+		for e := lo; e < hi; e++ {
+			h.has[e] = true
+		}
+		return nil
+	})
+	if err != nil {
+		return AmaxHint{}, fmt.Errorf("moe: stage amax: %w", err)
+	}
+	return h, nil
+}
+
+// RequantizeHinted is Requantize, taking the amax of the experts h holds
+// from it (they must not have changed since its StageAmax) rather than
+// measuring them again: the same bits, one read of their BF16 weights
+// instead of two.
+func (l *Layer) RequantizeHinted(h AmaxHint, experts ...int) error {
 	if l.closed {
 		return ErrClosed
 	}
 	if !l.spec.quantWeights {
 		return nil
 	}
-	if len(experts) == 0 {
-		err := l.requantize(0, l.cfg.Experts)
-		l.quantized = err == nil
-		return err
+	if h.l != l || h.gen != l.amaxGen {
+		h.has = nil
 	}
-	if err := l.requantizeExperts(experts); err != nil {
+	hinted := func(e int) bool { return h.has != nil && h.has[e] }
+	all := len(experts) == 0
+	if all {
+		experts = make([]int, l.cfg.Experts)
+		for e := range experts {
+			experts[e] = e
+		}
+	}
+	// Runs of consecutive experts, hinted or not, become one op each.
+	err := forRuns(experts, l.cfg.Experts, func(lo, hi int) error {
+		for i := lo; i < hi; {
+			j := i + 1
+			for j < hi && hinted(j) == hinted(i) {
+				j++
+			}
+			if err := l.requantize(i, j, hinted(i)); err != nil {
+				return err
+			}
+			i = j
+		}
+		return nil
+	})
+	switch {
+	case err != nil:
 		l.quantized = false // some copies may be half rebuilt
-		return err
+	case all:
+		l.quantized = true
 	}
-	return nil
+	return err
 }
 
-func (l *Layer) requantizeExperts(experts []int) error {
-	// Runs of consecutive experts become one op each.
+// forRuns calls fn for each run [lo, hi) of consecutive experts of
+// experts (in order), checking each lies in [0, n).
+func forRuns(experts []int, n int, fn func(lo, hi int) error) error {
 	for i := 0; i < len(experts); {
 		j := i + 1
 		for j < len(experts) && experts[j] == experts[j-1]+1 {
 			j++
 		}
 		lo, hi := experts[i], experts[j-1]+1
-		if lo < 0 || hi > l.cfg.Experts {
-			return fmt.Errorf("moe: requantize expert %d..%d of %d", lo, hi-1, l.cfg.Experts)
+		if lo < 0 || hi > n {
+			return fmt.Errorf("moe: experts %d..%d of %d", lo, hi-1, n)
 		}
-		if err := l.requantize(lo, hi); err != nil {
+		if err := fn(lo, hi); err != nil {
 			return err
 		}
 		i = j
@@ -192,17 +275,21 @@ func (l *Layer) requantizeExperts(experts []int) error {
 	return nil
 }
 
-func (l *Layer) requantize(lo, hi int) error {
+func (l *Layer) requantize(lo, hi int, hinted bool) error {
 	for _, m := range []struct {
-		src *kernels.Buffer
-		dst kernels.NVFP4
-	}{{l.fc1, l.fc1q}, {l.fc2, l.fc2q}} {
+		src  *kernels.Buffer
+		dst  kernels.NVFP4
+		amax *kernels.Buffer
+	}{{l.fc1, l.fc1q, l.amax1}, {l.fc2, l.fc2q, l.amax2}} {
 		var args kernels.QuantizeArgs
 		var err error
 		args.Mode = kernels.PerMatrix
 		args.Src, err = m.src.Slice(lo, hi)
 		if err == nil {
 			args.Dst, err = sliceNVFP4(m.dst, lo, hi)
+		}
+		if err == nil && hinted {
+			args.Amax, err = m.amax.Slice(lo, hi)
 		}
 		if err == nil {
 			err = l.be.Quantize(args)

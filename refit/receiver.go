@@ -1601,6 +1601,28 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 			}
 		}
 	}
+	// The experts' amax, measured on the staging path after their bytes
+	// (off the op stream, while generation runs), so that the commit's
+	// requantization reads each matrix once: for the layers whose expert
+	// tensors were all written in place (a staged one is final only after
+	// the commit's copy).
+	hints := map[int]moe.AmaxHint{}
+	staged := map[int]bool{}
+	for _, w := range ws {
+		if w.target.IsExpert() && w.dst != w.target.Buffer {
+			staged[w.layer] = true
+		}
+	}
+	for layer, es := range experts {
+		if staged[layer] {
+			continue
+		}
+		h, err := r.m.MoE(layer).StageAmax(slices.Compact(slices.Sorted(slices.Values(es)))...)
+		if err != nil {
+			return fmt.Errorf("version %d: layer %d: %w", v, layer, err)
+		}
+		hints[layer] = h
+	}
 	// Staged bytes may still be on their way to the device: wait for them
 	// before the commit reads them (a failed copy rejects the version with
 	// the live weights untouched).
@@ -1674,7 +1696,7 @@ func (r *Receiver) commit(ctx context.Context, v uint64, ws []*write, layers map
 		qlayers := slices.Sorted(maps.Keys(experts))
 		for _, layer := range qlayers {
 			es := slices.Compact(slices.Sorted(slices.Values(experts[layer])))
-			if err := timed(fmt.Sprintf("requantize %d", layer), &layers[layer].RequantizeMS, &quantTotal, func() error { return r.m.MoE(layer).Requantize(es...) }); err != nil {
+			if err := timed(fmt.Sprintf("requantize %d", layer), &layers[layer].RequantizeMS, &quantTotal, func() error { return r.m.MoE(layer).RequantizeHinted(hints[layer], es...) }); err != nil {
 				return fmt.Errorf("requantize layer %d: %w", layer, err)
 			}
 		}

@@ -251,6 +251,25 @@ var _ kernels.Stager = (*Backend)(nil)
 // StageSync returns at once: Stage copies before it returns.
 func (be *Backend) StageSync() error { return nil }
 
+// StageAmax writes each matrix's largest |value| of src into dst at once
+// (kernels.AmaxStager).
+func (be *Backend) StageAmax(dst, src *kernels.Buffer) error {
+	mats, per, err := kernels.ValidateAmax(dst, src)
+	if err != nil {
+		return fmt.Errorf("cpu: %w", err)
+	}
+	for _, b := range []*kernels.Buffer{dst, src} {
+		if b.Owner() != be || (b.Host() == nil && b.Size() > 0) {
+			return fmt.Errorf("cpu: stage amax: %v: %w", b, kernels.ErrForeignBuffer)
+		}
+	}
+	vals, out := u16s(src), f32s(dst)
+	for m := range mats {
+		out[m] = nvfp4.AmaxBF16(vals[m*per : (m+1)*per])
+	}
+	return nil
+}
+
 func (be *Backend) Stage(dst *kernels.Buffer, off int, src []byte) error {
 	if dst == nil || dst.Owner() != be || (dst.Host() == nil && dst.Size() > 0) {
 		return fmt.Errorf("cpu: stage: dst %v: %w", dst, kernels.ErrForeignBuffer)

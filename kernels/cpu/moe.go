@@ -178,7 +178,11 @@ func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := be.owns("quantize", map[string]*kernels.Buffer{"src": a.Src, "packed": a.Dst.Packed, "scales": a.Dst.Scales, "scale": a.Dst.Scale}); err != nil {
+	bufs := map[string]*kernels.Buffer{"src": a.Src, "packed": a.Dst.Packed, "scales": a.Dst.Scales, "scale": a.Dst.Scale}
+	if a.Amax != nil {
+		bufs["amax"] = a.Amax
+	}
+	if err := be.owns("quantize", bufs); err != nil {
 		return nil, err
 	}
 	return func() error {
@@ -207,6 +211,11 @@ func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 				var mx float32
 				for _, v := range amax[m*s.Rows : (m+1)*s.Rows] {
 					mx = max(mx, v) // NaN propagates, as in AmaxBF16
+				}
+				if a.Amax != nil {
+					if hint := f32s(a.Amax)[m]; math.Float32bits(hint) != math.Float32bits(mx) {
+						return fmt.Errorf("cpu: quantize: matrix %d: amax given %g, its values' is %g", m, hint, mx)
+					}
 				}
 				enc[m], scale[m] = nvfp4.EncodeScale(mx)
 			}

@@ -5,7 +5,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 )
 
 func i32Buf(t *testing.T, be kernels.Backend, vals ...int32) *kernels.Buffer {
@@ -101,5 +103,44 @@ func TestFreeTwice(t *testing.T) {
 	v, _ := mustAlloc(t, be, kernels.F32, 3).Rows(1)
 	if err := be.Free(v); err == nil {
 		t.Fatal("Free of a view succeeded")
+	}
+}
+
+// TestQuantizeAmaxChecked: a per-matrix quantization given an amax that is
+// not its matrix's fails, naming the matrix, and leaves the error for the
+// caller rather than wrong scales.
+func TestQuantizeAmaxChecked(t *testing.T) {
+	be, err := cpu.New(cpu.Config{Workers: 2}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const e, n, k = 2, 4, 32
+	mk := func(dt kernels.DType, shape ...int) *kernels.Buffer {
+		t.Helper()
+		b, err := be.Alloc(dt, shape...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	src := mk(kernels.BF16, e, n, k)
+	vals := make([]uint16, e*n*k)
+	for i := range vals {
+		vals[i] = bf16.FromFloat32(float32(i%7) - 3)
+	}
+	if err := be.Upload(src, 0, kernels.Uint16Bytes(vals)); err != nil {
+		t.Fatal(err)
+	}
+	amax := mk(kernels.F32, e)
+	if err := be.Upload(amax, 0, kernels.Float32Bytes([]float32{3, 2.5})); err != nil {
+		t.Fatal(err)
+	}
+	q := kernels.NVFP4{Packed: mk(kernels.U8, e, n, k/2), Scales: mk(kernels.U8, e, n, k/16), Scale: mk(kernels.F32, e)}
+	err = be.Quantize(kernels.QuantizeArgs{Src: src, Dst: q, Mode: kernels.PerMatrix, Amax: amax})
+	if err == nil {
+		err = be.Sync()
+	}
+	if err == nil || !strings.Contains(err.Error(), "matrix 1") {
+		t.Fatalf("quantize with a wrong amax for matrix 1: %v", err)
 	}
 }

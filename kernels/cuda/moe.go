@@ -651,7 +651,8 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 
 // Quantize runs the NVFP4 codec: PerRow with a block per row. PerMatrix mode first
 // takes each matrix's amax into Scale (as FP32 bits, with an order-free
-// atomic max), then quantizes, then turns each amax into S_dec, all on the
+// atomic max; or copies the caller's, a.Amax, saving a read of every
+// matrix), then quantizes, then turns each amax into S_dec, all on the
 // stream with no host synchronisation.
 func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 	var s kernels.QuantizeShape
@@ -665,18 +666,24 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 		}
 		return packedAligned("quantize", "dst", a.Dst)
 	}
-	return be.issue("quantize", a, validate, func(*drv.Ctx) error {
+	return be.issue("quantize", a, validate, func(c *drv.Ctx) error {
 		rows := s.Mats * s.Rows
 		if rows == 0 {
 			return nil
 		}
 		vec := aligned16(a.Src, s.K)
-		if a.Mode == kernels.PerMatrix {
+		per := s.Rows * s.K
+		if a.Mode == kernels.PerMatrix && a.Amax != nil {
+			// The caller's amax (FP32, non-negative: its bits are the ones
+			// quant_amax leaves) stands for the pass over the matrices.
+			if err := c.DtoDAsync(ptr(a.Dst.Scale), ptr(a.Amax), 4*s.Mats, be.stream); err != nil {
+				return fmt.Errorf("cuda: quantize: amax: %w", err)
+			}
+		} else if a.Mode == kernels.PerMatrix {
 			if err := be.launch(kFillU32, drv.Dim3{X: (s.Mats + 255) / 256}, drv.Dim3{X: 256}, 0,
 				ptr(a.Dst.Scale), int32(s.Mats), uint32(0)); err != nil {
 				return err
 			}
-			per := s.Rows * s.K
 			blocks := min((per/8+256*4-1)/(256*4), 1024)
 			// A grid's y dimension stops at 65535: larger stacks take several launches.
 			for m0 := 0; m0 < s.Mats; m0 += 65535 {
@@ -686,6 +693,8 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 					return err
 				}
 			}
+		}
+		if a.Mode == kernels.PerMatrix {
 			blocksPer := s.Rows * (s.Kp / 16)
 			for m0 := 0; m0 < s.Mats; m0 += 65535 {
 				n := min(65535, s.Mats-m0)

@@ -93,3 +93,68 @@ func TestRequantizeLayer(t *testing.T) {
 	}
 	t.Logf("fc1 and fc2 copies (%d experts) equal internal/nvfp4 bit for bit, at the same addresses", E)
 }
+
+// TestRequantizeHinted times one Qwen3-30B-A3B layer's requantization (128
+// SwiGLU experts, hidden 2048, intermediate 768: 1.2 GB of BF16) as the
+// refit commit runs it, with the experts' amax measured beforehand on the
+// staging path (moe.Layer.StageAmax) and without, side by side, against
+// the floor of one read of the BF16 weights and one write of the NVFP4
+// copies; the copies must be the same bits either way.
+func TestRequantizeHinted(t *testing.T) {
+	be := gpu(t)
+	if testing.Short() {
+		t.Skip("-short: 1.2 GB of weights")
+	}
+	cfg := moe.Config{Hidden: 2048, Intermediate: 768, Experts: 128, TopK: 8, Activation: moe.SwiGLU,
+		Scoring: moe.Softmax, Recipe: moe.RecipePerToken, MaxTokens: 1}
+	w := moebench.RandomWeights(cfg, 3)
+	l := moetest.NewLayer(t, be, cfg, w)
+	fc1q, fc2q := l.Quantized()
+	snapshot := func() [][]byte {
+		t.Helper()
+		var out [][]byte
+		for _, b := range []*kernels.Buffer{fc1q.Packed, fc1q.Scales, fc1q.Scale, fc2q.Packed, fc2q.Scales, fc2q.Scale} {
+			got := make([]byte, b.Size())
+			if err := be.Download(got, b, 0); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, got)
+		}
+		return out
+	}
+	want := snapshot()
+	all := make([]int, cfg.Experts)
+	for e := range all {
+		all[e] = e
+	}
+	h, err := l.StageAmax(all...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := be.StageSync(); err != nil {
+		t.Fatal(err)
+	}
+	const iters = 10
+	plain, err := be.Time(iters, func() error { return l.Requantize() })
+	if err != nil {
+		t.Fatal(err)
+	}
+	hinted, err := be.Time(iters, func() error { return l.RequantizeHinted(h) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := be.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	got := snapshot()
+	for i := range want {
+		if !bytes.Equal(got[i], want[i]) {
+			t.Fatalf("copy %d differs after the hinted requantization", i)
+		}
+	}
+	E, H, I := cfg.Experts, cfg.Hidden, cfg.Intermediate
+	bytesMoved := float64(len(w.FC1)+len(w.FC2)) + float64(3*E*H*I)*(0.5+1.0/16) + 8*float64(E)
+	floor := time.Duration(bytesMoved / 4.3e12 * 1e9)
+	t.Logf("requantize a layer of %d experts %dx%d: %v without the staged amax, %v with it (%.2fx); floor %v (%.0f MB at 4.3 TB/s): %.2fx and %.2fx",
+		E, H, I, plain, hinted, float64(hinted)/float64(plain), floor, bytesMoved/1e6, float64(plain)/float64(floor), float64(hinted)/float64(floor))
+}

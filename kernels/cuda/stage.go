@@ -166,3 +166,49 @@ func (be *Backend) stageWait(op string) error {
 		return err
 	})
 }
+
+// StageAmax writes each matrix's largest |value| of src (BF16 [E, N, K])
+// into dst (F32 [E]) on the copy stream, after every byte staged so far
+// (kernels.AmaxStager): quant_amax, as Quantize's first pass, so that a
+// Quantize given dst as its Amax gives the bits it gives without. It
+// returns without waiting; StageSync waits.
+func (be *Backend) StageAmax(dst, src *kernels.Buffer) error {
+	be.stageMu.Lock()
+	defer be.stageMu.Unlock()
+	mats, per, err := kernels.ValidateAmax(dst, src)
+	if err != nil {
+		return fmt.Errorf("cuda: %w", err)
+	}
+	for _, o := range []struct {
+		name string
+		b    *kernels.Buffer
+	}{{"dst", dst}, {"src", src}} {
+		if a, ok := o.b.Owner().(*allocation); !ok || a.be != be {
+			return fmt.Errorf("cuda: stage amax: %s %v: %w", o.name, o.b, kernels.ErrForeignBuffer)
+		}
+	}
+	if mats == 0 {
+		return nil
+	}
+	return be.outsideCapture(func(*drv.Ctx) error {
+		if err := be.own("stage amax", "dst", dst); err != nil {
+			return err
+		}
+		if err := be.own("stage amax", "src", src); err != nil {
+			return err
+		}
+		if err := be.launchOn(be.copyS, kFillU32, drv.Dim3{X: (mats + 255) / 256}, drv.Dim3{X: 256}, 0, ptr(dst), int32(mats), uint32(0)); err != nil {
+			return fmt.Errorf("cuda: stage amax: %w", err)
+		}
+		blocks := max(min((per/8+256*4-1)/(256*4), 1024), 1)
+		vec := aligned16(src, src.Dim(2))
+		for m0 := 0; m0 < mats; m0 += 65535 { // a grid's y dimension stops at 65535
+			n := min(65535, mats-m0)
+			if err := be.launchOn(be.copyS, kQuantAmax, drv.Dim3{X: blocks, Y: n}, drv.Dim3{X: 256}, 0,
+				ptr(src).Add(2*m0*per), ptr(dst).Add(4*m0), int64(per), vec); err != nil {
+				return fmt.Errorf("cuda: stage amax: %w", err)
+			}
+		}
+		return nil
+	})
+}

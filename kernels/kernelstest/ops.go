@@ -549,6 +549,31 @@ func testQuantize(t *testing.T, be kernels.Backend) {
 			if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: q, Mode: kernels.PerMatrix}); err != nil {
 				t.Fatal(err)
 			}
+			// The same with each matrix's amax given (the refit's host
+			// check saw every value): the same bits.
+			amax := make([]float32, tc.e)
+			for e := range tc.e {
+				amax[e] = nvfp4.AmaxBF16(src[e*tc.n*tc.k : (e+1)*tc.n*tc.k])
+			}
+			qa := kernels.NVFP4{
+				Packed: alloc(t, be, kernels.U8, tc.e, tc.n, tc.kp/2),
+				Scales: alloc(t, be, kernels.U8, tc.e, tc.n, tc.kp/16),
+				Scale:  alloc(t, be, kernels.F32, tc.e),
+			}
+			A := alloc(t, be, kernels.F32, tc.e)
+			upload(t, be, A, kernels.Float32Bytes(amax))
+			if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: qa, Mode: kernels.PerMatrix, Amax: A}); err != nil {
+				t.Fatal(err)
+			}
+			if err := be.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range [][2]*kernels.Buffer{{q.Packed, qa.Packed}, {q.Scales, qa.Scales}, {q.Scale, qa.Scale}} {
+				expectBytes(t, "with amax given", download(t, be, p[1]), download(t, be, p[0]), 1)
+			}
+			if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: qa, Mode: kernels.PerRow, Amax: A}); err == nil {
+				t.Error("per-row quantization with an amax: no error")
+			}
 			mp, ms := tc.n*tc.kp/2, tc.n*tc.kp/16
 			packed, scales, scale := make([]byte, tc.e*mp), make([]byte, tc.e*ms), make([]float32, tc.e)
 			for e := range tc.e {

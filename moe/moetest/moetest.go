@@ -280,6 +280,46 @@ func testRequantizeInPlace(t *testing.T, be kernels.Backend) {
 			if alpha := download(t, be, fc1.Scale); math.Float32frombits(binary.LittleEndian.Uint32(alpha[8:])) != 1 {
 				t.Fatalf("alpha of the all-zero expert is not 1: % x", alpha[8:12])
 			}
+
+			// Experts 1-3 and 5 rewritten again, their amax measured on the
+			// staging path (as the refit commit does), the copies rebuilt
+			// with it: the bits of a fresh quantization; a stale hint (a
+			// newer StageAmax since) is not used.
+			third := moebench.RandomWeights(cfg, 9)
+			i2 := len(third.FC2) / cfg.Experts
+			for _, e := range []int{1, 2, 3, 5} {
+				copy(next.FC1[e*i1:(e+1)*i1], third.FC1[e*i1:(e+1)*i1])
+				copy(next.FC2[e*i2:(e+1)*i2], third.FC2[e*i2:(e+1)*i2])
+			}
+			for _, p := range []struct {
+				dst *kernels.Buffer
+				src []byte
+			}{{l.FC1(), next.FC1}, {l.FC2(), next.FC2}} {
+				if err := be.Upload(p.dst, 0, p.src); err != nil {
+					t.Fatal(err)
+				}
+			}
+			stale, err := l.StageAmax(0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			h, err := l.StageAmax(1, 2, 3, 5)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st, ok := be.(kernels.Stager); ok {
+				if err := st.StageSync(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := l.RequantizeHinted(stale, 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := l.RequantizeHinted(h, 1, 2, 3, 5); err != nil {
+				t.Fatal(err)
+			}
+			checkFresh(t, be, fc1, next.FC1, cfg.Experts, rows1, cfg.Hidden)
+			checkFresh(t, be, fc2, next.FC2, cfg.Experts, cfg.Hidden, cfg.Intermediate)
 		})
 	}
 }
