@@ -408,6 +408,30 @@ constexpr int MODEL_SAMPLE_THREADS = 1024;
 // backend's scaled). With lmax 0 and T 1 it is l itself.
 __device__ __forceinline__ float model_scaled(float l, float lmax, float T) { return __fdiv_rn(__fsub_rn(l, lmax), T); }
 
+// model_sample_scan is the samplers' pass 1 over logits lo .. hi - 1 of a
+// row, by the whole block: whether one is NaN or +Inf, the largest, and the
+// greedy key (largest key, then lowest id: the low word holds ~id), all
+// order-free.
+__device__ __forceinline__ void model_sample_scan(const float *row, int lo, int hi, float *scrF, int *scrI, unsigned long long *scrU,
+                                                  int *badOut, float *lmaxOut, unsigned long long *bestOut) {
+    int bad = 0;
+    float lmax = -inf_f32();
+    unsigned long long best = 0;
+    for (int i = lo + (int)threadIdx.x; i < hi; i += blockDim.x) {
+        const float l = row[i];
+        if (l != l || l == inf_f32()) {
+            bad = 1;
+            continue;
+        }
+        lmax = fmaxf(lmax, l);
+        const unsigned long long kk = ((unsigned long long)model_key(l) << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
+        best = kk > best ? kk : best;
+    }
+    *badOut = block_reduce(bad, scrI, OpMax());
+    *bestOut = block_reduce(best, scrU, OpMax());
+    *lmaxOut = block_reduce(lmax, scrF, OpMax());
+}
+
 // model_sample_wide_row tells the rows model_sample_max and
 // model_sample_wide serve, where model_sample is asked to (wide): rows with
 // valid parameters that are greedy or keep every token (top k 0 or V, top
@@ -450,22 +474,10 @@ model_sample_max(const float *logits, const float *temperature, const int *topK,
     if (!model_sample_wide_row(temperature[r], topK[r], topP[r], V)) return;
     const float *row = logits + (size_t)r * V;
     const int lo = b * MODEL_SAMPLE_SEG, hi = min(V, lo + MODEL_SAMPLE_SEG);
-    int bad = 0;
-    float lmax = -inf_f32();
-    unsigned long long best = 0;
-    for (int i = lo + tid; i < hi; i += blockDim.x) {
-        const float l = row[i];
-        if (l != l || l == inf_f32()) {
-            bad = 1;
-            continue;
-        }
-        lmax = fmaxf(lmax, l);
-        const unsigned long long kk = ((unsigned long long)model_key(l) << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
-        best = kk > best ? kk : best;
-    }
-    bad = block_reduce(bad, scrI, OpMax());
-    best = block_reduce(best, scrU, OpMax());
-    lmax = block_reduce(lmax, scrF, OpMax());
+    int bad;
+    float lmax;
+    unsigned long long best;
+    model_sample_scan(row, lo, hi, scrF, scrI, scrU, &bad, &lmax, &best);
     if (tid == 0) {
         ModelSampleSeg *e = model_sample_segs(scratch, rowsCap, r, gridDim.x) + b;
         e->bad = bad;
@@ -671,22 +683,10 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
 
     // Pass 1: validity, the largest logit, and the greedy argmax (largest
     // key, then lowest id: the low word holds ~id).
-    int bad = 0;
-    float lmax = -inf_f32();
-    unsigned long long best = 0;
-    for (int i = tid; i < V; i += blockDim.x) {
-        const float l = row[i];
-        if (l != l || l == inf_f32()) {
-            bad = 1;
-            continue;
-        }
-        lmax = fmaxf(lmax, l);
-        const unsigned long long kk = ((unsigned long long)model_key(l) << 32) | (unsigned long long)(0xffffffffu - (unsigned)i);
-        best = kk > best ? kk : best;
-    }
-    bad = block_reduce(bad, scrI, OpMax());
-    best = block_reduce(best, scrU, OpMax());
-    lmax = block_reduce(lmax, scrF, OpMax());
+    int bad;
+    float lmax;
+    unsigned long long best;
+    model_sample_scan(row, 0, V, scrF, scrI, scrU, &bad, &lmax, &best);
     if (bad || lmax == -inf_f32()) {
         if (tid == 0) {
             tokens[r] = -1;
