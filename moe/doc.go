@@ -13,5 +13,8 @@
 // A Layer allocates every buffer it will ever use in New (weights, copies,
 // workspaces for up to Config.MaxTokens tokens) and frees them in Close. It is
 // not safe for concurrent use: the goroutine that owns the backend calls
-// Forward and Requantize, one at a time.
+// Forward and Requantize, one at a time. The one exception is StageAmax,
+// which the refit path calls from its own goroutine while the layer is open
+// (it issues work on the backend's staging path and bumps an atomic
+// counter); the RequantizeHinted that uses its hint must come after it.
 package moe

@@ -3,6 +3,7 @@ package moe
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
 	"github.com/rollout-worker/rollout-worker/kernels"
@@ -32,9 +33,10 @@ type Layer struct {
 	fc2q   kernels.NVFP4   // [E, H, Ip/2], [E, H, Ip/16], alpha [E]
 	// amax1, amax2: each expert's FC1 and FC2 amax as StageAmax last
 	// measured them (F32 [E]); amaxGen counts StageAmax calls, so that a
-	// hint from an older one is never used.
+	// hint from an older one is never used (atomic: StageAmax runs on the
+	// refit path's goroutine).
 	amax1, amax2 *kernels.Buffer
-	amaxGen      uint64
+	amaxGen      atomic.Uint64
 
 	// Workspaces for MaxTokens tokens (R = MaxTokens * TopK sorted rows).
 	logits  *kernels.Buffer // F32 [T, E]
@@ -177,14 +179,14 @@ type AmaxHint struct {
 // the refit path calls it when a version's bytes are all in, before the
 // commit, so the commit's requantization reads each matrix once. It holds
 // no experts where the backend cannot (or the recipe has no copies). A
-// later StageAmax supersedes the hint.
+// later StageAmax supersedes the hint. It may run on another goroutine
+// than the layer's others (package doc), while the layer is open.
 func (l *Layer) StageAmax(experts ...int) (AmaxHint, error) {
 	st, ok := l.be.(kernels.AmaxStager)
-	if l.closed || !ok || !l.spec.quantWeights {
+	if !ok || !l.spec.quantWeights {
 		return AmaxHint{}, nil
 	}
-	l.amaxGen++
-	h := AmaxHint{l: l, gen: l.amaxGen, has: make([]bool, l.cfg.Experts)}
+	h := AmaxHint{l: l, gen: l.amaxGen.Add(1), has: make([]bool, l.cfg.Experts)}
 	err := forRuns(experts, l.cfg.Experts, func(lo, hi int) error {
 		for _, m := range [][2]*kernels.Buffer{{l.amax1, l.fc1}, {l.amax2, l.fc2}} {
 			dst, err := m[0].Slice(lo, hi)
@@ -221,7 +223,7 @@ func (l *Layer) RequantizeHinted(h AmaxHint, experts ...int) error {
 	if !l.spec.quantWeights {
 		return nil
 	}
-	if h.l != l || h.gen != l.amaxGen {
+	if h.l != l || h.gen != l.amaxGen.Load() {
 		h.has = nil
 	}
 	hinted := func(e int) bool { return h.has != nil && h.has[e] }

@@ -213,7 +213,8 @@ func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 					mx = max(mx, v) // NaN propagates, as in AmaxBF16
 				}
 				if a.Amax != nil {
-					if hint := f32s(a.Amax)[m]; math.Float32bits(hint) != math.Float32bits(mx) {
+					// Equal bits, or both NaN (rows may carry NaNs of other payloads).
+					if hint := f32s(a.Amax)[m]; math.Float32bits(hint) != math.Float32bits(mx) && !(hint != hint && mx != mx) {
 						return fmt.Errorf("cpu: quantize: matrix %d: amax given %g, its values' is %g", m, hint, mx)
 					}
 				}

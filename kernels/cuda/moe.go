@@ -142,18 +142,23 @@ func (be *Backend) GemmSet(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernel
 }
 
 // gemmSegmentable reports whether the GEMMs dst[i] = a * w[i]^T can share
-// a launch; it looks only at shapes and types, the launch checks the rest.
-func gemmSegmentable(dst, w []*kernels.Buffer) bool {
-	if len(dst) > denseSegMax || len(dst) != len(w) {
+// a launch: shapes and types that DenseSegs takes, and operands the narrow
+// kernels take (aligned, even K, the summed width within gemmNarrowN), so
+// that a set never lands on the generic kernel, which adds in another
+// order, where its members alone would not. The launch checks the rest.
+func gemmSegmentable(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.Buffer) bool {
+	if len(dst) > denseSegMax || len(dst) != len(w) || a == nil || a.Addr()%4 != 0 {
 		return false
 	}
+	n := 0
 	for i := range dst {
-		if dst[i] == nil || w[i] == nil || dst[i].DType() != dst[0].DType() || w[i].Rank() != 2 ||
-			i < len(dst)-1 && w[i].Dim(0)%denseSegAlign != 0 {
+		if dst[i] == nil || w[i] == nil || dst[i].DType() != dst[0].DType() || w[i].Rank() != 2 || w[i].Dim(1)%2 != 0 ||
+			w[i].Addr()%4 != 0 || i < len(dst)-1 && w[i].Dim(0)%denseSegAlign != 0 {
 			return false
 		}
+		n += w[i].Dim(0)
 	}
-	return true
+	return n <= gemmNarrowN
 }
 
 // gemmPath picks the dense GEMM's kernel family: gemmAuto is the
@@ -180,10 +185,10 @@ func denseSegs(dst, w []*kernels.Buffer) drv.RawArg {
 }
 
 // gemm runs the GEMMs dst[i] = a * w[i]^T: one launch of the dense kernels
-// where gemmSegmentable allows, else one launch each (the generic kernel
-// always takes one at a time).
+// where gemmSegmentable allows (a single GEMM always: the launch picks its
+// family), else one launch each.
 func (be *Backend) gemm(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.Buffer, path gemmPath) error {
-	if !gemmSegmentable(dst, w) {
+	if len(dst) != 1 && !gemmSegmentable(dst, a, w) {
 		if _, _, _, err := kernels.ValidateGemmSet(dst, a, w); err != nil {
 			return fmt.Errorf("cuda: %w", err)
 		}
