@@ -9,6 +9,7 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe/moetest"
 )
 
@@ -299,5 +300,48 @@ func TestGemmSet(t *testing.T) {
 	out := moetest.Alloc(t, be, kernels.BF16, 4, 256)
 	if err := be.GemmSet([]*kernels.Buffer{out, out}, a, []*kernels.Buffer{w, w}); err == nil {
 		t.Fatal("GemmSet with one output twice: no error")
+	}
+}
+
+// TestGemmSegmentable: which GEMM sets share one dense launch (the host's
+// rule, on CPU buffers: no GPU needed). Every member must be one the
+// narrow kernels take on its own, widths but the last whole multiples of
+// denseSegAlign, one output type, at most denseSegMax members.
+func TestGemmSegmentable(t *testing.T) {
+	be, err := cpu.New(cpu.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := func(dt kernels.DType, shape ...int) *kernels.Buffer {
+		t.Helper()
+		b, err := be.Alloc(dt, shape...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	const m, k = 4, 64
+	a := buf(kernels.BF16, m, k)
+	w := func(n int) *kernels.Buffer { return buf(kernels.BF16, n, k) }
+	out := func(dt kernels.DType, n int) *kernels.Buffer { return buf(dt, m, n) }
+	bf, f32 := kernels.BF16, kernels.F32
+	odd := buf(kernels.BF16, 256, k+1)
+	for _, tc := range []struct {
+		name string
+		dst  []*kernels.Buffer
+		w    []*kernels.Buffer
+		want bool
+	}{
+		{"q, k, v", []*kernels.Buffer{out(bf, 256), out(bf, 128), out(bf, 40)}, []*kernels.Buffer{w(256), w(128), w(40)}, true},
+		{"a first width off the block", []*kernels.Buffer{out(bf, 40), out(bf, 128)}, []*kernels.Buffer{w(40), w(128)}, false},
+		{"two output types", []*kernels.Buffer{out(bf, 128), out(f32, 128)}, []*kernels.Buffer{w(128), w(128)}, false},
+		{"four gemms", []*kernels.Buffer{out(bf, 128), out(bf, 128), out(bf, 128), out(bf, 128)},
+			[]*kernels.Buffer{w(128), w(128), w(128), w(128)}, false},
+		{"an odd K", []*kernels.Buffer{out(bf, 256), out(bf, 256)}, []*kernels.Buffer{w(256), odd}, false},
+		{"counts differ", []*kernels.Buffer{out(bf, 128)}, []*kernels.Buffer{w(128), w(128)}, false},
+	} {
+		if got := gemmSegmentable(tc.dst, a, tc.w); got != tc.want {
+			t.Errorf("%s: gemmSegmentable = %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }
