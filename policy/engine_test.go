@@ -488,9 +488,12 @@ func TestGraphReplayMatchesEager(t *testing.T) {
 			if st.Replays == 0 || st.Captures == 0 || st.Recaptures != 0 {
 				t.Fatalf("graph stats %+v: want replays, captures and no recapture", st)
 			}
-			// Same graphs, again: replays only.
+			// Same requests, again: replays, and no bucket captured twice.
+			// (How the engine's steps batch the samples depends on when the
+			// requests arrive, so this round may reach a bucket the first did
+			// not and capture it once.)
 			run(graphed)
-			if st2 := g.Stats(); st2.Captures != st.Captures || st2.Recaptures != 0 || st2.Replays <= st.Replays {
+			if st2 := g.Stats(); st2.Recaptures != 0 || st2.Replays <= st.Replays {
 				t.Fatalf("second round: stats %+v after %+v", st2, st)
 			}
 		})
