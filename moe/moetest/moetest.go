@@ -243,14 +243,7 @@ func testRequantizeInPlace(t *testing.T, be kernels.Backend) {
 			// Expert 2 of the new FC1 is all zero: its alpha must become 1.
 			i1 := len(next.FC1) / cfg.Experts
 			clear(next.FC1[2*i1 : 3*i1])
-			for _, p := range []struct {
-				dst *kernels.Buffer
-				src []byte
-			}{{l.FC1(), next.FC1}, {l.FC2(), next.FC2}} {
-				if err := be.Upload(p.dst, 0, p.src); err != nil {
-					t.Fatal(err)
-				}
-			}
+			uploadStacks(t, be, l, next)
 			// Only expert 4 first: the others must still hold the old copy.
 			old1 := download(t, be, fc1.Packed)
 			if err := l.Requantize(4); err != nil {
@@ -291,14 +284,7 @@ func testRequantizeInPlace(t *testing.T, be kernels.Backend) {
 				copy(next.FC1[e*i1:(e+1)*i1], third.FC1[e*i1:(e+1)*i1])
 				copy(next.FC2[e*i2:(e+1)*i2], third.FC2[e*i2:(e+1)*i2])
 			}
-			for _, p := range []struct {
-				dst *kernels.Buffer
-				src []byte
-			}{{l.FC1(), next.FC1}, {l.FC2(), next.FC2}} {
-				if err := be.Upload(p.dst, 0, p.src); err != nil {
-					t.Fatal(err)
-				}
-			}
+			uploadStacks(t, be, l, next)
 			stale, err := l.StageAmax(0)
 			if err != nil {
 				t.Fatal(err)
@@ -321,6 +307,19 @@ func testRequantizeInPlace(t *testing.T, be kernels.Backend) {
 			checkFresh(t, be, fc1, next.FC1, cfg.Experts, rows1, cfg.Hidden)
 			checkFresh(t, be, fc2, next.FC2, cfg.Experts, cfg.Hidden, cfg.Intermediate)
 		})
+	}
+}
+
+// uploadStacks writes w's BF16 FC1 and FC2 stacks into l's.
+func uploadStacks(t *testing.T, be kernels.Backend, l *moe.Layer, w moebench.Weights) {
+	t.Helper()
+	for _, p := range []struct {
+		dst *kernels.Buffer
+		src []byte
+	}{{l.FC1(), w.FC1}, {l.FC2(), w.FC2}} {
+		if err := be.Upload(p.dst, 0, p.src); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 

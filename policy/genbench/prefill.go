@@ -230,15 +230,8 @@ func PrefillBreakdown(w io.Writer, results []PrefillResult) error {
 		if r.Groups == nil {
 			continue
 		}
-		var sum time.Duration
-		for _, d := range r.Groups {
-			sum += d
-		}
 		fmt.Fprintf(tw, "%s\t", r.Recipe)
-		for _, g := range GroupOrder() {
-			fmt.Fprintf(tw, "%.1f (%.0f%%)\t", float64(r.Groups[g])/1e6, 100*float64(r.Groups[g])/float64(max(sum, 1)))
-		}
-		fmt.Fprintf(tw, "%.1f\t\n", float64(sum)/1e6)
+		writeGroups(tw, r.Groups, 1)
 	}
 	return tw.Flush()
 }

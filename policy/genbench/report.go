@@ -63,18 +63,24 @@ func BreakdownTable(w io.Writer, points []DecodePoint) error {
 		if p.Groups == nil {
 			continue
 		}
-		var total time.Duration
-		for _, d := range p.Groups {
-			total += d
-		}
 		fmt.Fprintf(tw, "%d\t%d\t%s\t", p.Context, p.Batch, recipeName(p.Recipe))
-		for _, g := range GroupOrder() {
-			d := p.Groups[g]
-			fmt.Fprintf(tw, "%.3f (%.0f%%)\t", ms(d), 100*d.Seconds()/max(total.Seconds(), 1e-12))
-		}
-		fmt.Fprintf(tw, "%.3f\t\n", ms(total))
+		writeGroups(tw, p.Groups, 3)
 	}
 	return tw.Flush()
+}
+
+// writeGroups writes a breakdown row's cells: each group of GroupOrder in
+// ms (prec decimals) with its share of their sum, then the sum.
+func writeGroups(w io.Writer, groups map[string]time.Duration, prec int) {
+	var total time.Duration
+	for _, d := range groups {
+		total += d
+	}
+	for _, g := range GroupOrder() {
+		d := groups[g]
+		fmt.Fprintf(w, "%.*f (%.0f%%)\t", prec, ms(d), 100*d.Seconds()/max(total.Seconds(), 1e-12))
+	}
+	fmt.Fprintf(w, "%.*f\t\n", prec, ms(total))
 }
 
 // DecodeCSV writes the points with a header row.

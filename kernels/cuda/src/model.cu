@@ -408,6 +408,22 @@ constexpr int MODEL_SAMPLE_THREADS = 1024;
 // backend's scaled). With lmax 0 and T 1 it is l itself.
 __device__ __forceinline__ float model_scaled(float l, float lmax, float T) { return __fdiv_rn(__fsub_rn(l, lmax), T); }
 
+// model_sample_greedy writes a greedy row's token (the greedy key's id:
+// its low word holds ~id) and its logprob, logit - log sum exp (lse), the
+// CPU's form.
+__device__ __forceinline__ void model_sample_greedy(const float *row, unsigned long long best, double lse, int *token, float *logprob) {
+    const int tok = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
+    *token = tok;
+    *logprob = (float)((double)row[tok] - lse);
+}
+
+// model_sample_u is row r's uniform draw: Philox of its seed, sample id and
+// position.
+__device__ __forceinline__ double model_sample_u(const int *seeds, const int *sampleIDs, const int *positions, int r) {
+    return model_philox_uniform((unsigned long long)(unsigned)seeds[2 * r] | ((unsigned long long)(unsigned)seeds[2 * r + 1] << 32),
+                                (unsigned)sampleIDs[r], (unsigned)positions[r]);
+}
+
 // model_sample_scan is the samplers' pass 1 over logits lo .. hi - 1 of a
 // row, by the whole block: whether one is NaN or +Inf, the largest, and the
 // greedy key (largest key, then lowest id: the low word holds ~id), all
@@ -566,15 +582,10 @@ model_sample_wide(const float *logits, const float *temperature, const int *topK
     __syncthreads();
     const double z = zS, logZ = log(z);
     if (greedy) {
-        if (tid == 0) {
-            const int tok = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
-            tokens[r] = tok;
-            logprobs[r] = (float)((double)row[tok] - (m + logZ)); // the CPU's logSumExp form
-        }
+        if (tid == 0) model_sample_greedy(row, best, m + logZ, &tokens[r], &logprobs[r]);
         return;
     }
-    const double u = model_philox_uniform((unsigned long long)(unsigned)seeds[2 * r] | ((unsigned long long)(unsigned)seeds[2 * r + 1] << 32),
-                                          (unsigned)sampleIDs[r], (unsigned)positions[r]);
+    const double u = model_sample_u(seeds, sampleIDs, positions, r);
     if (tid == 0) {
         // The segment the draw falls in: the first whose end crosses u, or
         // (rounding) the last that holds any weight.
@@ -707,11 +718,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     const double logZ = log(z);
 
     if (greedy) {
-        if (tid == 0) {
-            const int tok = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
-            tokens[r] = tok;
-            logprobs[r] = (float)((double)row[tok] - (m + logZ)); // the CPU's logSumExp form
-        }
+        if (tid == 0) model_sample_greedy(row, best, m + logZ, &tokens[r], &logprobs[r]);
         return;
     }
 
@@ -834,8 +841,7 @@ model_sample(int *err, const float *logits, const float *temperature, const int 
     double total;
     const double start = model_block_exscan(segSum, scrD, &total);
     lastKept = block_reduce(lastKept, scrI, OpMax());
-    const double u = model_philox_uniform((unsigned long long)(unsigned)seeds[2 * r] | ((unsigned long long)(unsigned)seeds[2 * r + 1] << 32),
-                                          (unsigned)sampleIDs[r], (unsigned)positions[r]);
+    const double u = model_sample_u(seeds, sampleIDs, positions, r);
     // Pass D: the first kept token whose cumulative probability / total
     // exceeds u. (A zero-probability token never qualifies, even where the
     // segments' separately rounded sums disagree at a boundary.)
