@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/rollout-worker/rollout-worker/moe"
 )
@@ -58,6 +59,12 @@ func TestPreemptedEqualsUnpreempted(t *testing.T) {
 				if err := sameRouting(ref[i], got[i]); err != nil {
 					t.Fatalf("request %d, preempted vs reserved: %v", i, err)
 				}
+			}
+			// The engine releases a finished sequence after it hands out its
+			// last sample: give it until a deadline to settle.
+			deadline := time.Now().Add(10 * time.Second)
+			for st = e.Stats(); (st.KVPagesUsed != 0 || st.Preempted != 0 || st.Running != 0) && time.Now().Before(deadline); st = e.Stats() {
+				time.Sleep(time.Millisecond)
 			}
 			if st.KVPagesUsed != 0 || st.Preempted != 0 || st.Running != 0 {
 				t.Fatalf("after the last sample: %+v", st)
