@@ -334,12 +334,19 @@ __device__ __forceinline__ void att_ldsm4t(unsigned b[4], const bf16_t *p) {
                  : "r"(s));
 }
 
+// att_bf2 rounds a (low half) and b (high half) to a BF16 pair, each as
+// f2bf does (one packed conversion).
+__device__ __forceinline__ unsigned att_bf2(float a, float b) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
 // att_hilo splits probabilities a (low half) and b into BF16 pairs hi and
 // lo with a ~ hi + lo (the first term rounded, the second the rounded rest).
 __device__ __forceinline__ void att_hilo(float a, float b, unsigned &hi, unsigned &lo) {
-    const bf16_t ha = f2bf(a), hb = f2bf(b);
-    hi = (unsigned)ha | ((unsigned)hb << 16);
-    lo = (unsigned)f2bf(__fsub_rn(a, bf2f(ha))) | ((unsigned)f2bf(__fsub_rn(b, bf2f(hb))) << 16);
+    hi = att_bf2(a, b);
+    lo = att_bf2(__fsub_rn(a, __uint_as_float(hi << 16)), __fsub_rn(b, __uint_as_float(hi & 0xffff0000u)));
 }
 
 // AttMix is how a partial S (max sm) joins a partial G (max gm): keep G
@@ -399,21 +406,31 @@ struct AttKV {
     int pageSize, kvHeads, kvh;
 };
 
+// att_row_off is the element offset of position p's K (and V) row of the
+// KV head, or -1 from position limit on.
+template <int D>
+__device__ __forceinline__ long long att_row_off(const AttKV &kv, int p, int limit) {
+    if (p >= limit) return -1;
+    const int page = p / kv.pageSize;
+    const long long slot = (long long)kv.pt[page] * kv.pageSize + (p - page * kv.pageSize);
+    return (slot * kv.kvHeads + kv.kvh) * D;
+}
+
 // att_load copies the chunk of positions c0 .. c0 + ATT_CHUNK - 1 into a
-// stage (zeros from position limit on) and commits it as one group.
+// stage (zeros from position limit on) and commits it as one group. Lane l
+// looks up position c0 + l's row once; the lanes that copy a row's 16-byte
+// units take its offset from that lane.
 template <int D>
 __device__ __forceinline__ void att_load(bf16_t *stage, const AttKV &kv, int c0, int limit, int lane) {
     typedef AttTC<D> T;
+    static_assert(ATT_CHUNK == 32 && 32 % T::UPR == 0, "a lane per position, whole rows per pass");
+    const long long mine = att_row_off<D>(kv, c0 + lane, limit);
 #pragma unroll
     for (int i = 0; i < T::UNITS; i++) {
         const int u = lane + 32 * i, pi = u / T::UPR, part = u % T::UPR;
-        const int p = c0 + pi;
-        const bool ok = p < limit;
-        long long off = 0;
-        if (ok) {
-            const long long slot = (long long)kv.pt[p / kv.pageSize] * kv.pageSize + p % kv.pageSize;
-            off = (slot * kv.kvHeads + kv.kvh) * D + part * 8;
-        }
+        const long long row = __shfl_sync(ATT_FULL, mine, pi);
+        const bool ok = row >= 0;
+        const long long off = ok ? row + part * 8 : 0;
         cp_async(stage + pi * T::LD + part * 8, kv.ck + off, 16, ok);
         cp_async(stage + (ATT_CHUNK + pi) * T::LD + part * 8, kv.cv + off, 16, ok);
     }
@@ -481,12 +498,16 @@ __device__ __forceinline__ void att_chunk(AttSplit<D> &s, const unsigned (&qf)[D
     s.lB = __fadd_rn(__fmul_rn(s.lB, aB), sumB);
     s.mA = nA;
     s.mB = nB;
+    // A rescale of exactly 1 changes nothing (a NaN stays NaN and becomes
+    // the same BF16 NaN), so a warp skips it when no row's maximum moved.
+    if (__any_sync(ATT_FULL, aA != 1.0f || aB != 1.0f)) {
 #pragma unroll
-    for (int n = 0; n < T::NT; n++) {
-        s.acc[n][0] = __fmul_rn(s.acc[n][0], aA);
-        s.acc[n][1] = __fmul_rn(s.acc[n][1], aA);
-        s.acc[n][2] = __fmul_rn(s.acc[n][2], aB);
-        s.acc[n][3] = __fmul_rn(s.acc[n][3], aB);
+        for (int n = 0; n < T::NT; n++) {
+            s.acc[n][0] = __fmul_rn(s.acc[n][0], aA);
+            s.acc[n][1] = __fmul_rn(s.acc[n][1], aA);
+            s.acc[n][2] = __fmul_rn(s.acc[n][2], aB);
+            s.acc[n][3] = __fmul_rn(s.acc[n][3], aB);
+        }
     }
     const bf16_t *vs = stage + ATT_CHUNK * T::LD;
 #pragma unroll
@@ -637,7 +658,9 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
         const int ngroups = (limit + ATT_GROUPLEN - 1) / ATT_GROUPLEN;
         const int g0 = split ? z : 0, gstep = split ? nz : 1;
         if (g0 >= ngroups) return;
-        const bool spread = split && nz > 1;
+        // Only blocks z < ngroups have work: where that is one block, it
+        // joins its groups itself (the same operations as through scratch).
+        const bool spread = split && min(nz, ngroups) > 1;
         // G and Tt start at zero, as the 4-warp block's registers do: a
         // row whose partial is empty keeps them.
         float *G = areas + (warp * 2) * T::AREA, *Tt = G + T::AREA;
@@ -734,6 +757,7 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
     constexpr int PER = T::AREA / (W * 32);
     const int ngroups = (limit + ATT_GROUPLEN - 1) / ATT_GROUPLEN;
     if (z >= ngroups) return;
+    const bool spread = min(nz, ngroups) > 1; // else this block joins every group itself
     const int myRow = att_row(tid);
     const bool rowWriter = (lane & 3) == 0 && (warp & 1) == 0; // one thread a row
     float *A = areas + (warp * 2) * T::AREA;
@@ -772,7 +796,7 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
             gm = x.m;
         }
         __syncthreads(); // the areas are free for the next group
-        if (nz == 1) {
+        if (!spread) {
             const AttMix x = att_mix(tm, gm);
 #pragma unroll
             for (int i = 0; i < PER; i++) tacc[i] = att_join(x, tacc[i], gv[i]);
@@ -788,7 +812,7 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
             }
         }
     }
-    if (nz > 1) {
+    if (spread) {
         // The last of the row's blocks to finish joins every group.
         __threadfence();
         __syncthreads();
