@@ -135,10 +135,12 @@ func TestPlanAttention(t *testing.T) {
 		pairs, groups, sms, warps int
 		want                      attPlan
 	}{
-		{4, 64, 132, 0, attPlan{4, 64}},   // batch 1, long: 4 warps, spread up to two blocks a multiprocessor
+		{4, 64, 132, 0, attPlan{4, 32}},   // batch 1, long: 4 warps, one wave of blocks walking two groups each
 		{4, 2, 132, 0, attPlan{4, 2}},     // no more blocks than groups
-		{32, 64, 132, 0, attPlan{4, 9}},   // batch 8
-		{256, 64, 132, 0, attPlan{1, 3}},  // batch 64: 1-warp blocks, about four a multiprocessor
+		{32, 64, 132, 0, attPlan{4, 4}},   // batch 8: one wave (4 x 32 blocks), 16 groups a block
+		{32, 32, 132, 0, attPlan{4, 4}},   // not 9 blocks a pair: a second wave walks as long as the first
+		{256, 64, 132, 0, attPlan{1, 2}},  // batch 64: 1-warp blocks, four a multiprocessor, one wave
+		{256, 8, 132, 0, attPlan{1, 2}},   // not 3 blocks a pair: 1.45 waves of 3 groups walk longer than one of 4
 		{1024, 64, 132, 0, attPlan{1, 1}}, // batch 256
 		{1024, 64, 132, 4, attPlan{4, 1}}, // told 4 warps
 		{4, 64, 132, 1, attPlan{1, 64}},   // told 1 warp

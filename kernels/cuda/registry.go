@@ -233,11 +233,13 @@ func permuteSmem(e int) int { return (32*e + e + 1) * 4 }
 // per-row maxima and sums, a flag.
 func attTCSmem(d, w int) int { return w*2*(2*32*(d+8))*2 + w*2*16*d*4 + 2*w*16*4 + 16 }
 
-// attNarrowBlocks is how many 1-warp att_tc blocks of head dim 128 a
-// multiprocessor holds (shared memory bound: 4 x 51 KB of 228 KB); a
-// launch spreads decode rows over z blocks until about that many blocks
-// per multiprocessor run.
-const attNarrowBlocks = 4
+// attWideBlocks and attNarrowBlocks are how many 4-warp and 1-warp att_tc
+// blocks of head dim 128 a multiprocessor holds (shared memory bound: 205
+// KB, and 4 x 51 KB, of 228 KB).
+const (
+	attWideBlocks   = 1
+	attNarrowBlocks = 4
+)
 
 // attPlan is how att_tc serves a launch: blocks of warps warps, and a
 // one-row tile's groups spread over z blocks.
@@ -247,24 +249,31 @@ type attPlan struct{ warps, z int }
 // pairs (query row, KV head) pairs whose sequences have at most groups
 // groups of positions, on sms multiprocessors; warps is the block width
 // to use, or 0 to choose. Fewer pairs than multiprocessors take 4-warp
-// blocks, a group's four splits side by side, spread over z blocks until
-// there are two a multiprocessor; more take 1-warp blocks, spread until
-// attNarrowBlocks a multiprocessor. Neither choice changes a row's bits
-// (attention.cu), so it may follow the batch.
+// blocks, a group's four splits side by side; more take 1-warp blocks. A
+// decode row's groups spread over as many blocks as fit the
+// multiprocessors' free slots in one wave (a second wave of blocks would
+// walk as long as the first), then over as few as walk the same number of
+// groups each. Neither choice changes a row's bits (attention.cu), so it
+// may follow the batch.
 func planAttention(pairs, groups, sms, warps int) attPlan {
-	pairs = max(1, pairs)
+	pairs, groups = max(1, pairs), max(1, groups)
 	if warps == 0 {
 		warps = 4
 		if pairs >= sms {
 			warps = 1
 		}
 	}
-	per := 2
+	slots := sms * attWideBlocks
 	if warps == 1 {
-		per = attNarrowBlocks
+		slots = sms * attNarrowBlocks
 	}
-	return attPlan{warps: warps, z: max(1, min(groups, (per*sms+pairs-1)/pairs))}
+	z := min(groups, max(1, slots/pairs))
+	best := ceilDiv(groups, ceilDiv(groups, z))
+	return attPlan{warps: warps, z: best}
 }
+
+// ceilDiv is a / b rounded up, for a >= 0 and b > 0.
+func ceilDiv(a, b int) int { return (a + b - 1) / b }
 
 // attSpreadSeqs is the most sequences a launch of kvHeads KV heads can
 // spread over z > 1 blocks (planAttention): the scratch AttentionScratch
