@@ -184,6 +184,11 @@ func (be *Backend) attention(a kernels.AttentionArgs, mode attMode) error {
 				}
 				warps = 4
 			}
+			if warps == 0 && s.Tq >= 2*s.S {
+				// Mostly prefill rows: 4-warp blocks, whose warps share
+				// their tile's cache reads (attention.cu).
+				warps = 4
+			}
 			plan = planAttention(s.Tq*s.Cache.KVHeads, groups, be.info.SMs, warps)
 			key = attKernel{d, group, plan.warps}
 			shared = attTCSmem(d, plan.warps)

@@ -437,11 +437,37 @@ __device__ __forceinline__ void att_load(bf16_t *stage, const AttKV &kv, int c0,
     cp_async_commit();
 }
 
+// att_load_rows copies this warp's rows of the chunk of positions c0 ..
+// c0 + ATT_CHUNK - 1 into a stage the block's ATT_SPLITS warps share
+// (warp w rows ATT_CHUNK / ATT_SPLITS * w ..), zeros from position limit
+// on, and commits them as one group.
+template <int D>
+__device__ __forceinline__ void att_load_rows(bf16_t *stage, const AttKV &kv, int c0, int limit, int warp, int lane) {
+    typedef AttTC<D> T;
+    constexpr int RW = ATT_CHUNK / ATT_SPLITS, UNITS = RW * T::UPR; // rows and 16-byte units a warp
+    const int r0 = RW * warp;
+    const long long mine = att_row_off<D>(kv, c0 + r0 + lane % RW, limit);
+#pragma unroll
+    for (int u0 = 0; u0 < UNITS; u0 += 32) {
+        const int u = u0 + lane, pi = min(u / T::UPR, RW - 1), part = u % T::UPR;
+        const long long row = __shfl_sync(ATT_FULL, mine, pi);
+        if (UNITS % 32 == 0 || u < UNITS) {
+            const bool ok = row >= 0;
+            const long long off = ok ? row + part * 8 : 0;
+            cp_async(stage + (r0 + pi) * T::LD + part * 8, kv.ck + off, 16, ok);
+            cp_async(stage + (ATT_CHUNK + r0 + pi) * T::LD + part * 8, kv.cv + off, 16, ok);
+        }
+    }
+    cp_async_commit();
+}
+
 // att_chunk folds one staged chunk (positions c0 ..) into the split: rows A
-// and B see positions below cntA and cntB.
+// and B see positions below cntA and cntB; V rows from position vlim on
+// are taken as zeros whatever the stage holds (as att_load zero-fills
+// them).
 template <int D>
 __device__ __forceinline__ void att_chunk(AttSplit<D> &s, const unsigned (&qf)[D / 16][4], const bf16_t *stage, int c0, int cntA,
-                                          int cntB, float scale2, int lane) {
+                                          int cntB, float scale2, int lane, int vlim) {
     typedef AttTC<D> T;
     float sc[4][4];
 #pragma unroll
@@ -517,10 +543,22 @@ __device__ __forceinline__ void att_chunk(AttSplit<D> &s, const unsigned (&qf)[D
         att_hilo(sc[2 * kk][2], sc[2 * kk][3], ah[1], al[1]);
         att_hilo(sc[2 * kk + 1][0], sc[2 * kk + 1][1], ah[2], al[2]);
         att_hilo(sc[2 * kk + 1][2], sc[2 * kk + 1][3], ah[3], al[3]);
+        // A lane's B words hold positions p, p + 1 (b[0], b[2]) and p + 8,
+        // p + 9 (b[1], b[3]), p = c0 + 16 kk + 2 (lane % 4).
+        unsigned m0 = ~0u, m1 = ~0u;
+        if (c0 + ATT_CHUNK > vlim) {
+            const int p = c0 + 16 * kk + 2 * (lane & 3);
+            m0 = (p < vlim ? 0xffffu : 0u) | (p + 1 < vlim ? 0xffff0000u : 0u);
+            m1 = (p + 8 < vlim ? 0xffffu : 0u) | (p + 9 < vlim ? 0xffff0000u : 0u);
+        }
 #pragma unroll
         for (int n = 0; n < T::NT; n += 2) {
             unsigned b[4];
             att_ldsm4t(b, vs + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * T::LD + 8 * (n + (lane >> 4)));
+            b[0] &= m0;
+            b[1] &= m1;
+            b[2] &= m0;
+            b[3] &= m1;
             mma16816(s.acc[n], ah, b[0], b[1]);
             mma16816(s.acc[n], al, b[0], b[1]);
             mma16816(s.acc[n + 1], ah, b[2], b[3]);
@@ -545,7 +583,7 @@ __device__ __forceinline__ void att_split(AttSplit<D> &s, const unsigned (&qf)[D
         else cp_async_commit(); // an empty group keeps the wait count
         cp_async_wait<1>();
         __syncwarp();
-        att_chunk<D>(s, qf, bufs + stage * T::STAGE, c0, cntA, cntB, scale2, lane);
+        att_chunk<D>(s, qf, bufs + stage * T::STAGE, c0, cntA, cntB, scale2, lane, 0x7fffffff);
         __syncwarp(); // every lane is done with the stage before it is refilled
         stage ^= 1;
     }
@@ -647,6 +685,76 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
     float *entries = scratch + ((nseq * kvHeads + 3) & ~3);
     const size_t entry0 = (size_t)(r.seq * kvHeads + kvh) * maxGroups;
 
+    if (!split && W == ATT_SPLITS) {
+        // A prefill tile in a 4-warp block: the warps walk the positions
+        // the tile's last row sees together, chunk after chunk, through
+        // two stages of the block that each warp fills a quarter of
+        // (att_load_rows). A warp folds a chunk only below its own rows'
+        // limit, reading cache rows past it as zeros, so it runs the
+        // operations of the walk below on the same values: the same bits,
+        // from a quarter of the cache reads.
+        const int blimit = first + nrows;
+        bf16_t *sbuf = reinterpret_cast<bf16_t *>(att_smem);
+        float *G = areas + (warp * 2) * T::AREA, *Tt = G + T::AREA;
+        float gmA = -inf_f32(), gmB = -inf_f32(), glA = 0.0f, glB = 0.0f;
+        float tmA = -inf_f32(), tmB = -inf_f32(), tlA = 0.0f, tlB = 0.0f;
+        for (int e = 0; e < T::ACC; e++) Tt[e * 32 + lane] = 0.0f;
+        AttSplit<D> s;
+        int stage = 0;
+        att_load_rows<D>(sbuf, kv, 0, blimit, warp, lane);
+        for (int c0 = 0; c0 < blimit; c0 += ATT_CHUNK) {
+            const int nc = c0 + ATT_CHUNK;
+            if (nc < blimit) att_load_rows<D>(sbuf + (stage ^ 1) * T::STAGE, kv, nc, blimit, warp, lane);
+            else cp_async_commit(); // an empty group keeps the wait count
+            cp_async_wait<1>();
+            __syncthreads(); // every warp's rows of chunk c0 have landed
+            if (c0 < limit) {
+                if (c0 % ATT_SPLIT == 0) {
+                    s.reset();
+                    if (c0 % ATT_GROUPLEN == 0) { // the group starts empty
+                        gmA = gmB = -inf_f32();
+                        glA = glB = 0.0f;
+                        for (int e = 0; e < T::ACC; e++) G[e * 32 + lane] = 0.0f;
+                    }
+                }
+                att_chunk<D>(s, qf, sbuf + stage * T::STAGE, c0, cntA, cntB, scale2, lane, limit);
+                if (nc % ATT_SPLIT == 0 || nc >= limit) { // the split ends: G takes it
+                    const AttMix xA = att_mix(gmA, s.mA), xB = att_mix(gmB, s.mB);
+#pragma unroll
+                    for (int n = 0; n < T::NT; n++)
+#pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            const int idx = (n * 4 + c) * 32 + lane;
+                            G[idx] = att_join(c < 2 ? xA : xB, G[idx], s.acc[n][c]);
+                        }
+                    glA = att_join(xA, glA, s.lA);
+                    glB = att_join(xB, glB, s.lB);
+                    gmA = xA.m;
+                    gmB = xB.m;
+                    if (nc % ATT_GROUPLEN == 0 || nc >= limit) { // the group ends: Tt takes it
+                        const AttMix yA = att_mix(tmA, gmA), yB = att_mix(tmB, gmB);
+                        for (int e = 0; e < T::ACC; e++) {
+                            const int idx = e * 32 + lane;
+                            Tt[idx] = att_join((e & 2) ? yB : yA, Tt[idx], G[idx]);
+                        }
+                        tlA = att_join(yA, tlA, glA);
+                        tlB = att_join(yB, tlB, glB);
+                        tmA = yA.m;
+                        tmB = yB.m;
+                    }
+                }
+            }
+            __syncthreads(); // every warp is done with the stage before it is refilled
+            stage ^= 1;
+        }
+        for (int e = 0; e < T::ACC; e++) {
+            const int idx = e * 32 + lane;
+            const bool b = (e & 2) != 0;
+            const int j = b ? jB : jA;
+            if (j < wrows) store(idx, Tt[idx], b ? tlB : tlA, j);
+        }
+        return;
+    }
     if (!split || W == 1) {
         // The warp walks its splits in order: all of a prefill tile's, or
         // a one-row tile's groups z, z + nz, ... . It joins them into its
