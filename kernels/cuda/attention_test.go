@@ -139,13 +139,15 @@ func TestPlanAttention(t *testing.T) {
 		{4, 2, 132, 0, attPlan{4, 2}},     // no more blocks than groups
 		{32, 64, 132, 0, attPlan{4, 4}},   // batch 8: one wave (4 x 32 blocks), 16 groups a block
 		{32, 32, 132, 0, attPlan{4, 4}},   // not 9 blocks a pair: a second wave walks as long as the first
-		{256, 64, 132, 0, attPlan{1, 2}},  // batch 64: 1-warp blocks, four a multiprocessor, one wave
-		{256, 8, 132, 0, attPlan{1, 2}},   // not 3 blocks a pair: 1.45 waves of 3 groups walk longer than one of 4
+		{256, 64, 132, 0, attPlan{4, 1}},  // batch 64: still 4 warps, a group's splits side by side
+		{264, 64, 132, 0, attPlan{1, 2}},  // two pairs a multiprocessor: 1-warp blocks, four a multiprocessor, one wave
+		{300, 8, 132, 0, attPlan{1, 1}},   // not 2 blocks a pair: 1.14 waves of 4 groups walk longer than one of 8
+		{256, 8, 132, 1, attPlan{1, 2}},   // not 3 blocks a pair: 1.45 waves of 3 groups walk longer than one of 4
 		{1024, 64, 132, 0, attPlan{1, 1}}, // batch 256
 		{1024, 64, 132, 4, attPlan{4, 1}}, // told 4 warps
 		{4, 64, 132, 1, attPlan{1, 64}},   // told 1 warp
 		{0, 0, 132, 0, attPlan{4, 1}},     // nothing to do still plans a grid
-		{132, 1, 132, 0, attPlan{1, 1}},   // one group: nothing to spread
+		{132, 1, 132, 0, attPlan{4, 1}},   // one group: nothing to spread
 	} {
 		if got := planAttention(c.pairs, c.groups, c.sms, c.warps); got != c.want {
 			t.Errorf("planAttention(%d, %d, %d, %d) = %+v, want %+v", c.pairs, c.groups, c.sms, c.warps, got, c.want)
