@@ -117,14 +117,14 @@ func (a PermuteArgs) Validate() (t, k, e int, err error) {
 
 // Dispatcher is implemented by backends that can run the MoE layer's
 // dispatch as one step: Route, Permute on its ids and, when q is not nil,
-// a PerRow Quantize of the activations (which needs neither), with the
+// a PerRow or PerTensor Quantize of the activations (which needs neither), with the
 // results of the separate ops, in fewer launches where the batch is small.
 type Dispatcher interface {
 	Dispatch(r RouteArgs, p PermuteArgs, q *QuantizeArgs) error
 }
 
 // ValidateDispatch checks the operands of Dispatcher.Dispatch: each op's
-// own, p.IDs must be r.IDs, q (if any) is PerRow, and no output overlaps
+// own, p.IDs must be r.IDs, q (if any) is PerRow or PerTensor, and no output overlaps
 // another output or an input. It returns T, E and k, and q's geometry.
 func ValidateDispatch(r RouteArgs, p PermuteArgs, q *QuantizeArgs) (t, e, k int, qs QuantizeShape, err error) {
 	if t, e, k, err = r.Validate(); err != nil {
@@ -144,14 +144,17 @@ func ValidateDispatch(r RouteArgs, p PermuteArgs, q *QuantizeArgs) (t, e, k int,
 	outs := []operand{{"ids", r.IDs}, {"weights", r.Weights}, {"offsets", p.Offsets}, {"rows", p.Rows}, {"slots", p.Slots}}
 	ins := []operand{{"logits", r.Logits}}
 	if q != nil {
-		if q.Mode != PerRow {
-			return 0, 0, 0, qs, fmt.Errorf("kernels: dispatch: quantize mode %s, want %s", q.Mode, PerRow)
+		if q.Mode != PerRow && q.Mode != PerTensor {
+			return 0, 0, 0, qs, fmt.Errorf("kernels: dispatch: quantize mode %s, want %s or %s", q.Mode, PerRow, PerTensor)
 		}
 		if qs, err = q.Validate(); err != nil {
 			return 0, 0, 0, qs, err
 		}
 		outs = append(outs, operand{"quantize packed", q.Dst.Packed}, operand{"quantize scales", q.Dst.Scales}, operand{"quantize scale", q.Dst.Scale})
 		ins = append(ins, operand{"quantize src", q.Src})
+		if q.Input != nil {
+			ins = append(ins, operand{"quantize input scale", q.Input})
+		}
 	}
 	return t, e, k, qs, disjoint("dispatch", outs, ins)
 }
@@ -176,6 +179,11 @@ const (
 	// PerRow uses one global scale per row: the per-token activation
 	// recipe. Scale receives each row's per_token_scale.
 	PerRow
+	// PerTensor uses one global scale given for the whole tensor (the
+	// per_tensor activation recipe): QuantizeArgs.Input holds its S_dec
+	// (a calibrated input_scale), S_enc is RN(1/S_dec), and Scale receives
+	// S_dec in every row, so the GEMMs read it as they read per-row scales.
+	PerTensor
 )
 
 func (m QuantMode) String() string {
@@ -184,6 +192,8 @@ func (m QuantMode) String() string {
 		return "per-matrix"
 	case PerRow:
 		return "per-row"
+	case PerTensor:
+		return "per-tensor"
 	}
 	return fmt.Sprintf("quantmode(%d)", uint8(m))
 }
@@ -201,6 +211,11 @@ type QuantizeArgs struct {
 	// pass over the matrices for it; the result is the same bits. The CPU
 	// backend checks the values and fails on one that differs.
 	Amax *Buffer
+	// Input, required in PerTensor mode and only there: F32 [1], the
+	// tensor's S_dec, positive and finite (a value that is not makes the
+	// rows NaN, as a NaN amax would). It stays in backend memory so that a
+	// captured graph reads the current value.
+	Input *Buffer
 }
 
 // QuantizeShape is the geometry Validate derives.
@@ -217,8 +232,8 @@ func (a QuantizeArgs) Validate() (QuantizeShape, error) {
 	s.Mats, s.Rows, s.K = 1, a.Src.Dim(-2), a.Src.Dim(-1)
 	if a.Src.Rank() == 3 {
 		s.Mats = a.Src.Dim(0)
-		if a.Mode == PerRow {
-			return s, fmt.Errorf("kernels: quantize: per-row mode takes rank-2 src, got %v", a.Src)
+		if a.Mode == PerRow || a.Mode == PerTensor {
+			return s, fmt.Errorf("kernels: quantize: %s mode takes rank-2 src, got %v", a.Mode, a.Src)
 		}
 	}
 	if err := check("quantize", "packed", a.Dst.Packed, U8, a.Src.Rank()); err != nil {
@@ -244,7 +259,7 @@ func (a QuantizeArgs) Validate() (QuantizeShape, error) {
 	want := s.Mats
 	switch a.Mode {
 	case PerMatrix:
-	case PerRow:
+	case PerRow, PerTensor:
 		want = s.Rows
 	default:
 		return s, fmt.Errorf("kernels: quantize: unknown %s", a.Mode)
@@ -263,9 +278,23 @@ func (a QuantizeArgs) Validate() (QuantizeShape, error) {
 			return s, err
 		}
 	}
+	if (a.Input != nil) != (a.Mode == PerTensor) {
+		return s, fmt.Errorf("kernels: quantize: an input scale is required in %s mode and only there (mode %s)", PerTensor, a.Mode)
+	}
+	if a.Input != nil {
+		if err := check("quantize", "input scale", a.Input, F32, 1); err != nil {
+			return s, err
+		}
+		if err := shapeIs("quantize", "input scale", a.Input, 1); err != nil {
+			return s, err
+		}
+	}
 	ins := []operand{{"src", a.Src}}
 	if a.Amax != nil {
 		ins = append(ins, operand{"amax", a.Amax})
+	}
+	if a.Input != nil {
+		ins = append(ins, operand{"input scale", a.Input})
 	}
 	return s, disjoint("quantize", []operand{{"packed", a.Dst.Packed}, {"scales", a.Dst.Scales}, {"scale", a.Dst.Scale}}, ins)
 }

@@ -135,6 +135,14 @@ func EncodeScale(amax float32) (sEnc, sDec float32) {
 	return sEnc, 1 / sEnc
 }
 
+// InputScale returns the encode and decode scales of a tensor quantized
+// with a given global decode scale (the per_tensor recipe's calibrated
+// input_scale, S_dec): S_enc = min(RN(1/S_dec), FLT_MAX), S_dec unchanged.
+// A zero, negative, infinite or NaN S_dec is the caller's to refuse.
+func InputScale(sDec float32) (sEnc, dec float32) {
+	return min32(1/sDec, math.MaxFloat32), sDec
+}
+
 // min32 is math.Min for float32 without the float64 round trip; it returns a
 // when a is NaN, which keeps NaN visible instead of hiding it behind b.
 func min32(a, b float32) float32 {

@@ -182,6 +182,9 @@ func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 	if a.Amax != nil {
 		bufs["amax"] = a.Amax
 	}
+	if a.Input != nil {
+		bufs["input scale"] = a.Input
+	}
 	if err := be.owns("quantize", bufs); err != nil {
 		return nil, err
 	}
@@ -199,6 +202,12 @@ func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 		case kernels.PerRow:
 			be.parallel(rows, func(r int) {
 				sEnc, sDec := nvfp4.EncodeScale(nvfp4.AmaxBF16(src[r*s.K : (r+1)*s.K]))
+				quantRow(r, sEnc, sDec)
+				scale[r] = sDec
+			})
+		case kernels.PerTensor:
+			sEnc, sDec := nvfp4.InputScale(f32s(a.Input)[0])
+			be.parallel(rows, func(r int) {
 				quantRow(r, sEnc, sDec)
 				scale[r] = sDec
 			})

@@ -614,14 +614,14 @@ func (be *Backend) Dispatch(r kernels.RouteArgs, p kernels.PermuteArgs, q *kerne
 		Q *kernels.QuantizeArgs
 	}{r, p, q}
 	return be.issue("dispatch", op, func() error { return verr }, func(*drv.Ctx) error {
-		var qsrc, qpacked, qscales, qscale drv.DevicePtr
+		var qsrc, qpacked, qscales, qscale, qgiven drv.DevicePtr
 		vec := int32(0)
 		if q != nil {
-			qsrc, qpacked, qscales, qscale = ptr(q.Src), ptr(q.Dst.Packed), ptr(q.Dst.Scales), ptr(q.Dst.Scale)
+			qsrc, qpacked, qscales, qscale, qgiven = ptr(q.Src), ptr(q.Dst.Packed), ptr(q.Dst.Scales), ptr(q.Dst.Scale), ptr(q.Input)
 			vec = aligned16(q.Src, qs.K)
 		}
 		args := append(routeArgs(r, t, e, k), be.errw, ptr(p.Offsets), ptr(p.Rows), ptr(p.Slots), qsrc, qpacked, qscales, qscale,
-			int32(qs.K), int32(qs.Kp), vec)
+			int32(qs.K), int32(qs.Kp), vec, qgiven)
 		return be.launch(dispatchKernel{per}, drv.Dim3{X: 1 + qrows}, drv.Dim3{X: 1024}, permuteSmem(e), args...)
 	})
 }
@@ -654,7 +654,7 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 	})
 }
 
-// Quantize runs the NVFP4 codec: PerRow with a block per row. PerMatrix mode first
+// Quantize runs the NVFP4 codec: PerRow and PerTensor with a block per row. PerMatrix mode first
 // takes each matrix's amax into Scale (as FP32 bits, with an order-free
 // atomic max; or copies the caller's, a.Amax, saving a read of every
 // matrix), then quantizes, then turns each amax into S_dec, all on the
@@ -716,7 +716,7 @@ func (be *Backend) Quantize(a kernels.QuantizeArgs) error {
 		// shape decides, never the batch).
 		threads := max(32, min(256, (s.Kp/16+31)/32*32))
 		return be.launch(kQuantRows, drv.Dim3{X: rows}, drv.Dim3{X: threads}, 0,
-			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int32(rows), int32(s.K), int32(s.Kp), vec)
+			ptr(a.Src), ptr(a.Dst.Packed), ptr(a.Dst.Scales), ptr(a.Dst.Scale), int32(rows), int32(s.K), int32(s.Kp), vec, ptr(a.Input))
 	})
 }
 

@@ -383,13 +383,13 @@ func testDispatch(t *testing.T, be kernels.Backend) {
 	for _, tc := range []struct {
 		t, e, k  int
 		scoring  kernels.Scoring
-		quantize bool
+		quantize kernels.QuantMode // 0: none
 	}{
-		{1, 256, 8, kernels.Softmax, true}, {5, 12, 2, kernels.Sigmoid, true}, {32, 256, 8, kernels.Softmax, true},
-		{7, 64, 4, kernels.Softmax, false}, {33, 256, 8, kernels.Softmax, true}, {4, 300, 4, kernels.Softmax, true},
-		{3, 40, 33, kernels.Softmax, false},
+		{1, 256, 8, kernels.Softmax, kernels.PerRow}, {5, 12, 2, kernels.Sigmoid, kernels.PerRow}, {32, 256, 8, kernels.Softmax, kernels.PerRow},
+		{7, 64, 4, kernels.Softmax, 0}, {33, 256, 8, kernels.Softmax, kernels.PerRow}, {4, 300, 4, kernels.Softmax, kernels.PerRow},
+		{3, 40, 33, kernels.Softmax, 0}, {1, 256, 8, kernels.Softmax, kernels.PerTensor}, {32, 256, 8, kernels.Softmax, kernels.PerTensor},
 	} {
-		t.Run(fmt.Sprintf("t%d_e%d_k%d_%s_quantize%v", tc.t, tc.e, tc.k, tc.scoring, tc.quantize), func(t *testing.T) {
+		t.Run(fmt.Sprintf("t%d_e%d_k%d_%s_quantize_%v", tc.t, tc.e, tc.k, tc.scoring, tc.quantize), func(t *testing.T) {
 			logits := make([]float32, tc.t*tc.e)
 			for i := range logits {
 				logits[i] = float32(r.NormFloat64() * 2)
@@ -409,10 +409,14 @@ func testDispatch(t *testing.T, be kernels.Backend) {
 					kernels.NVFP4{Packed: alloc(t, be, kernels.U8, tc.t, 208/2), Scales: alloc(t, be, kernels.U8, tc.t, 208/16),
 						Scale: alloc(t, be, kernels.F32, tc.t)}}
 			}
+			var I *kernels.Buffer
+			if tc.quantize == kernels.PerTensor {
+				I = f32Buf(t, be, []float32{0x1.8p-10}, 1)
+			}
 			args := func(o outs) (kernels.RouteArgs, kernels.PermuteArgs, *kernels.QuantizeArgs) {
 				var q *kernels.QuantizeArgs
-				if tc.quantize {
-					q = &kernels.QuantizeArgs{Src: X, Dst: o.q, Mode: kernels.PerRow}
+				if tc.quantize != 0 {
+					q = &kernels.QuantizeArgs{Src: X, Dst: o.q, Mode: tc.quantize, Input: I}
 				}
 				return kernels.RouteArgs{Logits: L, IDs: o.ids, Weights: o.w, Scoring: tc.scoring, Renormalize: true, Scale: 2.5},
 					kernels.PermuteArgs{IDs: o.ids, Offsets: o.off, Rows: o.rows, Slots: o.slots}, q
@@ -532,6 +536,45 @@ func testQuantize(t *testing.T, be kernels.Backend) {
 			expectBytes(t, "packed", download(t, be, q.Packed), packed, tc.kp/2)
 			expectBytes(t, "scales", download(t, be, q.Scales), scales, tc.kp/16)
 			expectBytes(t, "scale", download(t, be, q.Scale), kernels.Float32Bytes(scale), 4)
+		}
+	})
+	t.Run("per-tensor", func(t *testing.T) {
+		// The tensor's S_dec as a calibration would set it (from the
+		// tensor's own amax), a quarter of it (values past the calibrated
+		// range saturate), and extremes whose S_enc overflows or is tiny.
+		for _, tc := range []struct{ rows, k, kp int }{{1, 16, 16}, {29, 200, 208}, {14, 200, 256}} {
+			src := edgeRows(r, tc.rows, tc.k)
+			_, calibrated := nvfp4.EncodeScale(nvfp4.AmaxBF16(src))
+			for _, given := range []float32{calibrated, calibrated / 4, 1, 0x1p-140, 3e38} {
+				S := bf16Buf(t, be, src, tc.rows, tc.k)
+				I := f32Buf(t, be, []float32{given}, 1)
+				q := kernels.NVFP4{
+					Packed: alloc(t, be, kernels.U8, tc.rows, tc.kp/2),
+					Scales: alloc(t, be, kernels.U8, tc.rows, tc.kp/16),
+					Scale:  alloc(t, be, kernels.F32, tc.rows),
+				}
+				if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: q, Mode: kernels.PerTensor, Input: I}); err != nil {
+					t.Fatal(err)
+				}
+				pb, sb := tc.kp/2, tc.kp/16
+				packed, scales, scale := make([]byte, tc.rows*pb), make([]byte, tc.rows*sb), make([]float32, tc.rows)
+				sEnc, sDec := nvfp4.InputScale(given)
+				for row := range tc.rows {
+					if err := nvfp4.QuantizeRow(packed[row*pb:(row+1)*pb], scales[row*sb:(row+1)*sb], src[row*tc.k:(row+1)*tc.k], sEnc, sDec); err != nil {
+						t.Fatal(err)
+					}
+					scale[row] = sDec
+				}
+				expectBytes(t, fmt.Sprintf("packed (S_dec %g)", given), download(t, be, q.Packed), packed, pb)
+				expectBytes(t, fmt.Sprintf("scales (S_dec %g)", given), download(t, be, q.Scales), scales, sb)
+				expectBytes(t, fmt.Sprintf("scale (S_dec %g)", given), download(t, be, q.Scale), kernels.Float32Bytes(scale), 4)
+				if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: q, Mode: kernels.PerTensor}); err == nil {
+					t.Error("per-tensor quantization without its input scale: no error")
+				}
+				if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: q, Mode: kernels.PerRow, Input: I}); err == nil {
+					t.Error("per-row quantization with an input scale: no error")
+				}
+			}
 		}
 	})
 	t.Run("per-matrix", func(t *testing.T) {

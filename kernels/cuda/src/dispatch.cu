@@ -304,15 +304,16 @@ __global__ void permute(int *err, const int *ids, int *offsets, int *rows, int *
 // with plain loads (the block's own writes are visible to it then); blocks
 // 1..qrows quantize activation row b-1 (quant_row_block, as quant_rows:
 // the row's amax is an order-free max, so the block's width changes no
-// bit). Same results as route_r*, permute and quant_rows.
+// bit; qgiven, when not null, is the per_tensor recipe's S_dec). Same
+// results as route_r*, permute and quant_rows.
 template <int PER>
 __global__ void __launch_bounds__(1024)
     dispatch_r(const float *logits, int *ids, float *weights, int T, int E, int K, int scoring, int renorm, float scale, int *err,
                int *offsets, int *rows, int *slots, const bf16_t *qsrc, unsigned char *qpacked, unsigned char *qscales,
-               float *qscale, int qk, int qkp, int qvec) {
+               float *qscale, int qk, int qkp, int qvec, const float *qgiven) {
     pdl_enter();
     if (blockIdx.x > 0) {
-        quant_row_block(qsrc, qpacked, qscales, qscale, blockIdx.x - 1, qk, qkp, qvec);
+        quant_row_block(qsrc, qpacked, qscales, qscale, blockIdx.x - 1, qk, qkp, qvec, qgiven);
         return;
     }
     extern __shared__ int perm_smem[];

@@ -83,6 +83,13 @@ __device__ __forceinline__ void encode_scale(float amax, float *senc, float *sde
     *sdec = __fdiv_rn(1.0f, s);
 }
 
+// input_scale: a tensor quantized with a given global decode scale (the
+// per_tensor recipe): S_enc = min(RN(1/S_dec), FLT_MAX), S_dec unchanged.
+__device__ __forceinline__ void input_scale(float given, float *senc, float *sdec) {
+    *senc = min32(__fdiv_rn(1.0f, given), FLT_MAX_F);
+    *sdec = given;
+}
+
 // prmt is PTX prmt.b32 in its default mode: byte n of the result is byte
 // (s_n & 7) of the pair {b, a} (a holds bytes 0-3), where s_n is nibble n
 // of s; with bit 3 of s_n set, that byte's sign bit fills the whole byte.

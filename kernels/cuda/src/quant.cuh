@@ -113,14 +113,19 @@ __device__ __forceinline__ void quant_matrix_blocks(const bf16_t *src, unsigned 
 // with the row's own global scale. The block takes the row's amax (an order-free max), then
 // quantizes blocks t, t+blockDim, ... in thread t, and writes the row's
 // S_dec. A block per row keeps decode (a handful of rows) from running on
-// a single warp.
+// a single warp. With given (the per_tensor recipe: the tensor's S_dec in
+// device memory) the row takes that scale instead of its amax's.
 __device__ __forceinline__ void quant_row_block(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int row,
-                                                int k, int kp, int vec) {
-    __shared__ unsigned red[32];
-    const bf16_t *r = src + (long long)row * k;
-    const unsigned m = block_reduce(amax_span(r, k, threadIdx.x, blockDim.x, vec), red, OpMax());
+                                                int k, int kp, int vec, const float *given) {
     float senc, sdec;
-    encode_scale(__uint_as_float(m << 16), &senc, &sdec);
+    if (given != nullptr) {
+        input_scale(*given, &senc, &sdec);
+    } else {
+        __shared__ unsigned red[32];
+        const bf16_t *r = src + (long long)row * k;
+        const unsigned m = block_reduce(amax_span(r, k, threadIdx.x, blockDim.x, vec), red, OpMax());
+        encode_scale(__uint_as_float(m << 16), &senc, &sdec);
+    }
     const float sencinv6 = __fmul_rn(senc, NVFP4_INV6);
     for (int b = threadIdx.x; b < kp / 16; b += blockDim.x) quant_store(src, packed, scales, row, b, k, kp, vec, sencinv6, sdec);
     if (threadIdx.x == 0) scale[row] = sdec;

@@ -34,10 +34,12 @@ __global__ void quant_scales(float *scale, int mats) {
     scale[m] = sdec;
 }
 
-__global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int rows,
-                                      int k, int kp, int vec) {
+// quant_rows: a block per row (quant_row_block); given is null (per row)
+// or the tensor's S_dec (per tensor).
+__global__ void quant_rows(const bf16_t *src, unsigned char *packed, unsigned char *scales, float *scale, int rows, int k, int kp,
+                           int vec, const float *given) {
     pdl_enter();
-    if (blockIdx.x < rows) quant_row_block(src, packed, scales, scale, blockIdx.x, k, kp, vec);
+    if (blockIdx.x < rows) quant_row_block(src, packed, scales, scale, blockIdx.x, k, kp, vec, given);
 }
 
 // quant_blocks quantizes matrix blockIdx.y (of rowsPerMat rows, blocksPer
