@@ -299,6 +299,36 @@ func (a QuantizeArgs) Validate() (QuantizeShape, error) {
 	return s, disjoint("quantize", []operand{{"packed", a.Dst.Packed}, {"scales", a.Dst.Scales}, {"scale", a.Dst.Scale}}, ins)
 }
 
+// AmaxArgs are the operands of Amaxer.Amax: Dst (F32 [1]) becomes the
+// largest |value| of Src (BF16, any shape), or with Accumulate the larger
+// of that and what Dst holds, a running maximum over calls (a NaN in Src
+// stays: the maximum is NaN from then on).
+type AmaxArgs struct {
+	Src, Dst   *Buffer
+	Accumulate bool
+}
+
+// Validate checks the operands and returns Src's element count.
+func (a AmaxArgs) Validate() (int, error) {
+	if a.Src == nil || a.Src.DType() != BF16 {
+		return 0, fmt.Errorf("kernels: amax: src %v: want bf16", a.Src)
+	}
+	if err := check("amax", "dst", a.Dst, F32, 1); err != nil {
+		return 0, err
+	}
+	if err := shapeIs("amax", "dst", a.Dst, 1); err != nil {
+		return 0, err
+	}
+	return a.Src.Size() / 2, disjoint("amax", []operand{{"dst", a.Dst}}, []operand{{"src", a.Src}})
+}
+
+// Amaxer is implemented by backends that measure a tensor's amax on the op
+// stream, in order with the other ops: the calibration of the per_tensor
+// recipe folds the MoE layers' expert inputs into running maxima with it.
+type Amaxer interface {
+	Amax(AmaxArgs) error
+}
+
 // Activation is the expert activation fused into a grouped GEMM's epilogue.
 type Activation uint8
 

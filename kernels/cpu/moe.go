@@ -238,6 +238,31 @@ func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 	}, nil
 }
 
+// Amax folds a tensor's largest |value| into a scalar (kernels.Amaxer).
+func (be *Backend) Amax(a kernels.AmaxArgs) error {
+	return issue(be, "amax", a, be.prepAmax)
+}
+
+func (be *Backend) prepAmax(a kernels.AmaxArgs) (func() error, error) {
+	if _, err := a.Validate(); err != nil {
+		return nil, err
+	}
+	if err := be.owns("amax", map[string]*kernels.Buffer{"src": a.Src, "dst": a.Dst}); err != nil {
+		return nil, err
+	}
+	return func() error {
+		v, d := nvfp4.AmaxBF16(u16s(a.Src)), f32s(a.Dst)
+		switch {
+		case !a.Accumulate:
+			d[0] = v
+		case d[0] != d[0]: // a NaN, once in, stays
+		case v != v || v > d[0]:
+			d[0] = v
+		}
+		return nil
+	}, nil
+}
+
 // Finalize sums each token's weighted expert rows in fixed k order.
 func (be *Backend) Finalize(a kernels.FinalizeArgs) error {
 	return issue(be, "finalize", a, be.prepFinalize)

@@ -654,6 +654,29 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 	})
 }
 
+// Amax folds a tensor's largest |value| into a scalar on the op stream
+// (kernels.Amaxer): quant_amax's order-free integer max over the FP32
+// bits, onto zero first unless it accumulates.
+func (be *Backend) Amax(a kernels.AmaxArgs) error {
+	var n int
+	validate := func() (err error) {
+		n, err = a.Validate()
+		return err
+	}
+	return be.issue("amax", a, validate, func(*drv.Ctx) error {
+		if !a.Accumulate {
+			if err := be.launch(kFillU32, drv.Dim3{X: 1}, drv.Dim3{X: 256}, 0, ptr(a.Dst), int32(1), uint32(0)); err != nil {
+				return err
+			}
+		}
+		if n == 0 {
+			return nil
+		}
+		blocks := max(min((n/8+256*4-1)/(256*4), 1024), 1)
+		return be.launch(kQuantAmax, drv.Dim3{X: blocks, Y: 1}, drv.Dim3{X: 256}, 0, ptr(a.Src), ptr(a.Dst), int64(n), aligned16(a.Src, n))
+	})
+}
+
 // Quantize runs the NVFP4 codec: PerRow and PerTensor with a block per row. PerMatrix mode first
 // takes each matrix's amax into Scale (as FP32 bits, with an order-free
 // atomic max; or copies the caller's, a.Amax, saving a read of every

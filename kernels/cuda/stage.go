@@ -212,3 +212,4 @@ func (be *Backend) StageAmax(dst, src *kernels.Buffer) error {
 		return nil
 	})
 }
+var _ kernels.Amaxer = (*Backend)(nil)

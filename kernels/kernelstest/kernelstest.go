@@ -60,6 +60,7 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("Permute", func(t *testing.T) { testPermute(t, newBackend(t)) })
 	t.Run("Dispatch", func(t *testing.T) { testDispatch(t, newBackend(t)) })
 	t.Run("Quantize", func(t *testing.T) { testQuantize(t, newBackend(t)) })
+	t.Run("Amax", func(t *testing.T) { testAmax(t, newBackend(t)) })
 	t.Run("GroupedGemm", func(t *testing.T) { testGroupedGemm(t, newBackend(t)) })
 	t.Run("Finalize", func(t *testing.T) { testFinalize(t, newBackend(t)) })
 	t.Run("Scatter", func(t *testing.T) { testScatter(t, newBackend(t)) })

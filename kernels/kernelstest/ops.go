@@ -633,6 +633,55 @@ func testQuantize(t *testing.T, be kernels.Backend) {
 	})
 }
 
+// testAmax folds tensors' amax into a scalar, fresh and accumulated, over
+// shapes with and without whole 16-byte units, and checks the values
+// against the reference's and the errors.
+func testAmax(t *testing.T, be kernels.Backend) {
+	a, ok := be.(kernels.Amaxer)
+	if !ok {
+		t.Skip("the backend measures no amax on its op stream")
+	}
+	r := rand.New(rand.NewPCG(17, 18))
+	D := alloc(t, be, kernels.F32, 1)
+	var running float32
+	for i, n := range []int{16, 200, 7, 4096, 33} {
+		src := edgeRows(r, 1, n)
+		if i == 2 {
+			clear(src) // an all-zero tensor leaves a running maximum as it is
+		}
+		S := bf16Buf(t, be, src, 1, n)
+		want := nvfp4.AmaxBF16(src)
+		if err := a.Amax(kernels.AmaxArgs{Src: S, Dst: D}); err != nil {
+			t.Fatal(err)
+		}
+		expectBytes(t, fmt.Sprintf("amax of %d values", n), download(t, be, D), kernels.Float32Bytes([]float32{want}), 4)
+		// Onto a smaller maximum, this tensor's wins; onto the running
+		// maximum of the tensors so far, the larger of the two.
+		running = max(running, want)
+		for _, from := range []float32{want / 2, running} {
+			upload(t, be, D, kernels.Float32Bytes([]float32{from}))
+			if err := a.Amax(kernels.AmaxArgs{Src: S, Dst: D, Accumulate: true}); err != nil {
+				t.Fatal(err)
+			}
+			expectBytes(t, fmt.Sprintf("amax of %d values onto %g", n, from), download(t, be, D), kernels.Float32Bytes([]float32{max(from, want)}), 4)
+		}
+	}
+	S := bf16Buf(t, be, make([]uint16, 16), 16)
+	for _, tc := range []struct {
+		name string
+		args kernels.AmaxArgs
+		want string
+	}{
+		{"f32 source", kernels.AmaxArgs{Src: D, Dst: D}, "want bf16"},
+		{"wide destination", kernels.AmaxArgs{Src: S, Dst: alloc(t, be, kernels.F32, 2)}, "dst"},
+		{"bf16 destination", kernels.AmaxArgs{Src: S, Dst: alloc(t, be, kernels.BF16, 1)}, "dst"},
+	} {
+		if err := a.Amax(tc.args); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.want)
+		}
+	}
+}
+
 // expectBytes compares bit for bit and names the first differing row.
 func expectBytes(t *testing.T, what string, got, want []byte, rowLen int) {
 	t.Helper()
