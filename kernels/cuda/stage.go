@@ -212,4 +212,5 @@ func (be *Backend) StageAmax(dst, src *kernels.Buffer) error {
 		return nil
 	})
 }
+
 var _ kernels.Amaxer = (*Backend)(nil)
