@@ -94,5 +94,3 @@ func (be *Backend) StageCopy(dst *kernels.Buffer, dstOff int, src *kernels.Buffe
 	copy(d[dstOff:dstOff+n], s[srcOff:srcOff+n])
 	return nil
 }
-
-var _ kernels.Amaxer = (*Backend)(nil)

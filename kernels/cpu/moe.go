@@ -238,6 +238,8 @@ func (be *Backend) prepQuantize(a kernels.QuantizeArgs) (func() error, error) {
 	}, nil
 }
 
+var _ kernels.Amaxer = (*Backend)(nil)
+
 // Amax folds a tensor's largest |value| into a scalar (kernels.Amaxer).
 func (be *Backend) Amax(a kernels.AmaxArgs) error {
 	return issue(be, "amax", a, be.prepAmax)

@@ -654,6 +654,8 @@ func (be *Backend) Permute(a kernels.PermuteArgs) error {
 	})
 }
 
+var _ kernels.Amaxer = (*Backend)(nil)
+
 // Amax folds a tensor's largest |value| into a scalar on the op stream
 // (kernels.Amaxer): quant_amax's order-free integer max over the FP32
 // bits, onto zero first unless it accumulates.

@@ -212,5 +212,3 @@ func (be *Backend) StageAmax(dst, src *kernels.Buffer) error {
 		return nil
 	})
 }
-
-var _ kernels.Amaxer = (*Backend)(nil)
