@@ -20,13 +20,20 @@ const (
 	RecipePerToken Recipe = "per_token"
 	// RecipeWeightOnly is BF16 activations x NVFP4 weights (W4A16).
 	RecipeWeightOnly Recipe = "weight_only"
+	// RecipePerTensor is NVFP4 x NVFP4 with one calibrated FP32 scale per
+	// layer for each expert GEMM's input (FC1's, and FC2's after the
+	// activation), the same for every token: Layer.SetInputScales (a
+	// checkpoint's input_scale values) or a calibration (Layer.Calibrate,
+	// Layer.EndCalibration) sets them, and Forward refuses to run before.
+	RecipePerTensor Recipe = "per_tensor"
 )
 
 // recipeSpec is what a recipe changes: whether the weights have NVFP4
 // copies, and how activations enter each expert GEMM.
 type recipeSpec struct {
 	quantWeights bool
-	quantActs    bool // per-row NVFP4 activations before FC1 and FC2
+	quantActs    bool // NVFP4 activations before FC1 and FC2: a global scale per row
+	tensorActs   bool // ... with the layer's calibrated scale in every row
 }
 
 func (r Recipe) spec() (recipeSpec, error) {
@@ -35,10 +42,12 @@ func (r Recipe) spec() (recipeSpec, error) {
 		return recipeSpec{}, nil
 	case RecipePerToken:
 		return recipeSpec{quantWeights: true, quantActs: true}, nil
+	case RecipePerTensor:
+		return recipeSpec{quantWeights: true, quantActs: true, tensorActs: true}, nil
 	case RecipeWeightOnly:
 		return recipeSpec{quantWeights: true}, nil
 	}
-	return recipeSpec{}, fmt.Errorf("moe: unknown recipe %q (want %q, %q or %q)", r, RecipeBF16, RecipePerToken, RecipeWeightOnly)
+	return recipeSpec{}, fmt.Errorf("moe: unknown recipe %q (want %q, %q, %q or %q)", r, RecipeBF16, RecipePerToken, RecipePerTensor, RecipeWeightOnly)
 }
 
 // Activation is the expert activation.

@@ -1,8 +1,10 @@
 package moe
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"sync/atomic"
 
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
@@ -16,6 +18,10 @@ var (
 	// ErrNotQuantized is returned by Forward when the recipe reads NVFP4
 	// copies that no full Requantize has built (or the last one failed).
 	ErrNotQuantized = errors.New("moe: NVFP4 copies not built: call Requantize after loading the weights")
+	// ErrNotCalibrated is returned by Forward under RecipePerTensor before
+	// the layer has its input scales (SetInputScales, or Calibrate then
+	// EndCalibration).
+	ErrNotCalibrated = errors.New("moe: per_tensor input scales not set: call SetInputScales, or Calibrate then EndCalibration")
 )
 
 // Layer is one MoE layer resident in backend memory.
@@ -37,6 +43,17 @@ type Layer struct {
 	// refit path's goroutine).
 	amax1, amax2 *kernels.Buffer
 	amaxGen      atomic.Uint64
+
+	// RecipePerTensor: the S_dec of FC1's and FC2's inputs (F32 [1] each,
+	// read by the quantizers from backend memory, so a captured graph sees
+	// a new value) and their host copies; calX and calH, the running
+	// maxima of those inputs over the Calibrate calls since the last
+	// EndCalibration (calRuns of them).
+	in1, in2   *kernels.Buffer
+	inScales   [2]float32
+	inSet      bool
+	calX, calH *kernels.Buffer
+	calRuns    int
 
 	// Workspaces for MaxTokens tokens (R = MaxTokens * TopK sorted rows).
 	logits  *kernels.Buffer // F32 [T, E]
@@ -129,6 +146,10 @@ func (l *Layer) alloc() error {
 	if l.spec.quantActs {
 		l.xq = quant([]int{T}, Hp, T)
 		l.hq = quant([]int{R}, Ip, R)
+	}
+	if l.spec.tensorActs {
+		l.in1, l.in2 = buf(kernels.F32, 1), buf(kernels.F32, 1)
+		l.calX, l.calH = buf(kernels.F32, 1), buf(kernels.F32, 1)
 	}
 	l.h = buf(kernels.BF16, R, I)
 	if c.AtomicFinalize {
@@ -316,33 +337,144 @@ func sliceNVFP4(q kernels.NVFP4, lo, hi int) (kernels.NVFP4, error) {
 	return out, err
 }
 
+// SetInputScales sets RecipePerTensor's activation scales: the S_dec
+// (input_scale) of FC1's input and of FC2's input, each positive and
+// finite. The values go to the backend memory the quantizers read, in
+// order with the layer's other ops, so graphs captured earlier replay
+// with them.
+func (l *Layer) SetInputScales(fc1, fc2 float32) error {
+	if l.closed {
+		return ErrClosed
+	}
+	if !l.spec.tensorActs {
+		return fmt.Errorf("moe: input scales: recipe %s takes none (only %s does)", l.cfg.Recipe, RecipePerTensor)
+	}
+	for _, v := range []struct {
+		name string
+		s    float32
+	}{{"fc1", fc1}, {"fc2", fc2}} {
+		if !(v.s > 0) || math.IsInf(float64(v.s), 0) {
+			return fmt.Errorf("moe: input scales: %s input scale %v: want a positive finite value", v.name, v.s)
+		}
+	}
+	for i, b := range []*kernels.Buffer{l.in1, l.in2} {
+		if err := l.be.Upload(b, 0, kernels.Float32Bytes([]float32{[]float32{fc1, fc2}[i]})); err != nil {
+			return fmt.Errorf("moe: input scales: %w", err)
+		}
+	}
+	l.inScales, l.inSet = [2]float32{fc1, fc2}, true
+	return nil
+}
+
+// InputScales returns RecipePerTensor's activation scales (FC1's input,
+// FC2's input) and whether they are set.
+func (l *Layer) InputScales() (fc1, fc2 float32, ok bool) {
+	return l.inScales[0], l.inScales[1], l.inSet
+}
+
+// Calibrate runs a forward of x into out, as Forward does, with each
+// token's own activation scale (the per_token recipe's quantization), and
+// folds the largest |value| of FC1's input (x) and of FC2's input (the
+// activation's output) into the layer's running maxima. The first
+// Calibrate after New or EndCalibration starts them afresh. The backend
+// must measure amax on its op stream (kernels.Amaxer).
+func (l *Layer) Calibrate(out, x *kernels.Buffer) error {
+	if l.closed {
+		return ErrClosed
+	}
+	if !l.spec.tensorActs {
+		return fmt.Errorf("moe: calibrate: recipe %s takes no input scales (only %s does)", l.cfg.Recipe, RecipePerTensor)
+	}
+	if _, ok := l.be.(kernels.Amaxer); !ok {
+		return fmt.Errorf("moe: calibrate: the backend measures no amax on its op stream")
+	}
+	T, err := l.checkForward(out, x)
+	if err != nil || T == 0 {
+		return err
+	}
+	if err := l.forward(out, x, T, true); err != nil {
+		return fmt.Errorf("moe: calibrate %d tokens: %w", T, err)
+	}
+	l.calRuns++
+	return nil
+}
+
+// EndCalibration sets the input scales from the maxima of the Calibrate
+// calls since the last EndCalibration (as a tensor's global scale comes
+// from its amax: S_dec = RN(1 / min(RN(2688 / amax), FLT_MAX)), 1 for an
+// amax of 0) and returns them. It fails when no Calibrate ran or a
+// maximum is not finite; either way the next Calibrate starts afresh.
+func (l *Layer) EndCalibration() (fc1, fc2 float32, err error) {
+	if l.closed {
+		return 0, 0, ErrClosed
+	}
+	if !l.spec.tensorActs {
+		return 0, 0, fmt.Errorf("moe: end calibration: recipe %s takes no input scales (only %s does)", l.cfg.Recipe, RecipePerTensor)
+	}
+	runs := l.calRuns
+	l.calRuns = 0
+	if runs == 0 {
+		return 0, 0, fmt.Errorf("moe: end calibration: no Calibrate since the last one")
+	}
+	if err := l.be.Sync(); err != nil {
+		return 0, 0, fmt.Errorf("moe: end calibration: %w", err)
+	}
+	var scales [2]float32
+	for i, b := range []*kernels.Buffer{l.calX, l.calH} {
+		raw := make([]byte, 4)
+		if err := l.be.Download(raw, b, 0); err != nil {
+			return 0, 0, fmt.Errorf("moe: end calibration: %w", err)
+		}
+		amax := math.Float32frombits(binary.LittleEndian.Uint32(raw))
+		if math.IsNaN(float64(amax)) || math.IsInf(float64(amax), 0) {
+			return 0, 0, fmt.Errorf("moe: end calibration: %s input amax %v over %d calls: not finite", []string{"fc1", "fc2"}[i], amax, runs)
+		}
+		_, scales[i] = nvfp4.EncodeScale(amax)
+	}
+	if err := l.SetInputScales(scales[0], scales[1]); err != nil {
+		return 0, 0, err
+	}
+	return scales[0], scales[1], nil
+}
+
 // Forward computes out = MoE(x) for the T tokens of x (BF16 [T, H], T <=
 // MaxTokens) into out (BF16 [T, H]).
 func (l *Layer) Forward(out, x *kernels.Buffer) error {
 	if l.closed {
 		return ErrClosed
 	}
-	c := l.cfg
-	if x == nil || x.DType() != kernels.BF16 || x.Rank() != 2 || x.Dim(1) != c.Hidden || x.Dim(0) > c.MaxTokens {
-		return fmt.Errorf("moe: forward: input %v, want bf16 [tokens, %d] with at most %d tokens", x, c.Hidden, c.MaxTokens)
+	if l.spec.tensorActs && !l.inSet {
+		return ErrNotCalibrated
 	}
-	if l.spec.quantWeights && !l.quantized {
-		return ErrNotQuantized
+	T, err := l.checkForward(out, x)
+	if err != nil || T == 0 {
+		return err
 	}
-	T := x.Dim(0)
-	if out == nil || out.DType() != kernels.BF16 || out.Rank() != 2 || out.Dim(0) != T || out.Dim(1) != c.Hidden {
-		return fmt.Errorf("moe: forward: output %v, want bf16 [%d, %d]", out, T, c.Hidden)
-	}
-	if T == 0 {
-		return nil
-	}
-	if err := l.forward(out, x, T); err != nil {
+	if err := l.forward(out, x, T, false); err != nil {
 		return fmt.Errorf("moe: forward %d tokens: %w", T, err)
 	}
 	return nil
 }
 
-func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
+// checkForward checks Forward's operands and returns the token count.
+func (l *Layer) checkForward(out, x *kernels.Buffer) (int, error) {
+	c := l.cfg
+	if x == nil || x.DType() != kernels.BF16 || x.Rank() != 2 || x.Dim(1) != c.Hidden || x.Dim(0) > c.MaxTokens {
+		return 0, fmt.Errorf("moe: forward: input %v, want bf16 [tokens, %d] with at most %d tokens", x, c.Hidden, c.MaxTokens)
+	}
+	if l.spec.quantWeights && !l.quantized {
+		return 0, ErrNotQuantized
+	}
+	T := x.Dim(0)
+	if out == nil || out.DType() != kernels.BF16 || out.Rank() != 2 || out.Dim(0) != T || out.Dim(1) != c.Hidden {
+		return 0, fmt.Errorf("moe: forward: output %v, want bf16 [%d, %d]", out, T, c.Hidden)
+	}
+	return T, nil
+}
+
+// forward runs the layer on T tokens. With calibrate the activations take
+// per-row scales and their amax folds into calX and calH.
+func (l *Layer) forward(out, x *kernels.Buffer, T int, calibrate bool) error {
 	c := l.cfg
 	R := T * c.TopK
 	v := kernels.Views{}
@@ -374,9 +506,27 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 	ra := kernels.RouteArgs{Logits: logits, IDs: ids, Weights: weights, Scoring: l.score, Renormalize: c.Renormalize, Scale: c.RoutedScaling}
 	pa := kernels.PermuteArgs{IDs: ids, Offsets: l.offsets, Rows: gather, Slots: slots}
 	fc1In, fc2In := kernels.Operand{BF16: x}, kernels.Operand{BF16: h}
+	// quantArgs quantizes an expert GEMM's input: per row, or with the
+	// layer's scale (in) for every row.
+	quantArgs := func(src *kernels.Buffer, dst kernels.NVFP4, in *kernels.Buffer) kernels.QuantizeArgs {
+		if l.spec.tensorActs && !calibrate {
+			return kernels.QuantizeArgs{Src: src, Dst: dst, Mode: kernels.PerTensor, Input: in}
+		}
+		return kernels.QuantizeArgs{Src: src, Dst: dst, Mode: kernels.PerRow}
+	}
+	amax := func(src, dst *kernels.Buffer) error {
+		if !calibrate {
+			return nil
+		}
+		return l.be.(kernels.Amaxer).Amax(kernels.AmaxArgs{Src: src, Dst: dst, Accumulate: l.calRuns > 0})
+	}
+	if err := amax(x, l.calX); err != nil {
+		return err
+	}
 	var qa *kernels.QuantizeArgs
 	if l.spec.quantActs {
-		qa = &kernels.QuantizeArgs{Src: x, Dst: xq, Mode: kernels.PerRow}
+		q := quantArgs(x, xq, l.in1)
+		qa = &q
 		fc1In = kernels.Operand{Q: xq}
 	}
 	if d, ok := l.be.(kernels.Dispatcher); ok {
@@ -405,8 +555,11 @@ func (l *Layer) forward(out, x *kernels.Buffer, T int) error {
 	if err != nil {
 		return err
 	}
+	if err := amax(h, l.calH); err != nil {
+		return err
+	}
 	if l.spec.quantActs {
-		if err := l.be.Quantize(kernels.QuantizeArgs{Src: h, Dst: hq, Mode: kernels.PerRow}); err != nil {
+		if err := l.be.Quantize(quantArgs(h, hq, l.in2)); err != nil {
 			return err
 		}
 		fc2In = kernels.Operand{Q: hq}

@@ -38,7 +38,7 @@ func TestConfigErrors(t *testing.T) {
 		{"zero top-k", func(c *moe.Config) { c.TopK = 0 }},
 		{"no max tokens", func(c *moe.Config) { c.MaxTokens = 0 }},
 		{"negative scaling", func(c *moe.Config) { c.RoutedScaling = -1 }},
-		{"unknown recipe", func(c *moe.Config) { c.Recipe = "per_tensor" }},
+		{"unknown recipe", func(c *moe.Config) { c.Recipe = "per_channel" }},
 		{"unknown activation", func(c *moe.Config) { c.Activation = "gelu" }},
 		{"unknown scoring", func(c *moe.Config) { c.Scoring = "topk" }},
 	} {

@@ -8,6 +8,7 @@ package moetest
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -30,6 +31,130 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("RequantizeInPlace", func(t *testing.T) { testRequantizeInPlace(t, newBackend(t)) })
 	t.Run("AtomicFinalize", func(t *testing.T) { testAtomicFinalize(t, newBackend(t)) })
 	t.Run("TrainGenParity", func(t *testing.T) { testTrainGenParity(t, newBackend(t)) })
+	t.Run("PerTensor", func(t *testing.T) { testPerTensor(t, newBackend(t)) })
+}
+
+// Calibrate runs a per_tensor layer's calibration over the token batches
+// xs (BF16 bytes, T x H each) and returns the input scales it sets.
+func Calibrate(t testing.TB, be kernels.Backend, l *moe.Layer, xs ...[]byte) (fc1, fc2 float32) {
+	t.Helper()
+	H := l.Config().Hidden
+	for _, x := range xs {
+		T := len(x) / 2 / H
+		in, out := Alloc(t, be, kernels.BF16, T, H), Alloc(t, be, kernels.BF16, T, H)
+		if err := be.Upload(in, 0, x); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Calibrate(out, in); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fc1, fc2, err := l.EndCalibration()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fc1, fc2
+}
+
+// amaxBytes is the largest |value| of BF16 bytes.
+func amaxBytes(b []byte) float32 {
+	u := make([]uint16, len(b)/2)
+	for i := range u {
+		u[i] = binary.LittleEndian.Uint16(b[2*i:])
+	}
+	return nvfp4.AmaxBF16(u)
+}
+
+// testPerTensor checks the per_tensor recipe's life cycle: no forward
+// before its input scales; a calibration over two batches sets FC1's from
+// their amax exactly (and FC2's from the activations'), and then the layer
+// is as close to the BF16 recipe as per_token is and close to per_token
+// itself; scales outside (0, Inf) are refused; a refit (Requantize) keeps
+// the scales; a calibration again replaces them; other recipes take none.
+func testPerTensor(t *testing.T, be kernels.Backend) {
+	const T = 48
+	for _, act := range []moe.Activation{moe.ReLU2, moe.SwiGLU} {
+		t.Run(string(act), func(t *testing.T) {
+			cfg := moe.Config{Hidden: 512, Intermediate: 192, Experts: 6, TopK: 2, Activation: act,
+				Scoring: moe.Softmax, MaxTokens: T, Recipe: moe.RecipePerTensor}
+			w := moebench.RandomWeights(cfg, 11)
+			r := rand.New(rand.NewPCG(11, 12))
+			x1, x2 := moebench.RandomBF16(r, T*cfg.Hidden, 1), moebench.RandomBF16(r, 20*cfg.Hidden, 2)
+			l := NewLayer(t, be, cfg, w)
+			in, out := Alloc(t, be, kernels.BF16, T, cfg.Hidden), Alloc(t, be, kernels.BF16, T, cfg.Hidden)
+			if err := l.Forward(out, in); !errors.Is(err, moe.ErrNotCalibrated) {
+				t.Fatalf("forward before calibration: %v, want ErrNotCalibrated", err)
+			}
+			if _, _, err := l.EndCalibration(); err == nil {
+				t.Fatal("EndCalibration without a Calibrate: no error")
+			}
+			fc1, fc2 := Calibrate(t, be, l, x1, x2)
+			_, want1 := nvfp4.EncodeScale(max(amaxBytes(x1), amaxBytes(x2)))
+			if fc1 != want1 || !(fc2 > 0) || math.IsInf(float64(fc2), 0) {
+				t.Fatalf("calibrated scales %g, %g; want %g (the batches' amax) and a positive finite one", fc1, fc2, want1)
+			}
+			if a, b, ok := l.InputScales(); !ok || a != fc1 || b != fc2 {
+				t.Fatalf("InputScales() = %g, %g, %v; want %g, %g, true", a, b, ok, fc1, fc2)
+			}
+			got := Forward(t, be, l, x1)
+			base := cfg
+			base.Recipe = moe.RecipeBF16
+			ref := moebench.Floats(Forward(t, be, NewLayer(t, be, base, w), x1))
+			mean, minCos := moebench.Cosines(moebench.Floats(got), ref, cfg.Hidden)
+			base.Recipe = moe.RecipePerToken
+			pt := moebench.Floats(Forward(t, be, NewLayer(t, be, base, w), x1))
+			ptMean, ptMin := moebench.Cosines(pt, ref, cfg.Hidden)
+			vsMean, vsMin := moebench.Cosines(moebench.Floats(got), pt, cfg.Hidden)
+			t.Logf("per_tensor to bf16: mean %.4f min %.4f; per_token to bf16: mean %.4f min %.4f; per_tensor to per_token: mean %.4f min %.4f",
+				mean, minCos, ptMean, ptMin, vsMean, vsMin)
+			if !(mean > 0.97 && minCos > 0.95 && vsMean > 0.98) {
+				t.Errorf("per_tensor: cosine to bf16 mean %.4f (want > 0.97), min %.4f (want > 0.95), to per_token mean %.4f (want > 0.98)",
+					mean, minCos, vsMean)
+			}
+
+			// A fixed scale per tensor: a token alone and in a batch agree.
+			alone := Forward(t, be, l, x1[:2*cfg.Hidden])
+			if !bytes.Equal(alone, got[:2*cfg.Hidden]) {
+				t.Error("a token alone differs from the same token in a batch of 48")
+			}
+			for _, bad := range [][2]float32{{0, 1}, {1, -1}, {float32(math.Inf(1)), 1}, {1, float32(math.NaN())}} {
+				if err := l.SetInputScales(bad[0], bad[1]); err == nil {
+					t.Errorf("SetInputScales(%g, %g): no error", bad[0], bad[1])
+				}
+			}
+			// A refit: new weights requantized in place; the scales stay,
+			// and the forward equals a fresh layer's with the same scales.
+			next := moebench.RandomWeights(cfg, 12)
+			uploadStacks(t, be, l, next)
+			if err := l.Requantize(); err != nil {
+				t.Fatal(err)
+			}
+			if a, b, _ := l.InputScales(); a != fc1 || b != fc2 {
+				t.Fatalf("scales after Requantize %g, %g; want %g, %g", a, b, fc1, fc2)
+			}
+			next.Router = w.Router // the refit rewrote the experts only
+			fresh := NewLayer(t, be, cfg, next)
+			if err := fresh.SetInputScales(fc1, fc2); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(Forward(t, be, l, x1), Forward(t, be, fresh, x1)) {
+				t.Error("after a refit, the layer differs from a fresh one with the same weights and scales")
+			}
+			// A calibration again starts afresh: from x2 alone.
+			fc1b, _ := Calibrate(t, be, l, x2)
+			if _, want := nvfp4.EncodeScale(amaxBytes(x2)); fc1b != want {
+				t.Errorf("a second calibration over x2: FC1 scale %g, want %g", fc1b, want)
+			}
+			base.Recipe = moe.RecipePerToken
+			other := NewLayer(t, be, base, w)
+			if err := other.SetInputScales(1, 1); err == nil {
+				t.Error("SetInputScales on a per_token layer: no error")
+			}
+			if err := other.Calibrate(out, in); err == nil {
+				t.Error("Calibrate on a per_token layer: no error")
+			}
+		})
+	}
 }
 
 // testAtomicFinalize runs the layer with the atomic finalize beside the
