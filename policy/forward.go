@@ -166,7 +166,12 @@ func (m *Model) step(sh Shape) error {
 			func() error {
 				return be.RMSNorm(kernels.RMSNormArgs{Out: x, Src: h, Weight: l.postNorm, Eps: eps, Residual: tmp})
 			},
-			func() error { return l.moe.Forward(tmp, x) }, // marks "router" and "experts"; tmp joins h in the next norm
+			func() error { // marks "router" and "experts"; tmp joins h in the next norm
+				if m.calibrating {
+					return l.moe.Calibrate(tmp, x)
+				}
+				return l.moe.Forward(tmp, x)
+			},
 		)
 		if err != nil {
 			return fmt.Errorf("layer %d: %w", i, err)

@@ -14,8 +14,9 @@ import (
 
 // ModelOptions are the run-time choices a Model is built with.
 type ModelOptions struct {
-	// Recipe is the MoE recipe: moe.RecipeBF16 or moe.RecipePerToken
-	// ("nvfp4" on the command line).
+	// Recipe is the MoE recipe: moe.RecipeBF16, moe.RecipePerToken
+	// ("nvfp4" on the command line) or moe.RecipePerTensor (whose input
+	// scales Calibrate or SetInputScales set before the first forward).
 	Recipe moe.Recipe
 	// MaxTokens is the most tokens one forward pass carries (prefill chunks
 	// and decode rows together); workspaces are sized for it.
@@ -97,6 +98,8 @@ type Model struct {
 	owned  []*kernels.Buffer
 	closed bool
 	marker kernels.Marker
+	// calibrating: forwards run the MoE layers' Calibrate (Model.Calibrate).
+	calibrating bool
 }
 
 // SetMarker makes Forward mark its groups of ops on mk, for a per-group

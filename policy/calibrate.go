@@ -1,0 +1,182 @@
+package policy
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+	"regexp"
+	"strconv"
+
+	"github.com/nlpodyssey/safetensors"
+
+	"github.com/rollout-worker/rollout-worker/internal/stfile"
+	"github.com/rollout-worker/rollout-worker/moe"
+)
+
+// InputScales are one MoE layer's per_tensor activation scales: the S_dec
+// of FC1's input and of FC2's input.
+type InputScales struct{ FC1, FC2 float32 }
+
+// Calibrate runs the token sequences through the model (prefill, in chunks
+// of at most MaxTokens, each sequence from position 0 on the first KV
+// pages), every MoE layer folding the largest |value| of its expert inputs
+// into running maxima, then sets each layer's per_tensor input scales from
+// them and returns them by layer. The model's recipe must be
+// moe.RecipePerTensor; it must not be serving (Calibrate uses the KV cache
+// and the workspaces).
+func (m *Model) Calibrate(seqs [][]int32) ([]InputScales, error) {
+	if m.closed {
+		return nil, fmt.Errorf("policy: calibrate: model is closed")
+	}
+	if m.opts.Recipe != moe.RecipePerTensor {
+		return nil, fmt.Errorf("policy: calibrate: recipe %s takes no input scales (only %s does)", m.opts.Recipe, moe.RecipePerTensor)
+	}
+	if len(seqs) == 0 {
+		return nil, fmt.Errorf("policy: calibrate: no sequences")
+	}
+	c, o := m.cfg, m.opts
+	for i, s := range seqs {
+		switch {
+		case len(s) == 0:
+			return nil, fmt.Errorf("policy: calibrate: sequence %d is empty", i)
+		case len(s) > c.MaxPositions:
+			return nil, fmt.Errorf("policy: calibrate: sequence %d has %d tokens, the context is %d", i, len(s), c.MaxPositions)
+		case ceilDiv(len(s), o.PageSize) > o.KVPages:
+			return nil, fmt.Errorf("policy: calibrate: sequence %d needs %d KV pages, the cache has %d: %w", i, ceilDiv(len(s), o.PageSize), o.KVPages, ErrTooLarge)
+		}
+		for j, t := range s {
+			if t < 0 || int(t) >= c.VocabSize {
+				return nil, fmt.Errorf("policy: calibrate: sequence %d token %d is %d, outside the vocabulary of %d", i, j, t, c.VocabSize)
+			}
+		}
+	}
+	m.calibrating = true
+	defer func() { m.calibrating = false }()
+	ps := o.PageSize
+	for _, s := range seqs {
+		pages := make([]int32, ceilDiv(len(s), ps))
+		for p := range pages {
+			pages[p] = int32(p)
+		}
+		for c0 := 0; c0 < len(s); c0 += o.MaxTokens {
+			c1 := min(c0+o.MaxTokens, len(s))
+			in := StepInput{SeqLens: []int32{int32(c1)}, QueryStart: []int32{0, int32(c1 - c0)}, PageTable: [][]int32{pages}}
+			for p := c0; p < c1; p++ {
+				in.Tokens = append(in.Tokens, s[p])
+				in.Positions = append(in.Positions, int32(p))
+				in.Slots = append(in.Slots, pages[p/ps]*int32(ps)+int32(p%ps))
+			}
+			sh, err := m.Stage(in)
+			if err != nil {
+				return nil, fmt.Errorf("policy: calibrate: %w", err)
+			}
+			if err := m.Forward(sh, false); err != nil {
+				return nil, fmt.Errorf("policy: calibrate: %w", err)
+			}
+		}
+	}
+	out := make([]InputScales, len(m.layers))
+	for i, l := range m.layers {
+		fc1, fc2, err := l.moe.EndCalibration()
+		if err != nil {
+			return nil, fmt.Errorf("policy: calibrate: layer %d: %w", i, err)
+		}
+		out[i] = InputScales{fc1, fc2}
+	}
+	return out, nil
+}
+
+// SetInputScales sets every MoE layer's per_tensor input scales (one entry
+// a layer), as a calibration or a checkpoint gives them.
+func (m *Model) SetInputScales(scales []InputScales) error {
+	if len(scales) != len(m.layers) {
+		return fmt.Errorf("policy: input scales: %d layers' worth, the model has %d", len(scales), len(m.layers))
+	}
+	for i, l := range m.layers {
+		if err := l.moe.SetInputScales(scales[i].FC1, scales[i].FC2); err != nil {
+			return fmt.Errorf("policy: input scales: layer %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
+// The per_tensor input scales in a safetensors file, as a ModelOpt NVFP4
+// checkpoint names them: one FP32 scalar a projection and expert,
+// model.layers.L.mlp.experts.E.{gate_proj,up_proj}.input_scale (FC1's
+// input) and ...down_proj.input_scale (FC2's). The layer's scale is the
+// largest of its experts' (a checkpoint calibrated expert by expert);
+// WriteInputScales writes the layer's value for every expert.
+var inputScaleName = regexp.MustCompile(`^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.input_scale$`)
+
+// ReadInputScales reads the per_tensor input scales of a model of the given
+// layer and expert counts from a safetensors file. Every layer needs at
+// least one FC1 and one FC2 value; every value must be a positive finite
+// FP32 scalar, and every name of that form must fall in the model.
+func ReadInputScales(path string, layers, experts int) ([]InputScales, error) {
+	f, err := stfile.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("policy: input scales: %w", err)
+	}
+	defer f.Close()
+	out := make([]InputScales, layers)
+	for _, name := range f.Names() {
+		m := inputScaleName.FindStringSubmatch(name)
+		if m == nil {
+			continue
+		}
+		l, errL := strconv.Atoi(m[1])
+		e, errE := strconv.Atoi(m[2])
+		if errL != nil || errE != nil || l >= layers || e >= experts {
+			return nil, fmt.Errorf("policy: input scales: %s: %s: the model has %d layers of %d experts", path, name, layers, experts)
+		}
+		t, err := f.Tensor(name)
+		if err != nil {
+			return nil, fmt.Errorf("policy: input scales: %w", err)
+		}
+		if t.DType != safetensors.F32 || len(t.Data) != 4 {
+			return nil, fmt.Errorf("policy: input scales: %s: %s is %s %v, want an F32 scalar", path, name, t.DType, t.Shape)
+		}
+		v := math.Float32frombits(binary.LittleEndian.Uint32(t.Data))
+		if !(v > 0) || math.IsInf(float64(v), 0) {
+			return nil, fmt.Errorf("policy: input scales: %s: %s is %v, want a positive finite scale", path, name, v)
+		}
+		s := &out[l].FC1
+		if m[3] == "down_proj" {
+			s = &out[l].FC2
+		}
+		*s = max(*s, v)
+	}
+	for l, s := range out {
+		switch {
+		case s.FC1 == 0:
+			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no gate_proj or up_proj input_scale", path, l)
+		case s.FC2 == 0:
+			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no down_proj input_scale", path, l)
+		}
+	}
+	return out, nil
+}
+
+// WriteInputScales writes scales (one entry a layer) to a safetensors file
+// as ReadInputScales reads them, the layer's value for each of its experts'
+// three projections.
+func WriteInputScales(path string, scales []InputScales, experts int, metadata map[string]string) error {
+	var ts []stfile.Tensor
+	for l, s := range scales {
+		for e := range experts {
+			for _, p := range []struct {
+				proj string
+				v    float32
+			}{{"gate_proj", s.FC1}, {"up_proj", s.FC1}, {"down_proj", s.FC2}} {
+				data := make([]byte, 4)
+				binary.LittleEndian.PutUint32(data, math.Float32bits(p.v))
+				ts = append(ts, stfile.Tensor{Name: fmt.Sprintf("model.layers.%d.mlp.experts.%d.%s.input_scale", l, e, p.proj),
+					DType: safetensors.F32, Shape: []uint64{}, Data: data})
+			}
+		}
+	}
+	if err := stfile.Write(path, ts, metadata); err != nil {
+		return fmt.Errorf("policy: input scales: %w", err)
+	}
+	return nil
+}
