@@ -43,6 +43,7 @@ var commands = []command{
 	{"serve", "run a rollout worker: engine, refit receiver and rollout service over NATS", runServe},
 	{"generate", "request rollouts from the workers of a model and print them as JSON", runGenerate},
 	{"score", "score token sequences with a model (teacher-forced logprobs)", runScore},
+	{"calibrate", "measure the per_tensor recipe's activation scales over token sequences", runCalibrate},
 	{"publish", "publish a weight version (all or some BF16 tensors) to the workers over NATS", runPublish},
 	{"kernels", "kernels warm: compile the CUDA kernels into the cubin cache (for a container image)", runKernels},
 }

@@ -8,13 +8,13 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 
+	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 )
 
-const scoreUsage = `Usage: rollout-worker score --model DIR --tokens FILE [--recipe bf16|nvfp4] [--device auto|cpu|cuda]
+const scoreUsage = `Usage: rollout-worker score --model DIR --tokens FILE [--recipe bf16|nvfp4|per_tensor [--input-scales FILE]] [--device auto|cpu|cuda]
 
 Score token sequences by teacher forcing: for each sequence of FILE
 ({"sequences": [[id, ...], ...]}) print log p(token_i | tokens before i) at
@@ -34,6 +34,36 @@ func recipeFlag(name string) (moe.Recipe, error) {
 	return "", usageErrorf("--recipe %q: want bf16 or nvfp4", name)
 }
 
+// scoreRecipe is recipeFlag with per_tensor, which score runs with the
+// input scales of a calibration (--input-scales).
+func scoreRecipe(name string) (moe.Recipe, error) {
+	if name == string(moe.RecipePerTensor) {
+		return moe.RecipePerTensor, nil
+	}
+	r, err := recipeFlag(name)
+	if err != nil {
+		return "", usageErrorf("--recipe %q: want bf16, nvfp4 or per_tensor", name)
+	}
+	return r, nil
+}
+
+// loadScoringModel loads the model in dir for one sequence at a time, in
+// chunks of up to 512 tokens, with KV pages for the longest of seqs.
+func loadScoringModel(be kernels.Backend, dir string, recipe moe.Recipe, seqs [][]int32) (*policy.Model, error) {
+	cfg, err := policy.LoadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	longest := 0
+	for _, s := range seqs {
+		longest = max(longest, len(s))
+	}
+	const pageSize = 16
+	chunk := min(512, cfg.MaxPositions)
+	return policy.LoadModel(be, dir, policy.ModelOptions{Recipe: recipe, MaxTokens: chunk, MaxSeqs: 1, MaxLogitRows: chunk,
+		PageSize: pageSize, KVPages: max(1, (min(longest, cfg.MaxPositions)+pageSize-1)/pageSize)})
+}
+
 func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("score", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -43,7 +73,8 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	dir := fs.String("model", "", "model `directory` (config.json and safetensors; required)")
 	tokensPath := fs.String("tokens", "", "JSON `file` with the sequences (required)")
-	recipeName := fs.String("recipe", "bf16", "MoE recipe: bf16 or nvfp4")
+	recipeName := fs.String("recipe", "bf16", "MoE recipe: bf16, nvfp4 or per_tensor")
+	scalesPath := fs.String("input-scales", "", "safetensors `file` of per_tensor input scales (rollout-worker calibrate writes one; required with --recipe per_tensor)")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -51,49 +82,41 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *dir == "" || *tokensPath == "" {
 		return usageErrorf("--model and --tokens are required")
 	}
-	recipe, err := recipeFlag(*recipeName)
+	recipe, err := scoreRecipe(*recipeName)
 	if err != nil {
 		return err
 	}
-	raw, err := os.ReadFile(*tokensPath)
+	if (recipe == moe.RecipePerTensor) != (*scalesPath != "") {
+		return usageErrorf("--input-scales goes with --recipe per_tensor, and only there")
+	}
+	seqs, err := readSequences(*tokensPath)
 	if err != nil {
 		return err
-	}
-	var in struct {
-		Sequences [][]int32 `json:"sequences"`
-	}
-	if err := json.Unmarshal(raw, &in); err != nil {
-		return fmt.Errorf("%s: %w", *tokensPath, err)
-	}
-	if len(in.Sequences) == 0 {
-		return fmt.Errorf("%s: no sequences", *tokensPath)
 	}
 	be, closeBackend, err := newBackend(*device, nil)
 	if err != nil {
 		return err
 	}
 	defer closeBackend()
-	cfg, err := policy.LoadConfig(*dir)
-	if err != nil {
-		return err
-	}
-	longest := 0
-	for _, s := range in.Sequences {
-		longest = max(longest, len(s))
-	}
-	const pageSize = 16
-	chunk := min(512, cfg.MaxPositions)
-	m, err := policy.LoadModel(be, *dir, policy.ModelOptions{Recipe: recipe, MaxTokens: chunk, MaxSeqs: 1, MaxLogitRows: chunk,
-		PageSize: pageSize, KVPages: max(1, (min(longest, cfg.MaxPositions)+pageSize-1)/pageSize)})
+	m, err := loadScoringModel(be, *dir, recipe, seqs)
 	if err != nil {
 		return err
 	}
 	defer m.Close()
+	if *scalesPath != "" {
+		scales, err := policy.ReadInputScales(*scalesPath, m.Config().Layers, m.Config().Experts)
+		if err != nil {
+			return err
+		}
+		if err := m.SetInputScales(scales); err != nil {
+			return err
+		}
+	}
 	e := policy.NewEngine(m, policy.EngineConfig{})
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- e.Run(runCtx) }()
-	scores, err := e.Score(ctx, in.Sequences)
+	scores, err := e.Score(ctx, seqs)
 	stop()
 	err = errors.Join(err, <-done)
 	if err != nil {
