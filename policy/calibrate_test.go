@@ -127,7 +127,9 @@ func TestInputScalesFile(t *testing.T) {
 		binary.LittleEndian.PutUint32(data, math.Float32bits(v))
 		return stfile.Tensor{Name: name, DType: safetensors.F32, Shape: []uint64{}, Data: data}
 	}
-	name := func(l, e int, proj string) string { return fmt.Sprintf("model.layers.%d.mlp.experts.%d.%s.input_scale", l, e, proj) }
+	name := func(l, e int, proj string) string {
+		return fmt.Sprintf("model.layers.%d.mlp.experts.%d.%s.input_scale", l, e, proj)
+	}
 	full := []stfile.Tensor{scalar(name(0, 0, "gate_proj"), 1), scalar(name(0, 1, "up_proj"), 4), scalar(name(0, 1, "down_proj"), 2),
 		scalar("model.layers.0.mlp.gate.weight_scale", 7)} // not an input scale: ignored
 	for _, tc := range []struct {
