@@ -26,6 +26,13 @@ const (
 	// checkpoint's input_scale values) or a calibration (Layer.Calibrate,
 	// Layer.EndCalibration) sets them, and Forward refuses to run before.
 	RecipePerTensor Recipe = "per_tensor"
+	// RecipeUnitScale is RecipePerTensor with both input scales fixed at
+	// one (the activation encoding of cuDNN's grouped NVFP4 GEMM): no
+	// calibration; a block's largest magnitude is resolved from 6 * 2^-6
+	// (the smallest normal E4M3 block scale) to 2688 (the largest), with
+	// fewer bits down to 6 * 2^-9, blocks of at most 6 * 2^-10 becoming
+	// zero, and larger values saturating at 2688 (docs/MOE.md).
+	RecipeUnitScale Recipe = "unit_scale"
 )
 
 // recipeSpec is what a recipe changes: whether the weights have NVFP4
@@ -34,6 +41,7 @@ type recipeSpec struct {
 	quantWeights bool
 	quantActs    bool // NVFP4 activations before FC1 and FC2: a global scale per row
 	tensorActs   bool // ... with the layer's calibrated scale in every row
+	unitScale    bool // ... fixed at one
 }
 
 func (r Recipe) spec() (recipeSpec, error) {
@@ -44,10 +52,13 @@ func (r Recipe) spec() (recipeSpec, error) {
 		return recipeSpec{quantWeights: true, quantActs: true}, nil
 	case RecipePerTensor:
 		return recipeSpec{quantWeights: true, quantActs: true, tensorActs: true}, nil
+	case RecipeUnitScale:
+		return recipeSpec{quantWeights: true, quantActs: true, tensorActs: true, unitScale: true}, nil
 	case RecipeWeightOnly:
 		return recipeSpec{quantWeights: true}, nil
 	}
-	return recipeSpec{}, fmt.Errorf("moe: unknown recipe %q (want %q, %q, %q or %q)", r, RecipeBF16, RecipePerToken, RecipePerTensor, RecipeWeightOnly)
+	return recipeSpec{}, fmt.Errorf("moe: unknown recipe %q (want %q, %q, %q, %q or %q)", r, RecipeBF16, RecipePerToken, RecipePerTensor,
+		RecipeUnitScale, RecipeWeightOnly)
 }
 
 // Activation is the expert activation.

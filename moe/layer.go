@@ -101,6 +101,11 @@ func New(be kernels.Backend, cfg Config) (*Layer, error) {
 	if err := l.alloc(); err != nil {
 		return nil, errors.Join(err, l.Close())
 	}
+	if l.spec.unitScale {
+		if err := l.setInputScales(1, 1); err != nil {
+			return nil, errors.Join(err, l.Close())
+		}
+	}
 	return l, nil
 }
 
@@ -346,9 +351,13 @@ func (l *Layer) SetInputScales(fc1, fc2 float32) error {
 	if l.closed {
 		return ErrClosed
 	}
-	if !l.spec.tensorActs {
+	if !l.spec.tensorActs || l.spec.unitScale {
 		return fmt.Errorf("moe: input scales: recipe %s takes none (only %s does)", l.cfg.Recipe, RecipePerTensor)
 	}
+	return l.setInputScales(fc1, fc2)
+}
+
+func (l *Layer) setInputScales(fc1, fc2 float32) error {
 	for _, v := range []struct {
 		name string
 		s    float32
@@ -382,7 +391,7 @@ func (l *Layer) Calibrate(out, x *kernels.Buffer) error {
 	if l.closed {
 		return ErrClosed
 	}
-	if !l.spec.tensorActs {
+	if !l.spec.tensorActs || l.spec.unitScale {
 		return fmt.Errorf("moe: calibrate: recipe %s takes no input scales (only %s does)", l.cfg.Recipe, RecipePerTensor)
 	}
 	if _, ok := l.be.(kernels.Amaxer); !ok {
@@ -408,7 +417,7 @@ func (l *Layer) EndCalibration() (fc1, fc2 float32, err error) {
 	if l.closed {
 		return 0, 0, ErrClosed
 	}
-	if !l.spec.tensorActs {
+	if !l.spec.tensorActs || l.spec.unitScale {
 		return 0, 0, fmt.Errorf("moe: end calibration: recipe %s takes no input scales (only %s does)", l.cfg.Recipe, RecipePerTensor)
 	}
 	runs := l.calRuns

@@ -577,6 +577,35 @@ func testQuantize(t *testing.T, be kernels.Backend) {
 			}
 		}
 	})
+	t.Run("unit-scale range", func(t *testing.T) {
+		// A global scale of one (moe.RecipeUnitScale): a block's largest
+		// magnitude v comes back exactly from 6 * 2^-6 (block scale 2^-6,
+		// the smallest normal E4M3) to 2688 (448), saturates above, loses
+		// bits below (subnormal block scales) and is zero from 6 * 2^-10 on
+		// down (the block scale underflows).
+		for _, tc := range []struct {
+			v, want float32
+		}{
+			{2688, 2688}, {4000, 2688}, {1e30, 2688}, {6, 6}, {0.09375, 0.09375}, // 6 * 2^-6
+			{0x1.8p-7, 0x1.8p-7}, // 6 * 2^-9: the smallest subnormal block scale
+			{6 * 0x1p-10, 0}, {1e-4, 0}, // all but 1e-4 exact in BF16
+		} {
+			row := make([]uint16, 16)
+			row[3] = bf16.FromFloat32(tc.v)
+			row[7] = bf16.FromFloat32(-tc.v / 4)
+			S := bf16Buf(t, be, row, 1, 16)
+			I := f32Buf(t, be, []float32{1}, 1)
+			q := kernels.NVFP4{Packed: alloc(t, be, kernels.U8, 1, 8), Scales: alloc(t, be, kernels.U8, 1, 1), Scale: alloc(t, be, kernels.F32, 1)}
+			if err := be.Quantize(kernels.QuantizeArgs{Src: S, Dst: q, Mode: kernels.PerTensor, Input: I}); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]float32, 16)
+			nvfp4.DequantizeRow(got, download(t, be, q.Packed), download(t, be, q.Scales), 1)
+			if got[3] != tc.want {
+				t.Errorf("block max %g: dequantized %g, want %g", tc.v, got[3], tc.want)
+			}
+		}
+	})
 	t.Run("per-matrix", func(t *testing.T) {
 		for _, tc := range []struct{ e, n, k, kp int }{{1, 3, 16, 16}, {6, 24, 200, 208}, {3, 17, 72, 128}} {
 			src := edgeRows(r, tc.e*tc.n, tc.k)

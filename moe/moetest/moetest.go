@@ -32,6 +32,52 @@ func Run(t *testing.T, newBackend NewBackend) {
 	t.Run("AtomicFinalize", func(t *testing.T) { testAtomicFinalize(t, newBackend(t)) })
 	t.Run("TrainGenParity", func(t *testing.T) { testTrainGenParity(t, newBackend(t)) })
 	t.Run("PerTensor", func(t *testing.T) { testPerTensor(t, newBackend(t)) })
+	t.Run("UnitScale", func(t *testing.T) { testUnitScale(t, newBackend(t)) })
+}
+
+// testUnitScale: the unit_scale recipe runs without calibration (its
+// scales are one and fixed), as close to BF16 as per_token on N(0, 1)
+// tokens; on tokens a thousand times smaller (blocks under 6 * 2^-10
+// quantize to zero at a global scale of one) it falls apart where
+// per_tensor, calibrated on them, does not.
+func testUnitScale(t *testing.T, be kernels.Backend) {
+	const T = 48
+	cfg := moe.Config{Hidden: 512, Intermediate: 192, Experts: 6, TopK: 2, Activation: moe.SwiGLU,
+		Scoring: moe.Softmax, MaxTokens: T, Recipe: moe.RecipeUnitScale}
+	w := moebench.RandomWeights(cfg, 13)
+	l := NewLayer(t, be, cfg, w)
+	if a, b, ok := l.InputScales(); !ok || a != 1 || b != 1 {
+		t.Fatalf("InputScales() = %g, %g, %v; want 1, 1, true", a, b, ok)
+	}
+	if err := l.SetInputScales(2, 2); err == nil {
+		t.Error("SetInputScales on a unit_scale layer: no error")
+	}
+	in, out := Alloc(t, be, kernels.BF16, T, cfg.Hidden), Alloc(t, be, kernels.BF16, T, cfg.Hidden)
+	if err := l.Calibrate(out, in); err == nil {
+		t.Error("Calibrate on a unit_scale layer: no error")
+	}
+	base := cfg
+	base.Recipe = moe.RecipeBF16
+	bf := NewLayer(t, be, base, w)
+	base.Recipe = moe.RecipePerTensor
+	pt := NewLayer(t, be, base, w)
+	r := rand.New(rand.NewPCG(13, 14))
+	for _, std := range []float64{1, 1e-3} {
+		x := moebench.RandomBF16(r, T*cfg.Hidden, std)
+		ref := moebench.Floats(Forward(t, be, bf, x))
+		unit, _ := moebench.Cosines(moebench.Floats(Forward(t, be, l, x)), ref, cfg.Hidden)
+		Calibrate(t, be, pt, x)
+		calibrated, _ := moebench.Cosines(moebench.Floats(Forward(t, be, pt, x)), ref, cfg.Hidden)
+		t.Logf("tokens of std %g: cosine to bf16 unit_scale %.4f, per_tensor calibrated %.4f", std, unit, calibrated)
+		switch {
+		case !(calibrated > 0.97):
+			t.Errorf("std %g: per_tensor cosine %.4f, want > 0.97", std, calibrated)
+		case std == 1 && !(unit > 0.97):
+			t.Errorf("std 1: unit_scale cosine %.4f, want > 0.97", unit)
+		case std < 1 && unit > calibrated-0.1:
+			t.Errorf("std %g: unit_scale cosine %.4f, want well below per_tensor's %.4f (its blocks underflow)", std, unit, calibrated)
+		}
+	}
 }
 
 // Calibrate runs a per_tensor layer's calibration over the token batches
