@@ -118,7 +118,9 @@ func benchMoEDefaults(backend string) moeDefaults {
 	return moeDefaults{tokens: []int{1, 8, 32, 128}, hidden: 1024, inter: 512, experts: 16, topK: 4, iters: 10}
 }
 
-// recipeList parses --recipes: bf16, nvfp4 (= per_token) and weight_only.
+// recipeList parses --recipes: bf16, nvfp4 (= per_token), per_tensor
+// (calibrated on a batch drawn as the inputs are), unit_scale and
+// weight_only.
 func recipeList(s string) ([]moe.Recipe, error) {
 	var out []moe.Recipe
 	for _, f := range strings.Split(s, ",") {
@@ -130,8 +132,12 @@ func recipeList(s string) ([]moe.Recipe, error) {
 			rc = moe.RecipePerToken
 		case "weight_only":
 			rc = moe.RecipeWeightOnly
+		case "per_tensor":
+			rc = moe.RecipePerTensor
+		case "unit_scale":
+			rc = moe.RecipeUnitScale
 		default:
-			return nil, usageErrorf("--recipes: unknown recipe %q (want nvfp4, bf16, per_token or weight_only)", name)
+			return nil, usageErrorf("--recipes: unknown recipe %q (want nvfp4, bf16, per_token, per_tensor, unit_scale or weight_only)", name)
 		}
 		for _, prev := range out {
 			if prev == rc {

@@ -15,13 +15,14 @@ func TestBenchMoE(t *testing.T) {
 	csv, plot := filepath.Join(dir, "moe.csv"), filepath.Join(dir, "moe.svg")
 	var stdout, stderr bytes.Buffer
 	code := run(context.Background(), []string{"bench", "moe", "--device", "cpu", "--tokens", "1,5", "--hidden", "64", "--intermediate", "40",
-		"--experts", "4", "--top-k", "2", "--iters", "2", "--recipes", "nvfp4,bf16,weight_only", "--csv", csv, "--plot", plot}, &stdout, &stderr)
+		"--experts", "4", "--top-k", "2", "--iters", "2", "--recipes", "nvfp4,bf16,weight_only,per_tensor,unit_scale", "--csv", csv, "--plot", plot}, &stdout, &stderr)
 	if code != 0 {
 		t.Fatalf("exit %d, stderr:\n%s", code, stderr.String())
 	}
 	table := stdout.String()
 	for _, want := range []string{"tokens", "experts", "floor (us)", "nvfp4 (us)", "bf16 (us)", "weight_only (us)",
-		"nvfp4 vs floor", "nvfp4 vs bf16", "weight_only vs bf16", "nvfp4 cos min"} {
+		"nvfp4 vs floor", "nvfp4 vs bf16", "weight_only vs bf16", "nvfp4 cos min", "per_tensor (us)", "per_tensor cos mean",
+		"unit_scale vs bf16"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)
 		}
@@ -55,7 +56,7 @@ func TestBenchMoE(t *testing.T) {
 		if len(f) != len(header) {
 			t.Fatalf("row %q has %d fields, header %d", r, len(f), len(header))
 		}
-		for _, c := range []string{"nvfp4_us", "bf16_us", "weight_only_us"} {
+		for _, c := range []string{"nvfp4_us", "bf16_us", "weight_only_us", "per_tensor_us", "unit_scale_us"} {
 			if v := col(f, c); v == "" || v == "0.000" {
 				t.Errorf("no time measured for %s: %s", c, r)
 			}
@@ -68,8 +69,8 @@ func TestBenchMoE(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.HasPrefix(svg, []byte("<svg")) || bytes.Count(svg, []byte("<polyline")) != 4 {
-		t.Errorf("plot is not an SVG with 3 recipes and the floor:\n%.300s", svg)
+	if !bytes.HasPrefix(svg, []byte("<svg")) || bytes.Count(svg, []byte("<polyline")) != 6 {
+		t.Errorf("plot is not an SVG with 5 recipes and the floor:\n%.300s", svg)
 	}
 }
 

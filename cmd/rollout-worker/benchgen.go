@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"slices"
 	"strconv"
 	"strings"
@@ -119,10 +120,31 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 		return err
 	}
 	load := func(be kernels.Backend, opts policy.ModelOptions) (*policy.Model, error) {
+		var m *policy.Model
+		var err error
 		if *dir == "" {
-			return policy.NewRandomModel(ctx, be, cfg, opts, *seed)
+			m, err = policy.NewRandomModel(ctx, be, cfg, opts, *seed)
+		} else {
+			m, err = policy.LoadModel(be, *dir, opts)
 		}
-		return policy.LoadModel(be, *dir, opts)
+		if err != nil || opts.Recipe != moe.RecipePerTensor {
+			return m, err
+		}
+		// per_tensor: input scales from random prompts, drawn as the
+		// benchmark's are, as long as the KV cache allows.
+		seqs := make([][]int32, 4)
+		r := rand.New(rand.NewPCG(*seed, 5))
+		o := m.Options()
+		for i := range seqs {
+			seqs[i] = make([]int32, min(128, cfg.MaxPositions, o.KVPages*o.PageSize))
+			for j := range seqs[i] {
+				seqs[i][j] = int32(r.IntN(cfg.VocabSize))
+			}
+		}
+		if _, err := m.Calibrate(seqs); err != nil {
+			return nil, errors.Join(fmt.Errorf("calibrate: %w", err), m.Close())
+		}
+		return m, nil
 	}
 
 	switch *mode {

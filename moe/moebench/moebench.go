@@ -142,6 +142,11 @@ func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer
 			if err := Load(be, l, w); err != nil {
 				return nil, fmt.Errorf("moebench: load %s layer: %w", rc, err)
 			}
+			if rc == moe.RecipePerTensor {
+				if err := calibrate(be, l, cfg.Seed); err != nil {
+					return nil, fmt.Errorf("moebench: calibrate %s layer: %w", rc, err)
+				}
+			}
 		}
 	}
 	w = Weights{}                                // 15 GB of host memory at DeepSeek-V3's shapes
@@ -154,6 +159,31 @@ func Run(ctx context.Context, be kernels.Backend, cfg Config, progress io.Writer
 		results = append(results, res...)
 	}
 	return results, nil
+}
+
+// calibrate sets a per_tensor layer's input scales from one batch of
+// MaxTokens tokens drawn as the benchmark's inputs are (N(0, 1)), from a
+// stream of its own.
+func calibrate(be kernels.Backend, l *moe.Layer, seed uint64) (err error) {
+	c := l.Config()
+	in, err := be.Alloc(kernels.BF16, c.MaxTokens, c.Hidden)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, be.Free(in)) }()
+	out, err := be.Alloc(kernels.BF16, c.MaxTokens, c.Hidden)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, be.Free(out)) }()
+	if err := be.Upload(in, 0, RandomBF16(rand.New(rand.NewPCG(seed, 3)), c.MaxTokens*c.Hidden, 1)); err != nil {
+		return err
+	}
+	if err := l.Calibrate(out, in); err != nil {
+		return err
+	}
+	_, _, err = l.EndCalibration()
+	return err
 }
 
 // runTokens measures every recipe at one batch size.

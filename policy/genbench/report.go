@@ -13,12 +13,16 @@ import (
 	"github.com/rollout-worker/rollout-worker/moe"
 )
 
-// recipeName is how reports name a recipe.
+// recipeName is how reports name a recipe: BF16, NVFP4 (per_token, the
+// recipe the targets mean), or the recipe's own name.
 func recipeName(r moe.Recipe) string {
-	if r == moe.RecipeBF16 {
+	switch r {
+	case moe.RecipeBF16:
 		return "BF16"
+	case moe.RecipePerToken:
+		return "NVFP4"
 	}
-	return "NVFP4"
+	return string(r)
 }
 
 func ms(d time.Duration) float64 { return float64(d) / 1e6 }
