@@ -587,7 +587,7 @@ func testQuantize(t *testing.T, be kernels.Backend) {
 			v, want float32
 		}{
 			{2688, 2688}, {4000, 2688}, {1e30, 2688}, {6, 6}, {0.09375, 0.09375}, // 6 * 2^-6
-			{0x1.8p-7, 0x1.8p-7}, // 6 * 2^-9: the smallest subnormal block scale
+			{0x1.8p-7, 0x1.8p-7},        // 6 * 2^-9: the smallest subnormal block scale
 			{6 * 0x1p-10, 0}, {1e-4, 0}, // all but 1e-4 exact in BF16
 		} {
 			row := make([]uint16, 16)
