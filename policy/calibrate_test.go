@@ -84,7 +84,12 @@ func TestCalibrate(t *testing.T) {
 func TestPerTensorNeedsScales(t *testing.T) {
 	cfg, opts := testConfig(), testOptions()
 	opts.Recipe = moe.RecipePerTensor
-	m := newRandomModel(t, cfg, opts, 5)
+	m, err := NewModel(testBackend(t), cfg, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	fillRandom(t, m, 5) // and no input scales, which newRandomModel sets
 	sh, err := m.Stage(StepInput{Tokens: []int32{1, 2}, Positions: []int32{0, 1}, Slots: []int32{0, 1}, SeqLens: []int32{2},
 		QueryStart: []int32{0, 2}, PageTable: [][]int32{{0}}})
 	if err != nil {

@@ -42,6 +42,18 @@ func newRandomModel(t testing.TB, cfg Config, opts ModelOptions, seed uint64) *M
 		}
 	})
 	fillRandom(t, m, seed)
+	if opts.Recipe == moe.RecipePerTensor {
+		// Fixed input scales, so that models of other weights (a refit's
+		// before and after) quantize alike: FC1 inputs (normed, about
+		// N(0, 1)) up to 5.25, FC2 inputs up to 1.3 unsaturated.
+		s := make([]InputScales, cfg.Layers)
+		for i := range s {
+			s[i] = InputScales{FC1: 1.0 / 512, FC2: 1.0 / 2048}
+		}
+		if err := m.SetInputScales(s); err != nil {
+			t.Fatal(err)
+		}
+	}
 	return m
 }
 
@@ -212,7 +224,7 @@ func TestGenerateDeterministic(t *testing.T) {
 // same whether its request runs alone or with 31 other requests in flight.
 func TestBatchInvariantSamples(t *testing.T) {
 	cfg := testConfig()
-	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken} {
+	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken, moe.RecipePerTensor, moe.RecipeUnitScale} {
 		t.Run(string(recipe), func(t *testing.T) {
 			opts := testOptions()
 			opts.Recipe = recipe
@@ -461,7 +473,7 @@ func TestSubmitErrors(t *testing.T) {
 func TestGraphReplayMatchesEager(t *testing.T) {
 	cfg := testConfig()
 	opts := testOptions()
-	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken} {
+	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken, moe.RecipePerTensor, moe.RecipeUnitScale} {
 		t.Run(string(recipe), func(t *testing.T) {
 			opts.Recipe = recipe
 			eager := startEngine(t, newRandomModel(t, cfg, opts, 10), EngineConfig{})
@@ -563,9 +575,15 @@ func TestLongPromptsChunked(t *testing.T) {
 // the samples equal those of an eager engine loaded with the new weights,
 // and nothing is recaptured.
 func TestGraphsAcrossWeightCommit(t *testing.T) {
+	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipePerTensor} {
+		t.Run(string(recipe), func(t *testing.T) { testGraphsAcrossWeightCommit(t, recipe) })
+	}
+}
+
+func testGraphsAcrossWeightCommit(t *testing.T, recipe moe.Recipe) {
 	cfg := testConfig()
 	opts := testOptions()
-	opts.Recipe = moe.RecipePerToken
+	opts.Recipe = recipe
 	m := newRandomModel(t, cfg, opts, 14)
 	g, err := NewGraphs(m, DefaultBuckets(opts.MaxSeqs), nil)
 	if err != nil {

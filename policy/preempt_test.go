@@ -32,7 +32,7 @@ func sameRouting(a, b []Sample) error {
 // reserves everything up front.
 func TestPreemptedEqualsUnpreempted(t *testing.T) {
 	cfg := testConfig()
-	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken} {
+	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken, moe.RecipePerTensor, moe.RecipeUnitScale} {
 		t.Run(string(recipe), func(t *testing.T) {
 			reqs := make([]Request, 6)
 			for i := range reqs {
@@ -161,7 +161,7 @@ func multiTurn(cfg Config, id string, seed uint64, turns int) []Request {
 // is bitwise what a cold engine (no cache) produces; hits are counted.
 func TestPrefixHitEqualsCold(t *testing.T) {
 	cfg := testConfig()
-	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken} {
+	for _, recipe := range []moe.Recipe{moe.RecipeBF16, moe.RecipePerToken, moe.RecipePerTensor, moe.RecipeUnitScale} {
 		t.Run(string(recipe), func(t *testing.T) {
 			opts := testOptions()
 			opts.Recipe = recipe
