@@ -15,9 +15,9 @@ import (
 // recapture), determinism, scoring, chunked prefill, continuous batching,
 // preempted samples bitwise equal to unpreempted ones (KV pages on
 // demand), prefix-cache hits bitwise equal to cold prefills and none
-// across a version change, the sampling distribution and the KV cache sized from free
-// memory. It
-// skips where there is no GPU.
+// across a version change, the sampling distribution, the per_tensor
+// calibration and the KV cache sized from free memory (the recipe loops
+// include per_tensor and unit_scale). It skips where there is no GPU.
 func TestGPUEngine(t *testing.T) {
 	be := cudatest.Use(t, &testBackend)
 	for _, tc := range []struct {
@@ -41,6 +41,8 @@ func TestGPUEngine(t *testing.T) {
 		{"RoutedExperts", TestRoutedExperts},
 		{"SamplingDistribution", TestSamplingDistribution},
 		{"NumericFailureFailsOnlyItsRequest", TestNumericFailureFailsOnlyItsRequest},
+		{"Calibrate", TestCalibrate},
+		{"PerTensorNeedsScales", TestPerTensorNeedsScales},
 		{"KVPagesFromFreeMemory", func(t *testing.T) { testKVPagesFromDevice(t, be) }},
 	} {
 		t.Run(tc.name, tc.test)
