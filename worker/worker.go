@@ -40,7 +40,11 @@ type Config struct {
 	Layers   int    // the preset's depth cut to this many layers (0: all)
 	Seed     uint64 // of the random model
 	Recipe   moe.Recipe
-	Device   string // auto, cpu or cuda (see OpenBackend)
+	// InputScales is the safetensors file of the per_tensor recipe's
+	// input scales (policy.ReadInputScales; rollout-worker calibrate
+	// writes one): required with that recipe, refused with the others.
+	InputScales string
+	Device      string // auto, cpu or cuda (see OpenBackend)
 
 	// Backend, when set, is an open backend the worker runs on instead of
 	// opening Device; the worker does not close it. A process that embeds
@@ -151,6 +155,8 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 	}
 	var mc policy.Config
 	switch {
+	case (cfg.Recipe == moe.RecipePerTensor) != (cfg.InputScales != ""):
+		return nil, fmt.Errorf("worker: input scales %q with recipe %s: the per_tensor recipe needs them, the others take none", cfg.InputScales, cfg.Recipe)
 	case cfg.ModelDir != "" && cfg.Layers != 0:
 		return nil, fmt.Errorf("worker: layers %d: a depth cut applies to presets, not to model directories", cfg.Layers)
 	case cfg.ModelDir != "":
@@ -189,6 +195,15 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 	}
 	if err != nil {
 		return nil, err
+	}
+	if cfg.InputScales != "" {
+		scales, err := policy.ReadInputScales(cfg.InputScales, mc.Layers, mc.Experts)
+		if err == nil {
+			err = w.m.SetInputScales(scales)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("worker: %w", err)
+		}
 	}
 	log.Info("model loaded", zap.String("source", source), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
 		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),

@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"errors"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
 	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/rollout"
 )
 
@@ -195,5 +197,66 @@ func TestOnDemandPagesAndPrefixCache(t *testing.T) {
 	if got["rollout_worker_engine_preemptions_total"] == 0 || got["rollout_worker_engine_prefix_tokens_total/hit"] != 16 {
 		t.Fatalf("preemptions %v, prefix hit tokens %v: want preemptions and the second request's first page (16 tokens) from the cache",
 			got["rollout_worker_engine_preemptions_total"], got["rollout_worker_engine_prefix_tokens_total/hit"])
+	}
+}
+
+// TestPerTensorInputScales: a per_tensor worker needs its input scales
+// file, takes one that fits its model and serves with it; a file for
+// another depth or scales with another recipe are refused.
+func TestPerTensorInputScales(t *testing.T) {
+	nc := startNATS(t)
+	mc, err := policy.PresetLayers("tiny", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	scales := make([]policy.InputScales, mc.Layers)
+	for i := range scales {
+		scales[i] = policy.InputScales{FC1: 1.0 / 512, FC2: 1.0 / 2048}
+	}
+	good, short := filepath.Join(dir, "good.safetensors"), filepath.Join(dir, "short.safetensors")
+	if err := policy.WriteInputScales(good, scales, mc.Experts, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := policy.WriteInputScales(short, scales[:1], mc.Experts, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name   string
+		recipe moe.Recipe
+		file   string
+		want   string // "" for success
+	}{
+		{"per_tensor without scales", moe.RecipePerTensor, "", "needs them"},
+		{"scales with per_token", moe.RecipePerToken, good, "the others take none"},
+		{"scales of one layer", moe.RecipePerTensor, short, "layer 1 has no gate_proj or up_proj input_scale"},
+		{"per_tensor", moe.RecipePerTensor, good, ""},
+		{"unit_scale", moe.RecipeUnitScale, "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := testConfig()
+			cfg.Recipe, cfg.InputScales, cfg.ModelID = tc.recipe, tc.file, "wt-"+string(tc.recipe)
+			w, err := New(context.Background(), nc, cfg, zap.NewNop(), prometheus.NewRegistry())
+			if tc.want != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.want) {
+					t.Fatalf("New: %v, want an error containing %q", err, tc.want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { w.Close() })
+			if err := w.Start(); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			seed := uint64(5)
+			got, sum, err := rollout.NewClient(nc, cfg.ModelID).GenerateAll(ctx, rollout.GenerateRequest{Prompt: []int32{1, 2, 3}, N: 2, Temperature: 1, MaxTokens: 4, Seed: &seed})
+			if err != nil || len(got) != 2 || sum.Error != "" {
+				t.Fatalf("generate: %d samples, summary %+v, error %v", len(got), sum, err)
+			}
+		})
 	}
 }

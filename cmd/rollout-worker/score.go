@@ -14,7 +14,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/policy"
 )
 
-const scoreUsage = `Usage: rollout-worker score --model DIR --tokens FILE [--recipe bf16|nvfp4|per_tensor [--input-scales FILE]] [--device auto|cpu|cuda]
+const scoreUsage = `Usage: rollout-worker score --model DIR --tokens FILE [--recipe bf16|nvfp4|unit_scale|per_tensor --input-scales FILE] [--device auto|cpu|cuda]
 
 Score token sequences by teacher forcing: for each sequence of FILE
 ({"sequences": [[id, ...], ...]}) print log p(token_i | tokens before i) at
@@ -23,28 +23,30 @@ temperature 1, as JSON {"logprobs": [[null, lp1, lp2, ...], ...]}.
 Flags:
 `
 
-// recipeFlag maps the command line's recipe names to the MoE recipes.
+// recipeFlag maps the command line's recipe names to the MoE recipes:
+// bf16, nvfp4 (per_token), per_tensor (whose input scales the command
+// takes from --input-scales, or measures) and unit_scale.
 func recipeFlag(name string) (moe.Recipe, error) {
 	switch name {
 	case "bf16":
 		return moe.RecipeBF16, nil
 	case "nvfp4", "per_token":
 		return moe.RecipePerToken, nil
+	case "per_tensor":
+		return moe.RecipePerTensor, nil
+	case "unit_scale":
+		return moe.RecipeUnitScale, nil
 	}
-	return "", usageErrorf("--recipe %q: want bf16 or nvfp4", name)
+	return "", usageErrorf("--recipe %q: want bf16, nvfp4, per_tensor or unit_scale", name)
 }
 
-// scoreRecipe is recipeFlag with per_tensor, which score runs with the
-// input scales of a calibration (--input-scales).
-func scoreRecipe(name string) (moe.Recipe, error) {
-	if name == string(moe.RecipePerTensor) {
-		return moe.RecipePerTensor, nil
+// inputScalesFlag checks that --input-scales is given with the per_tensor
+// recipe and only with it.
+func inputScalesFlag(recipe moe.Recipe, path string) error {
+	if (recipe == moe.RecipePerTensor) != (path != "") {
+		return usageErrorf("--input-scales goes with --recipe per_tensor, and only there")
 	}
-	r, err := recipeFlag(name)
-	if err != nil {
-		return "", usageErrorf("--recipe %q: want bf16, nvfp4 or per_tensor", name)
-	}
-	return r, nil
+	return nil
 }
 
 // loadScoringModel loads the model in dir for one sequence at a time, in
@@ -73,7 +75,7 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	dir := fs.String("model", "", "model `directory` (config.json and safetensors; required)")
 	tokensPath := fs.String("tokens", "", "JSON `file` with the sequences (required)")
-	recipeName := fs.String("recipe", "bf16", "MoE recipe: bf16, nvfp4 or per_tensor")
+	recipeName := fs.String("recipe", "bf16", "MoE recipe: bf16, nvfp4, per_tensor or unit_scale")
 	scalesPath := fs.String("input-scales", "", "safetensors `file` of per_tensor input scales (rollout-worker calibrate writes one; required with --recipe per_tensor)")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
 	if err := parseFlags(fs, args); err != nil {
@@ -82,12 +84,12 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *dir == "" || *tokensPath == "" {
 		return usageErrorf("--model and --tokens are required")
 	}
-	recipe, err := scoreRecipe(*recipeName)
+	recipe, err := recipeFlag(*recipeName)
 	if err != nil {
 		return err
 	}
-	if (recipe == moe.RecipePerTensor) != (*scalesPath != "") {
-		return usageErrorf("--input-scales goes with --recipe per_tensor, and only there")
+	if err := inputScalesFlag(recipe, *scalesPath); err != nil {
+		return err
 	}
 	seqs, err := readSequences(*tokensPath)
 	if err != nil {
