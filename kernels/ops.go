@@ -212,9 +212,10 @@ type QuantizeArgs struct {
 	// backend checks the values and fails on one that differs.
 	Amax *Buffer
 	// Input, required in PerTensor mode and only there: F32 [1], the
-	// tensor's S_dec, positive and finite (a value that is not makes the
-	// rows NaN, as a NaN amax would). It stays in backend memory so that a
-	// captured graph reads the current value.
+	// tensor's S_dec. It stays in backend memory so that a captured graph
+	// reads the current value, so the backend cannot check it: the caller
+	// keeps it positive and finite (others quantize to meaningless rows;
+	// moe.Layer.SetInputScales refuses them).
 	Input *Buffer
 }
 
@@ -302,7 +303,9 @@ func (a QuantizeArgs) Validate() (QuantizeShape, error) {
 // AmaxArgs are the operands of Amaxer.Amax: Dst (F32 [1]) becomes the
 // largest |value| of Src (BF16, any shape), or with Accumulate the larger
 // of that and what Dst holds, a running maximum over calls (a NaN in Src
-// stays: the maximum is NaN from then on).
+// stays: the maximum is NaN from then on). What Dst holds must be a
+// non-negative value (or NaN) an earlier Amax left: backends may compare
+// the FP32 bits as integers.
 type AmaxArgs struct {
 	Src, Dst   *Buffer
 	Accumulate bool

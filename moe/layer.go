@@ -44,16 +44,16 @@ type Layer struct {
 	amax1, amax2 *kernels.Buffer
 	amaxGen      atomic.Uint64
 
-	// RecipePerTensor: the S_dec of FC1's and FC2's inputs (F32 [1] each,
-	// read by the quantizers from backend memory, so a captured graph sees
-	// a new value) and their host copies; calX and calH, the running
-	// maxima of those inputs over the Calibrate calls since the last
-	// EndCalibration (calRuns of them).
-	in1, in2   *kernels.Buffer
-	inScales   [2]float32
-	inSet      bool
-	calX, calH *kernels.Buffer
-	calRuns    int
+	// RecipePerTensor: the S_dec of FC1's and FC2's inputs (ins, F32 [2],
+	// whose halves in1 and in2 the quantizers read from backend memory, so
+	// a captured graph sees a new value) and their host copies; calX and
+	// calH, the running maxima of those inputs over the Calibrate calls
+	// since the last EndCalibration or ResetCalibration (calRuns of them).
+	ins, in1, in2 *kernels.Buffer
+	inScales      [2]float32
+	inSet         bool
+	calX, calH    *kernels.Buffer
+	calRuns       int
 
 	// Workspaces for MaxTokens tokens (R = MaxTokens * TopK sorted rows).
 	logits  *kernels.Buffer // F32 [T, E]
@@ -153,8 +153,13 @@ func (l *Layer) alloc() error {
 		l.hq = quant([]int{R}, Ip, R)
 	}
 	if l.spec.tensorActs {
-		l.in1, l.in2 = buf(kernels.F32, 1), buf(kernels.F32, 1)
+		l.ins = buf(kernels.F32, 2)
 		l.calX, l.calH = buf(kernels.F32, 1), buf(kernels.F32, 1)
+		if err == nil {
+			if l.in1, err = l.ins.Slice(0, 1); err == nil {
+				l.in2, err = l.ins.Slice(1, 2)
+			}
+		}
 	}
 	l.h = buf(kernels.BF16, R, I)
 	if c.AtomicFinalize {
@@ -366,10 +371,8 @@ func (l *Layer) setInputScales(fc1, fc2 float32) error {
 			return fmt.Errorf("moe: input scales: %s input scale %v: want a positive finite value", v.name, v.s)
 		}
 	}
-	for i, b := range []*kernels.Buffer{l.in1, l.in2} {
-		if err := l.be.Upload(b, 0, kernels.Float32Bytes([]float32{[]float32{fc1, fc2}[i]})); err != nil {
-			return fmt.Errorf("moe: input scales: %w", err)
-		}
+	if err := l.be.Upload(l.ins, 0, kernels.Float32Bytes([]float32{fc1, fc2})); err != nil { // both or neither
+		return fmt.Errorf("moe: input scales: %w", err)
 	}
 	l.inScales, l.inSet = [2]float32{fc1, fc2}, true
 	return nil
@@ -385,8 +388,8 @@ func (l *Layer) InputScales() (fc1, fc2 float32, ok bool) {
 // token's own activation scale (the per_token recipe's quantization), and
 // folds the largest |value| of FC1's input (x) and of FC2's input (the
 // activation's output) into the layer's running maxima. The first
-// Calibrate after New or EndCalibration starts them afresh. The backend
-// must measure amax on its op stream (kernels.Amaxer).
+// Calibrate after New, EndCalibration or ResetCalibration starts them
+// afresh. The backend must measure amax on its op stream (kernels.Amaxer).
 func (l *Layer) Calibrate(out, x *kernels.Buffer) error {
 	if l.closed {
 		return ErrClosed
@@ -409,42 +412,55 @@ func (l *Layer) Calibrate(out, x *kernels.Buffer) error {
 }
 
 // EndCalibration sets the input scales from the maxima of the Calibrate
-// calls since the last EndCalibration (as a tensor's global scale comes
-// from its amax: S_dec = RN(1 / min(RN(2688 / amax), FLT_MAX)), 1 for an
-// amax of 0) and returns them. It fails when no Calibrate ran or a
-// maximum is not finite; either way the next Calibrate starts afresh.
+// calls since the last EndCalibration or ResetCalibration (CalibratedScales)
+// and returns them; either way the next Calibrate starts afresh.
 func (l *Layer) EndCalibration() (fc1, fc2 float32, err error) {
+	defer l.ResetCalibration()
+	if fc1, fc2, err = l.CalibratedScales(); err != nil {
+		return 0, 0, err
+	}
+	if err := l.SetInputScales(fc1, fc2); err != nil {
+		return 0, 0, err
+	}
+	return fc1, fc2, nil
+}
+
+// CalibratedScales returns the input scales the maxima of the Calibrate
+// calls since the last EndCalibration or ResetCalibration give (as a
+// tensor's global scale comes from its amax: S_dec = RN(1 / min(RN(2688 /
+// amax), FLT_MAX)), 1 for an amax of 0), without setting them. It fails
+// when no Calibrate ran or a maximum is not finite.
+func (l *Layer) CalibratedScales() (fc1, fc2 float32, err error) {
 	if l.closed {
 		return 0, 0, ErrClosed
 	}
 	if !l.spec.tensorActs || l.spec.unitScale {
-		return 0, 0, fmt.Errorf("moe: end calibration: recipe %s takes no input scales (only %s does)", l.cfg.Recipe, RecipePerTensor)
+		return 0, 0, fmt.Errorf("moe: calibrated scales: recipe %s takes no input scales (only %s does)", l.cfg.Recipe, RecipePerTensor)
 	}
-	runs := l.calRuns
-	l.calRuns = 0
-	if runs == 0 {
-		return 0, 0, fmt.Errorf("moe: end calibration: no Calibrate since the last one")
+	if l.calRuns == 0 {
+		return 0, 0, fmt.Errorf("moe: calibrated scales: no Calibrate since the last calibration ended")
 	}
 	if err := l.be.Sync(); err != nil {
-		return 0, 0, fmt.Errorf("moe: end calibration: %w", err)
+		return 0, 0, fmt.Errorf("moe: calibrated scales: %w", err)
 	}
 	var scales [2]float32
 	for i, b := range []*kernels.Buffer{l.calX, l.calH} {
 		raw := make([]byte, 4)
 		if err := l.be.Download(raw, b, 0); err != nil {
-			return 0, 0, fmt.Errorf("moe: end calibration: %w", err)
+			return 0, 0, fmt.Errorf("moe: calibrated scales: %w", err)
 		}
 		amax := math.Float32frombits(binary.LittleEndian.Uint32(raw))
 		if math.IsNaN(float64(amax)) || math.IsInf(float64(amax), 0) {
-			return 0, 0, fmt.Errorf("moe: end calibration: %s input amax %v over %d calls: not finite", []string{"fc1", "fc2"}[i], amax, runs)
+			return 0, 0, fmt.Errorf("moe: calibrated scales: %s input amax %v over %d calls: not finite", []string{"fc1", "fc2"}[i], amax, l.calRuns)
 		}
 		_, scales[i] = nvfp4.EncodeScale(amax)
 	}
-	if err := l.SetInputScales(scales[0], scales[1]); err != nil {
-		return 0, 0, err
-	}
 	return scales[0], scales[1], nil
 }
+
+// ResetCalibration drops the maxima of the Calibrate calls so far: the next
+// Calibrate starts afresh. The input scales stay as they are.
+func (l *Layer) ResetCalibration() { l.calRuns = 0 }
 
 // Forward computes out = MoE(x) for the T tokens of x (BF16 [T, H], T <=
 // MaxTokens) into out (BF16 [T, H]).

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"encoding/binary"
 	"fmt"
 	"math"
@@ -21,10 +22,11 @@ type InputScales struct{ FC1, FC2 float32 }
 // of at most MaxTokens, each sequence from position 0 on the first KV
 // pages), every MoE layer folding the largest |value| of its expert inputs
 // into running maxima, then sets each layer's per_tensor input scales from
-// them and returns them by layer. The model's recipe must be
-// moe.RecipePerTensor; it must not be serving (Calibrate uses the KV cache
-// and the workspaces).
-func (m *Model) Calibrate(seqs [][]int32) ([]InputScales, error) {
+// them and returns them by layer. It sets all layers' scales or, on an
+// error (ctx's included, checked between chunks), none. The model's recipe
+// must be moe.RecipePerTensor; it must not be serving (Calibrate uses the
+// KV cache and the workspaces).
+func (m *Model) Calibrate(ctx context.Context, seqs [][]int32) (_ []InputScales, err error) {
 	if m.closed {
 		return nil, fmt.Errorf("policy: calibrate: model is closed")
 	}
@@ -51,7 +53,15 @@ func (m *Model) Calibrate(seqs [][]int32) ([]InputScales, error) {
 		}
 	}
 	m.calibrating = true
-	defer func() { m.calibrating = false }()
+	defer func() {
+		m.calibrating = false
+		for _, l := range m.layers { // the next calibration starts afresh, whatever happened
+			l.moe.ResetCalibration()
+		}
+	}()
+	for _, l := range m.layers {
+		l.moe.ResetCalibration()
+	}
 	ps := o.PageSize
 	for _, s := range seqs {
 		pages := make([]int32, ceilDiv(len(s), ps))
@@ -59,6 +69,9 @@ func (m *Model) Calibrate(seqs [][]int32) ([]InputScales, error) {
 			pages[p] = int32(p)
 		}
 		for c0 := 0; c0 < len(s); c0 += o.MaxTokens {
+			if err := ctx.Err(); err != nil {
+				return nil, fmt.Errorf("policy: calibrate: %w", err)
+			}
 			c1 := min(c0+o.MaxTokens, len(s))
 			in := StepInput{SeqLens: []int32{int32(c1)}, QueryStart: []int32{0, int32(c1 - c0)}, PageTable: [][]int32{pages}}
 			for p := c0; p < c1; p++ {
@@ -77,11 +90,14 @@ func (m *Model) Calibrate(seqs [][]int32) ([]InputScales, error) {
 	}
 	out := make([]InputScales, len(m.layers))
 	for i, l := range m.layers {
-		fc1, fc2, err := l.moe.EndCalibration()
+		fc1, fc2, err := l.moe.CalibratedScales()
 		if err != nil {
 			return nil, fmt.Errorf("policy: calibrate: layer %d: %w", i, err)
 		}
 		out[i] = InputScales{fc1, fc2}
+	}
+	if err := m.SetInputScales(out); err != nil {
+		return nil, fmt.Errorf("policy: calibrate: %w", err)
 	}
 	return out, nil
 }
@@ -103,10 +119,13 @@ func (m *Model) SetInputScales(scales []InputScales) error {
 // The per_tensor input scales in a safetensors file, as a ModelOpt NVFP4
 // checkpoint names them: one FP32 scalar a projection and expert,
 // model.layers.L.mlp.experts.E.{gate_proj,up_proj}.input_scale (FC1's
-// input) and ...down_proj.input_scale (FC2's). The layer's scale is the
-// largest of its experts' (a checkpoint calibrated expert by expert);
-// WriteInputScales writes the layer's value for every expert.
-var inputScaleName = regexp.MustCompile(`^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.input_scale$`)
+// input) and ...down_proj.input_scale (FC2's), or Mixtral's
+// block_sparse_moe.experts.E.{w1,w3} and w2 (both prefixes and both sets of
+// projection names are read for either architecture, as the checkpoint
+// loader reads weights). The layer's scale is the largest of its experts'
+// (a checkpoint calibrated expert by expert); WriteInputScales writes the
+// layer's value for every expert, in the model's own names.
+var inputScaleName = regexp.MustCompile(`^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.input_scale$`)
 
 // ReadInputScales reads the per_tensor input scales of a model of the given
 // layer and expert counts from a safetensors file. Every layer needs at
@@ -141,7 +160,7 @@ func ReadInputScales(path string, layers, experts int) ([]InputScales, error) {
 			return nil, fmt.Errorf("policy: input scales: %s: %s is %v, want a positive finite scale", path, name, v)
 		}
 		s := &out[l].FC1
-		if m[3] == "down_proj" {
+		if m[3] == "down_proj" || m[3] == "w2" {
 			s = &out[l].FC2
 		}
 		*s = max(*s, v)
@@ -149,28 +168,33 @@ func ReadInputScales(path string, layers, experts int) ([]InputScales, error) {
 	for l, s := range out {
 		switch {
 		case s.FC1 == 0:
-			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no gate_proj or up_proj input_scale", path, l)
+			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no gate_proj, up_proj, w1 or w3 input_scale", path, l)
 		case s.FC2 == 0:
-			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no down_proj input_scale", path, l)
+			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no down_proj or w2 input_scale", path, l)
 		}
 	}
 	return out, nil
 }
 
-// WriteInputScales writes scales (one entry a layer) to a safetensors file
-// as ReadInputScales reads them, the layer's value for each of its experts'
-// three projections.
-func WriteInputScales(path string, scales []InputScales, experts int, metadata map[string]string) error {
+// WriteInputScales writes scales (one entry a layer of the model cfg
+// describes) to a safetensors file as ReadInputScales reads them, the
+// layer's value for each of its experts' three projections, named as the
+// architecture names its expert weights.
+func WriteInputScales(path string, cfg Config, scales []InputScales, metadata map[string]string) error {
+	if len(scales) != cfg.Layers {
+		return fmt.Errorf("policy: input scales: %d layers' worth for a model of %d", len(scales), cfg.Layers)
+	}
+	prefix, projs := "mlp", [3]string{"gate_proj", "up_proj", "down_proj"}
+	if cfg.Architecture == ArchMixtral {
+		prefix, projs = "block_sparse_moe", [3]string{"w1", "w3", "w2"}
+	}
 	var ts []stfile.Tensor
 	for l, s := range scales {
-		for e := range experts {
-			for _, p := range []struct {
-				proj string
-				v    float32
-			}{{"gate_proj", s.FC1}, {"up_proj", s.FC1}, {"down_proj", s.FC2}} {
+		for e := range cfg.Experts {
+			for i, v := range []float32{s.FC1, s.FC1, s.FC2} {
 				data := make([]byte, 4)
-				binary.LittleEndian.PutUint32(data, math.Float32bits(p.v))
-				ts = append(ts, stfile.Tensor{Name: fmt.Sprintf("model.layers.%d.mlp.experts.%d.%s.input_scale", l, e, p.proj),
+				binary.LittleEndian.PutUint32(data, math.Float32bits(v))
+				ts = append(ts, stfile.Tensor{Name: fmt.Sprintf("model.layers.%d.%s.experts.%d.%s.input_scale", l, prefix, e, projs[i]),
 					DType: safetensors.F32, Shape: []uint64{}, Data: data})
 			}
 		}

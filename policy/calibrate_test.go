@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -26,7 +27,7 @@ func TestCalibrate(t *testing.T) {
 	opts.Recipe = moe.RecipePerTensor
 	m := newRandomModel(t, cfg, opts, 5)
 	seqs := [][]int32{prompt(1, 150, cfg.VocabSize), prompt(2, 40, cfg.VocabSize)} // the first in two chunks
-	scales, err := m.Calibrate(seqs)
+	scales, err := m.Calibrate(t.Context(), seqs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,14 +44,36 @@ func TestCalibrate(t *testing.T) {
 			t.Fatalf("layer %d holds %g, %g (%v), Calibrate returned %+v", i, a, b, ok, s)
 		}
 	}
-	again, err := m.Calibrate(seqs)
+	// The maxima run over every sequence of a calibration and start afresh
+	// with the next: each sequence alone, then both in the other order,
+	// give the scales of both (the scale grows with the amax, so the max of
+	// the scales is the scale of the max).
+	var alone [2][]InputScales
+	for i := range seqs {
+		if alone[i], err = m.Calibrate(t.Context(), seqs[i:i+1]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	again, err := m.Calibrate(t.Context(), [][]int32{seqs[1], seqs[0]})
 	if err != nil {
 		t.Fatal(err)
 	}
 	for i := range scales {
-		if again[i] != scales[i] {
-			t.Fatalf("layer %d: a second calibration over the same sequences gave %+v, the first %+v", i, again[i], scales[i])
+		want := InputScales{max(alone[0][i].FC1, alone[1][i].FC1), max(alone[0][i].FC2, alone[1][i].FC2)}
+		if again[i] != scales[i] || scales[i] != want {
+			t.Fatalf("layer %d: both sequences gave %+v, again %+v; each alone %+v and %+v", i, scales[i], again[i], alone[0][i], alone[1][i])
 		}
+		if alone[0][i] == alone[1][i] {
+			t.Fatalf("layer %d: both sequences alone give %+v: the check above cannot tell them apart", i, alone[0][i])
+		}
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if _, err := m.Calibrate(ctx, seqs); !errors.Is(err, context.Canceled) {
+		t.Fatalf("a cancelled calibration: %v, want context.Canceled", err)
+	}
+	if a, b, _ := m.MoE(0).InputScales(); a != scales[0].FC1 || b != scales[0].FC2 {
+		t.Fatalf("a cancelled calibration changed layer 0's scales to %g, %g", a, b)
 	}
 
 	e := startEngine(t, m, EngineConfig{})
@@ -66,15 +89,15 @@ func TestCalibrate(t *testing.T) {
 	if err := m.SetInputScales(scales[:1]); err == nil {
 		t.Error("SetInputScales with one layer's worth: no error")
 	}
-	if _, err := m.Calibrate(nil); err == nil {
+	if _, err := m.Calibrate(t.Context(), nil); err == nil {
 		t.Error("Calibrate of no sequences: no error")
 	}
-	if _, err := m.Calibrate([][]int32{{int32(cfg.VocabSize)}}); err == nil {
+	if _, err := m.Calibrate(t.Context(), [][]int32{{int32(cfg.VocabSize)}}); err == nil {
 		t.Error("Calibrate of a token outside the vocabulary: no error")
 	}
 	opts.Recipe = moe.RecipePerToken
 	pt := newRandomModel(t, cfg, opts, 5)
-	if _, err := pt.Calibrate(seqs); err == nil {
+	if _, err := pt.Calibrate(t.Context(), seqs); err == nil {
 		t.Error("Calibrate on a per_token model: no error")
 	}
 }
@@ -116,16 +139,33 @@ func TestPerTensorNeedsScales(t *testing.T) {
 func TestInputScalesFile(t *testing.T) {
 	dir := t.TempDir()
 	want := []InputScales{{FC1: 1.0 / 512, FC2: 3.0 / 1024}, {FC1: 0x1p-20, FC2: 5}}
-	path := filepath.Join(dir, "scales.safetensors")
-	if err := WriteInputScales(path, want, 3, map[string]string{"source": "test"}); err != nil {
-		t.Fatal(err)
+	for _, arch := range []string{ArchQwen3MoE, ArchMixtral} {
+		cfg := Config{Architecture: arch, Layers: 2, Experts: 3}
+		path := filepath.Join(dir, arch+".safetensors")
+		if err := WriteInputScales(path, cfg, want, map[string]string{"source": "test"}); err != nil {
+			t.Fatal(err)
+		}
+		got, err := ReadInputScales(path, 2, 3)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("%s: read %+v, wrote %+v", arch, got, want)
+		}
+		f, err := stfile.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		names := f.Names()
+		f.Close()
+		wantName := map[string]string{ArchQwen3MoE: "model.layers.1.mlp.experts.2.down_proj.input_scale",
+			ArchMixtral: "model.layers.1.block_sparse_moe.experts.2.w2.input_scale"}[arch]
+		if len(names) != 2*3*3 || !slices.Contains(names, wantName) {
+			t.Fatalf("%s: %d names, want 18 with %s", arch, len(names), wantName)
+		}
 	}
-	got, err := ReadInputScales(path, 2, 3)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !slices.Equal(got, want) {
-		t.Fatalf("read %+v, wrote %+v", got, want)
+	if err := WriteInputScales(filepath.Join(dir, "x.safetensors"), Config{Layers: 3, Experts: 3}, want, nil); err == nil {
+		t.Error("scales of 2 layers written for a model of 3: no error")
 	}
 	scalar := func(name string, v float32) stfile.Tensor {
 		data := make([]byte, 4)
@@ -144,7 +184,9 @@ func TestInputScalesFile(t *testing.T) {
 	}{
 		{"largest expert", full, ""},
 		{"no down_proj", full[:2], "no down_proj"},
-		{"no gate or up", full[2:], "no gate_proj or up_proj"},
+		{"no gate or up", full[2:], "no gate_proj, up_proj, w1 or w3"},
+		{"mixtral names", []stfile.Tensor{scalar("model.layers.0.block_sparse_moe.experts.1.w3.input_scale", 4),
+			scalar("model.layers.0.block_sparse_moe.experts.0.w2.input_scale", 2)}, ""},
 		{"layer past the model", append(slices.Clone(full), scalar(name(1, 0, "gate_proj"), 1)), "the model has 1 layers"},
 		{"expert past the model", append(slices.Clone(full), scalar(name(0, 2, "gate_proj"), 1)), "of 2 experts"},
 		{"zero", append(slices.Clone(full), scalar(name(0, 0, "up_proj"), 0)), "positive finite"},
@@ -178,7 +220,7 @@ func TestInputScalesFile(t *testing.T) {
 func FuzzReadInputScales(f *testing.F) {
 	dir := f.TempDir()
 	seed := filepath.Join(dir, "seed.safetensors")
-	if err := WriteInputScales(seed, []InputScales{{FC1: 1, FC2: 2}}, 2, nil); err != nil {
+	if err := WriteInputScales(seed, Config{Layers: 1, Experts: 2}, []InputScales{{FC1: 1, FC2: 2}}, nil); err != nil {
 		f.Fatal(err)
 	}
 	b, err := os.ReadFile(seed)

@@ -15,8 +15,9 @@ import (
 // ModelOptions are the run-time choices a Model is built with.
 type ModelOptions struct {
 	// Recipe is the MoE recipe: moe.RecipeBF16, moe.RecipePerToken
-	// ("nvfp4" on the command line) or moe.RecipePerTensor (whose input
-	// scales Calibrate or SetInputScales set before the first forward).
+	// ("nvfp4" on the command line), moe.RecipePerTensor (whose input
+	// scales Calibrate or SetInputScales set before the first forward) or
+	// moe.RecipeUnitScale.
 	Recipe moe.Recipe
 	// MaxTokens is the most tokens one forward pass carries (prefill chunks
 	// and decode rows together); workspaces are sized for it.

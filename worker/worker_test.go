@@ -215,10 +215,12 @@ func TestPerTensorInputScales(t *testing.T) {
 		scales[i] = policy.InputScales{FC1: 1.0 / 512, FC2: 1.0 / 2048}
 	}
 	good, short := filepath.Join(dir, "good.safetensors"), filepath.Join(dir, "short.safetensors")
-	if err := policy.WriteInputScales(good, scales, mc.Experts, nil); err != nil {
+	if err := policy.WriteInputScales(good, mc, scales, nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := policy.WriteInputScales(short, scales[:1], mc.Experts, nil); err != nil {
+	oneLayer := mc
+	oneLayer.Layers = 1
+	if err := policy.WriteInputScales(short, oneLayer, scales[:1], nil); err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
@@ -229,7 +231,7 @@ func TestPerTensorInputScales(t *testing.T) {
 	}{
 		{"per_tensor without scales", moe.RecipePerTensor, "", "needs them"},
 		{"scales with per_token", moe.RecipePerToken, good, "the others take none"},
-		{"scales of one layer", moe.RecipePerTensor, short, "layer 1 has no gate_proj or up_proj input_scale"},
+		{"scales of one layer", moe.RecipePerTensor, short, "layer 1 has no gate_proj, up_proj, w1 or w3 input_scale"},
 		{"per_tensor", moe.RecipePerTensor, good, ""},
 		{"unit_scale", moe.RecipeUnitScale, "", ""},
 	} {

@@ -78,7 +78,7 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 	csvPath := fs.String("csv", "", "steps: also write the points as CSV to this `file`")
 	plotPath := fs.String("plot", "", "steps: also write an SVG chart of step time against batch size to this `file`")
 	// rollouts
-	recipeName := fs.String("recipe", "bf16", "rollouts: MoE recipe: bf16 or nvfp4")
+	recipeName := fs.String("recipe", "bf16", "rollouts: MoE recipe: bf16, nvfp4, per_tensor (calibrated on random prompts) or unit_scale")
 	requests := fs.Int("requests", 16, "rollouts: requests submitted at once")
 	n := fs.Int("n", 4, "rollouts: samples per request")
 	promptLen := fs.Int("prompt-len", 32, "rollouts: prompt tokens per request; prefill: tokens per prompt (default 4096 there)")
@@ -141,7 +141,7 @@ func runBenchGenerate(ctx context.Context, args []string, stdout, stderr io.Writ
 				seqs[i][j] = int32(r.IntN(cfg.VocabSize))
 			}
 		}
-		if _, err := m.Calibrate(seqs); err != nil {
+		if _, err := m.Calibrate(ctx, seqs); err != nil {
 			return nil, errors.Join(fmt.Errorf("calibrate: %w", err), m.Close())
 		}
 		return m, nil

@@ -57,10 +57,7 @@ func runCalibrate(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		return err
 	}
 	defer m.Close()
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	scales, err := m.Calibrate(seqs)
+	scales, err := m.Calibrate(ctx, seqs)
 	if err != nil {
 		return err
 	}
@@ -69,7 +66,7 @@ func runCalibrate(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		tokens += len(s)
 	}
 	meta := map[string]string{"producer": "rollout-worker calibrate", "sequences": strconv.Itoa(len(seqs)), "tokens": strconv.Itoa(tokens)}
-	if err := policy.WriteInputScales(*outPath, scales, m.Config().Experts, meta); err != nil {
+	if err := policy.WriteInputScales(*outPath, m.Config(), scales, meta); err != nil {
 		return err
 	}
 	type layer struct {

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/natsembed"
+	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit"
 	"github.com/rollout-worker/rollout-worker/rollout"
@@ -55,12 +56,15 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) (err 
 	clients := fs.Int("clients", 4, "concurrent driver clients")
 	preset := fs.String("preset", "tiny", "random model preset: "+strings.Join(policy.PresetNames(), ", "))
 	layers := fs.Int("layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
-	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16 or nvfp4")
+	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16, nvfp4 or unit_scale")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	recipe, err := recipeFlag(*recipeName)
+	if err == nil && recipe == moe.RecipePerTensor {
+		err = usageErrorf("--recipe per_tensor needs input scales (serve --input-scales); the demo takes bf16, nvfp4 or unit_scale")
+	}
 	if err != nil {
 		return err
 	}

@@ -583,7 +583,7 @@ func routePer(e int) int {
 const dispatchMaxT = 32
 
 // Dispatch runs Route, Permute on its ids and, when q is not nil, a PerRow
-// Quantize of the activations (kernels.Dispatcher). Up to 32 tokens, 256
+// or PerTensor Quantize of the activations (kernels.Dispatcher). Up to 32 tokens, 256
 // experts and top-32 it is one kernel (dispatch_r*: block 0 routes, a warp
 // a token, and sorts; the next blocks quantize a row each), otherwise the
 // separate ops.

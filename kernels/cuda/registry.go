@@ -286,10 +286,11 @@ func planAttention(pairs, groups, sms, warps int) attPlan {
 func ceilDiv(a, b int) int { return (a + b - 1) / b }
 
 // attSpreadSeqs is the most sequences a launch of kvHeads KV heads can
-// spread over z > 1 blocks (planAttention): the scratch AttentionScratch
-// sizes holds that many.
+// spread over z > 1 blocks (planAttention: two blocks a pair need at most
+// half the slots, at most attNarrowBlocks*sms/2 pairs): the scratch
+// AttentionScratch sizes holds that many.
 func attSpreadSeqs(kvHeads, sms int) int {
-	return (attNarrowBlocks*sms + kvHeads - 1) / kvHeads
+	return (attNarrowBlocks*sms/2 + kvHeads - 1) / kvHeads
 }
 
 // attScratchEntry is the floats of one group partial in att_tc's scratch

@@ -102,6 +102,17 @@ func Calibrate(t testing.TB, be kernels.Backend, l *moe.Layer, xs ...[]byte) (fc
 	return fc1, fc2
 }
 
+// uploadBF16 puts BF16 bytes (rows of h values) on be, freed when the test
+// ends.
+func uploadBF16(t testing.TB, be kernels.Backend, x []byte, h int) *kernels.Buffer {
+	t.Helper()
+	b := Alloc(t, be, kernels.BF16, len(x)/2/h, h)
+	if err := be.Upload(b, 0, x); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
 // amaxBytes is the largest |value| of BF16 bytes.
 func amaxBytes(b []byte) float32 {
 	u := make([]uint16, len(b)/2)
@@ -134,8 +145,13 @@ func testPerTensor(t *testing.T, be kernels.Backend) {
 			if _, _, err := l.EndCalibration(); err == nil {
 				t.Fatal("EndCalibration without a Calibrate: no error")
 			}
-			fc1, fc2 := Calibrate(t, be, l, x1, x2)
-			_, want1 := nvfp4.EncodeScale(max(amaxBytes(x1), amaxBytes(x2)))
+			// x2 (std 2) has the larger amax: calibrated after it, x1 must
+			// not replace its maximum.
+			if !(amaxBytes(x2) > amaxBytes(x1)) {
+				t.Fatalf("amax %g of x2 not above x1's %g: the test needs it", amaxBytes(x2), amaxBytes(x1))
+			}
+			fc1, fc2 := Calibrate(t, be, l, x2, x1)
+			_, want1 := nvfp4.EncodeScale(amaxBytes(x2))
 			if fc1 != want1 || !(fc2 > 0) || math.IsInf(float64(fc2), 0) {
 				t.Fatalf("calibrated scales %g, %g; want %g (the batches' amax) and a positive finite one", fc1, fc2, want1)
 			}
@@ -186,10 +202,18 @@ func testPerTensor(t *testing.T, be kernels.Backend) {
 			if !bytes.Equal(Forward(t, be, l, x1), Forward(t, be, fresh, x1)) {
 				t.Error("after a refit, the layer differs from a fresh one with the same weights and scales")
 			}
-			// A calibration again starts afresh: from x2 alone.
-			fc1b, _ := Calibrate(t, be, l, x2)
-			if _, want := nvfp4.EncodeScale(amaxBytes(x2)); fc1b != want {
-				t.Errorf("a second calibration over x2: FC1 scale %g, want %g", fc1b, want)
+			// A calibration again starts afresh: from x1 alone, whatever
+			// the last one saw; so does one after ResetCalibration.
+			fc1b, _ := Calibrate(t, be, l, x1)
+			if _, want := nvfp4.EncodeScale(amaxBytes(x1)); fc1b != want {
+				t.Errorf("a second calibration over x1: FC1 scale %g, want %g", fc1b, want)
+			}
+			if err := l.Calibrate(Alloc(t, be, kernels.BF16, 20, cfg.Hidden), uploadBF16(t, be, x2, cfg.Hidden)); err != nil {
+				t.Fatal(err)
+			}
+			l.ResetCalibration()
+			if fc1c, _ := Calibrate(t, be, l, x1); fc1c != fc1b {
+				t.Errorf("a calibration over x1 after a reset: FC1 scale %g, want %g", fc1c, fc1b)
 			}
 			base.Recipe = moe.RecipePerToken
 			other := NewLayer(t, be, base, w)

@@ -423,7 +423,7 @@ __device__ __forceinline__ long long att_row_off(const AttKV &kv, int p, int lim
 template <int D>
 __device__ __forceinline__ void att_load(bf16_t *stage, const AttKV &kv, int c0, int limit, int lane) {
     typedef AttTC<D> T;
-    static_assert(ATT_CHUNK == 32 && 32 % T::UPR == 0, "a lane per position, whole rows per pass");
+    static_assert(ATT_CHUNK == 32, "a lane per position");
     const long long mine = att_row_off<D>(kv, c0 + lane, limit);
 #pragma unroll
     for (int i = 0; i < T::UNITS; i++) {
@@ -615,12 +615,15 @@ __device__ __forceinline__ bool att_idle(const int *seqLens, const int *querySta
 // group's partial goes to scratch (per sequence and KV head: a counter at
 // the front, then maxGroups entries of AttTC<D>::ENTRY floats) and the last
 // block joins them; with gridDim.z == 1 the block joins them itself and
-// scratch may be null. A 4-warp block runs a group's four splits on its
-// four warps at once; a 1-warp block walks them in order. Either way a
-// group's splits are joined in split order and the groups in group order,
-// by the same operations, so W changes no bit: the host takes 4 warps when
-// a launch has few rows (a row's positions spread widest) and 1 when it has
-// many (four blocks a multiprocessor, no warp idle while another walks).
+// scratch may be null. For a one-row tile a 4-warp block runs a group's
+// four splits on its four warps at once; a 1-warp block walks them in
+// order. A prefill tile's warps each walk their own rows' splits in order,
+// in a 4-warp block over stages the warps share. Either way a group's
+// splits are joined in split order and the groups in group order, by the
+// same operations, so W changes no bit: the host takes 4 warps when a
+// launch has few rows (a row's positions spread widest) or mostly prefill
+// rows, and 1 when it has many decode rows (four blocks a multiprocessor,
+// no warp idle while another walks).
 template <int D, int GROUP, int W>
 __global__ void __launch_bounds__(W * 32, 1)
 att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *cv, const int *pageTable, const int *seqLens,

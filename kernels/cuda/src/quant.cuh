@@ -109,8 +109,8 @@ __device__ __forceinline__ void quant_matrix_blocks(const bf16_t *src, unsigned 
     }
 }
 
-// quant_rows is the per-token recipe: one row per block (quant_row_block),
-// with the row's own global scale. The block takes the row's amax (an order-free max), then
+// quant_row_block quantizes one row per block (quant_rows, dispatch_r),
+// with the row's own global scale (per_token). The block takes the row's amax (an order-free max), then
 // quantizes blocks t, t+blockDim, ... in thread t, and writes the row's
 // S_dec. A block per row keeps decode (a handful of rows) from running on
 // a single warp. With given (the per_tensor recipe: the tensor's S_dec in
