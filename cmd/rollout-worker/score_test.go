@@ -11,11 +11,19 @@ import (
 	"testing"
 )
 
-// TestScore scores the transformers-written reference checkpoint through
-// the command and compares with transformers' float32 logprobs.
-func TestScore(t *testing.T) {
-	dir := filepath.Join("..", "..", "policy", "testdata", "reference", "qwen3_moe")
-	raw, err := os.ReadFile(filepath.Join(dir, "reference.json"))
+// reference is the transformers-written reference checkpoint, its
+// sequences in a tokens file for the commands, and transformers' float32
+// logprobs of them.
+type reference struct {
+	dir, tokens string
+	seqs        [][]int32
+	fp32        [][]*float64
+}
+
+func loadReference(t *testing.T) reference {
+	t.Helper()
+	r := reference{dir: filepath.Join("..", "..", "policy", "testdata", "reference", "qwen3_moe")}
+	raw, err := os.ReadFile(filepath.Join(r.dir, "reference.json"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -26,47 +34,63 @@ func TestScore(t *testing.T) {
 	if err := json.Unmarshal(raw, &ref); err != nil {
 		t.Fatal(err)
 	}
-	tokens := filepath.Join(t.TempDir(), "tokens.json")
-	in, _ := json.Marshal(map[string]any{"sequences": ref.Sequences})
-	if err := os.WriteFile(tokens, in, 0o644); err != nil {
+	r.seqs, r.fp32 = ref.Sequences, ref.FP32
+	r.tokens = filepath.Join(t.TempDir(), "tokens.json")
+	in, _ := json.Marshal(map[string]any{"sequences": r.seqs})
+	if err := os.WriteFile(r.tokens, in, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	return r
+}
+
+// scoreError runs score on the reference's sequences with the extra args,
+// checks the output's shape and returns the mean |logprob - transformers
+// fp32| over the scored tokens.
+func (r reference) scoreError(t *testing.T, args ...string) float64 {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), append([]string{"score", "--model", r.dir, "--tokens", r.tokens}, args...), &stdout, &stderr); code != 0 {
+		t.Fatalf("score %v: exit %d: %s", args, code, stderr.String())
+	}
+	var out struct {
+		LogProbs [][]*float64 `json:"logprobs"`
+	}
+	if err := json.Unmarshal(stdout.Bytes(), &out); err != nil {
+		t.Fatalf("%v: %s", err, stdout.String())
+	}
+	if len(out.LogProbs) != len(r.seqs) {
+		t.Fatalf("%d rows for %d sequences", len(out.LogProbs), len(r.seqs))
+	}
+	var sum float64
+	var n int
+	for i, row := range out.LogProbs {
+		if len(row) != len(r.seqs[i]) || row[0] != nil {
+			t.Fatalf("sequence %d: %d entries (want %d, the first null)", i, len(row), len(r.seqs[i]))
+		}
+		for j := 1; j < len(row); j++ {
+			sum += math.Abs(*row[j] - *r.fp32[i][j])
+			n++
+		}
+	}
+	return sum / float64(n)
+}
+
+// TestScore scores the transformers-written reference checkpoint through
+// the command and compares with transformers' float32 logprobs.
+func TestScore(t *testing.T) {
+	ref := loadReference(t)
 	for _, recipe := range []string{"bf16", "nvfp4"} {
 		t.Run(recipe, func(t *testing.T) {
-			var stdout, stderr bytes.Buffer
-			if code := run(context.Background(), []string{"score", "--model", dir, "--tokens", tokens, "--recipe", recipe}, &stdout, &stderr); code != 0 {
-				t.Fatalf("exit %d: %s", code, stderr.String())
-			}
-			var out struct {
-				LogProbs [][]*float64 `json:"logprobs"`
-			}
-			if err := json.Unmarshal(stdout.Bytes(), &out); err != nil {
-				t.Fatalf("%v: %s", err, stdout.String())
-			}
-			if len(out.LogProbs) != len(ref.Sequences) {
-				t.Fatalf("%d rows for %d sequences", len(out.LogProbs), len(ref.Sequences))
-			}
-			var sum float64
-			var n int
-			for i, row := range out.LogProbs {
-				if len(row) != len(ref.Sequences[i]) || row[0] != nil {
-					t.Fatalf("sequence %d: %d entries (want %d, the first null)", i, len(row), len(ref.Sequences[i]))
-				}
-				for j := 1; j < len(row); j++ {
-					sum += math.Abs(*row[j] - *ref.FP32[i][j])
-					n++
-				}
-			}
 			// bf16 tracks transformers' fp32 to 0.005 on average (see the
 			// policy reference test). NVFP4 experts add their quantization
 			// error, large at this toy width (hidden 64 is four blocks a
 			// row): measured 0.103. The bound catches a broken path, not
 			// NVFP4's accuracy, which moe's tests cover.
 			limit := map[string]float64{"bf16": 0.02, "nvfp4": 0.25}[recipe]
-			if mean := sum / float64(n); mean > limit {
+			if mean := ref.scoreError(t, "--recipe", recipe); mean > limit {
 				t.Fatalf("mean |logprob - transformers fp32| = %.4f, want <= %v", mean, limit)
 			} else {
-				t.Logf("%s: mean |logprob - transformers fp32| = %.4f over %d tokens", recipe, mean, n)
+				t.Logf("%s: mean |logprob - transformers fp32| = %.4f", recipe, mean)
 			}
 		})
 	}

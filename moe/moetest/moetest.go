@@ -86,12 +86,8 @@ func Calibrate(t testing.TB, be kernels.Backend, l *moe.Layer, xs ...[]byte) (fc
 	t.Helper()
 	H := l.Config().Hidden
 	for _, x := range xs {
-		T := len(x) / 2 / H
-		in, out := Alloc(t, be, kernels.BF16, T, H), Alloc(t, be, kernels.BF16, T, H)
-		if err := be.Upload(in, 0, x); err != nil {
-			t.Fatal(err)
-		}
-		if err := l.Calibrate(out, in); err != nil {
+		in := uploadBF16(t, be, x, H)
+		if err := l.Calibrate(Alloc(t, be, kernels.BF16, in.Dim(0), H), in); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -208,7 +204,7 @@ func testPerTensor(t *testing.T, be kernels.Backend) {
 			if _, want := nvfp4.EncodeScale(amaxBytes(x1)); fc1b != want {
 				t.Errorf("a second calibration over x1: FC1 scale %g, want %g", fc1b, want)
 			}
-			if err := l.Calibrate(Alloc(t, be, kernels.BF16, 20, cfg.Hidden), uploadBF16(t, be, x2, cfg.Hidden)); err != nil {
+			if err := l.Calibrate(Alloc(t, be, kernels.BF16, 20, cfg.Hidden), uploadBF16(t, be, x2, cfg.Hidden)); err != nil { // x2 is 20 tokens
 				t.Fatal(err)
 			}
 			l.ResetCalibration()
@@ -288,11 +284,8 @@ func NewLayer(t testing.TB, be kernels.Backend, cfg moe.Config, w moebench.Weigh
 func Forward(t testing.TB, be kernels.Backend, l *moe.Layer, x []byte) []byte {
 	t.Helper()
 	H := l.Config().Hidden
-	T := len(x) / 2 / H
-	in, out := Alloc(t, be, kernels.BF16, T, H), Alloc(t, be, kernels.BF16, T, H)
-	if err := be.Upload(in, 0, x); err != nil {
-		t.Fatal(err)
-	}
+	in := uploadBF16(t, be, x, H)
+	out := Alloc(t, be, kernels.BF16, in.Dim(0), H)
 	if err := l.Forward(out, in); err != nil {
 		t.Fatal(err)
 	}

@@ -399,6 +399,65 @@ struct AttSplit {
     }
 };
 
+// AttWalk is a warp's joins as it walks its rows' splits in order: each
+// split into the group partial G (maxima gm, sums gl), each finished group
+// into the total Tt (tm, tl); G and Tt are shared-memory areas whose
+// element idx = e * 32 + lane the lane owns. Every walk joins through it,
+// so every walk adds in the same order with the same operations.
+template <int D>
+struct AttWalk {
+    float gmA, gmB, glA, glB, tmA, tmB, tlA, tlB;
+    // start empties the total; group empties G (a group starts empty).
+    __device__ __forceinline__ void start(float *Tt, int lane) {
+        tmA = tmB = -inf_f32();
+        tlA = tlB = 0.0f;
+        for (int e = 0; e < AttTC<D>::ACC; e++) Tt[e * 32 + lane] = 0.0f;
+    }
+    __device__ __forceinline__ void group(float *G, int lane) {
+        gmA = gmB = -inf_f32();
+        glA = glB = 0.0f;
+        for (int e = 0; e < AttTC<D>::ACC; e++) G[e * 32 + lane] = 0.0f;
+    }
+    // split joins a finished split s into G.
+    __device__ __forceinline__ void split(float *G, const AttSplit<D> &s, int lane) {
+        const AttMix xA = att_mix(gmA, s.mA), xB = att_mix(gmB, s.mB);
+#pragma unroll
+        for (int n = 0; n < AttTC<D>::NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int idx = (n * 4 + c) * 32 + lane;
+                G[idx] = att_join(c < 2 ? xA : xB, G[idx], s.acc[n][c]);
+            }
+        glA = att_join(xA, glA, s.lA);
+        glB = att_join(xB, glB, s.lB);
+        gmA = xA.m;
+        gmB = xB.m;
+    }
+    // finish hands store each element of Tt that belongs to one of the
+    // warp's wrows query rows (j: the lane's row of A or B), with its sum.
+    template <class Store>
+    __device__ __forceinline__ void finish(const float *Tt, int jA, int jB, int wrows, int lane, Store store) const {
+        for (int e = 0; e < AttTC<D>::ACC; e++) {
+            const int idx = e * 32 + lane;
+            const bool b = (e & 2) != 0;
+            const int j = b ? jB : jA;
+            if (j < wrows) store(idx, Tt[idx], b ? tlB : tlA, j);
+        }
+    }
+    // total joins the finished group G into Tt.
+    __device__ __forceinline__ void total(float *Tt, const float *G, int lane) {
+        const AttMix yA = att_mix(tmA, gmA), yB = att_mix(tmB, gmB);
+        for (int e = 0; e < AttTC<D>::ACC; e++) {
+            const int idx = e * 32 + lane;
+            Tt[idx] = att_join((e & 2) ? yB : yA, Tt[idx], G[idx]);
+        }
+        tlA = att_join(yA, tlA, glA);
+        tlB = att_join(yB, tlB, glB);
+        tmA = yA.m;
+        tmB = yB.m;
+    }
+};
+
 // AttKV is where a warp's K and V rows come from.
 struct AttKV {
     const bf16_t *ck, *cv;
@@ -699,9 +758,8 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
         const int blimit = first + nrows;
         bf16_t *sbuf = reinterpret_cast<bf16_t *>(att_smem);
         float *G = areas + (warp * 2) * T::AREA, *Tt = G + T::AREA;
-        float gmA = -inf_f32(), gmB = -inf_f32(), glA = 0.0f, glB = 0.0f;
-        float tmA = -inf_f32(), tmB = -inf_f32(), tlA = 0.0f, tlB = 0.0f;
-        for (int e = 0; e < T::ACC; e++) Tt[e * 32 + lane] = 0.0f;
+        AttWalk<D> wk;
+        wk.start(Tt, lane);
         AttSplit<D> s;
         int stage = 0;
         att_load_rows<D>(sbuf, kv, 0, blimit, warp, lane);
@@ -714,48 +772,18 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
             if (c0 < limit) {
                 if (c0 % ATT_SPLIT == 0) {
                     s.reset();
-                    if (c0 % ATT_GROUPLEN == 0) { // the group starts empty
-                        gmA = gmB = -inf_f32();
-                        glA = glB = 0.0f;
-                        for (int e = 0; e < T::ACC; e++) G[e * 32 + lane] = 0.0f;
-                    }
+                    if (c0 % ATT_GROUPLEN == 0) wk.group(G, lane);
                 }
                 att_chunk<D>(s, qf, sbuf + stage * T::STAGE, c0, cntA, cntB, scale2, lane, limit);
-                if (nc % ATT_SPLIT == 0 || nc >= limit) { // the split ends: G takes it
-                    const AttMix xA = att_mix(gmA, s.mA), xB = att_mix(gmB, s.mB);
-#pragma unroll
-                    for (int n = 0; n < T::NT; n++)
-#pragma unroll
-                        for (int c = 0; c < 4; c++) {
-                            const int idx = (n * 4 + c) * 32 + lane;
-                            G[idx] = att_join(c < 2 ? xA : xB, G[idx], s.acc[n][c]);
-                        }
-                    glA = att_join(xA, glA, s.lA);
-                    glB = att_join(xB, glB, s.lB);
-                    gmA = xA.m;
-                    gmB = xB.m;
-                    if (nc % ATT_GROUPLEN == 0 || nc >= limit) { // the group ends: Tt takes it
-                        const AttMix yA = att_mix(tmA, gmA), yB = att_mix(tmB, gmB);
-                        for (int e = 0; e < T::ACC; e++) {
-                            const int idx = e * 32 + lane;
-                            Tt[idx] = att_join((e & 2) ? yB : yA, Tt[idx], G[idx]);
-                        }
-                        tlA = att_join(yA, tlA, glA);
-                        tlB = att_join(yB, tlB, glB);
-                        tmA = yA.m;
-                        tmB = yB.m;
-                    }
+                if (nc % ATT_SPLIT == 0 || nc >= limit) { // the split ends
+                    wk.split(G, s, lane);
+                    if (nc % ATT_GROUPLEN == 0 || nc >= limit) wk.total(Tt, G, lane); // the group ends
                 }
             }
             __syncthreads(); // every warp is done with the stage before it is refilled
             stage ^= 1;
         }
-        for (int e = 0; e < T::ACC; e++) {
-            const int idx = e * 32 + lane;
-            const bool b = (e & 2) != 0;
-            const int j = b ? jB : jA;
-            if (j < wrows) store(idx, Tt[idx], b ? tlB : tlA, j);
-        }
+        wk.finish(Tt, jA, jB, wrows, lane, store);
         return;
     }
     if (!split || W == 1) {
@@ -775,14 +803,13 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
         // G and Tt start at zero, as the 4-warp block's registers do: a
         // row whose partial is empty keeps them.
         float *G = areas + (warp * 2) * T::AREA, *Tt = G + T::AREA;
-        float tmA = -inf_f32(), tmB = -inf_f32(), tlA = 0.0f, tlB = 0.0f;
-        for (int e = 0; e < T::ACC; e++) Tt[e * 32 + lane] = 0.0f;
+        AttWalk<D> wk;
+        wk.start(Tt, lane);
         int stage = 0;
         att_load<D>(bufs, kv, g0 * ATT_GROUPLEN, limit, lane);
         AttSplit<D> s;
         for (int g = g0; g < ngroups; g += gstep) {
-            float gmA = -inf_f32(), gmB = -inf_f32(), glA = 0.0f, glB = 0.0f; // the group starts empty
-            for (int e = 0; e < T::ACC; e++) G[e * 32 + lane] = 0.0f;
+            wk.group(G, lane);
             for (int k = 0; k < ATT_SPLITS; k++) {
                 const int s0 = (g * ATT_SPLITS + k) * ATT_SPLIT;
                 if (s0 >= limit) break;
@@ -790,39 +817,20 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
                 const int ng = (g + gstep) * ATT_GROUPLEN;
                 const int next = k + 1 < ATT_SPLITS && s1 < limit ? s1 : ng < limit ? ng : -1;
                 att_split<D>(s, qf, bufs, stage, kv, s0, s1, next, limit, cntA, cntB, scale2, lane);
-                const AttMix xA = att_mix(gmA, s.mA), xB = att_mix(gmB, s.mB);
-#pragma unroll
-                for (int n = 0; n < T::NT; n++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        const int idx = (n * 4 + c) * 32 + lane;
-                        G[idx] = att_join(c < 2 ? xA : xB, G[idx], s.acc[n][c]);
-                    }
-                glA = att_join(xA, glA, s.lA);
-                glB = att_join(xB, glB, s.lB);
-                gmA = xA.m;
-                gmB = xB.m;
+                wk.split(G, s, lane);
             }
             if (spread) {
                 float *ent = entries + (entry0 + g) * T::ENTRY;
                 for (int e = 0; e < T::ACC; e++) ent[e * 32 + lane] = G[e * 32 + lane];
                 if ((lane & 3) == 0) {
-                    ent[T::AREA + lr] = gmA;
-                    ent[T::AREA + lr + 8] = gmB;
-                    ent[T::AREA + 16 + lr] = glA;
-                    ent[T::AREA + 16 + lr + 8] = glB;
+                    ent[T::AREA + lr] = wk.gmA;
+                    ent[T::AREA + lr + 8] = wk.gmB;
+                    ent[T::AREA + 16 + lr] = wk.glA;
+                    ent[T::AREA + 16 + lr + 8] = wk.glB;
                 }
                 continue;
             }
-            const AttMix yA = att_mix(tmA, gmA), yB = att_mix(tmB, gmB);
-            for (int e = 0; e < T::ACC; e++) {
-                const int idx = e * 32 + lane;
-                Tt[idx] = att_join((e & 2) ? yB : yA, Tt[idx], G[idx]);
-            }
-            tlA = att_join(yA, tlA, glA);
-            tlB = att_join(yB, tlB, glB);
-            tmA = yA.m;
-            tmB = yB.m;
+            wk.total(Tt, G, lane);
         }
         if (spread) {
             // The last of the row's blocks to finish joins every group
@@ -839,24 +847,19 @@ att_tc(int *err, bf16_t *out, const bf16_t *q, const bf16_t *ck, const bf16_t *c
 #pragma unroll 2
             for (int g = 0; g < ngroups; g++) {
                 const float *ent = entries + (entry0 + g) * T::ENTRY;
-                const AttMix yA = att_mix(tmA, __ldcg(ent + T::AREA + lr)), yB = att_mix(tmB, __ldcg(ent + T::AREA + lr + 8));
+                const AttMix yA = att_mix(wk.tmA, __ldcg(ent + T::AREA + lr)), yB = att_mix(wk.tmB, __ldcg(ent + T::AREA + lr + 8));
 #pragma unroll
                 for (int e = 0; e < T::ACC; e++) tacc[e] = att_join((e & 2) ? yB : yA, tacc[e], __ldcg(ent + e * 32 + lane));
-                tlA = att_join(yA, tlA, __ldcg(ent + T::AREA + 16 + lr));
-                tlB = att_join(yB, tlB, __ldcg(ent + T::AREA + 16 + lr + 8));
-                tmA = yA.m;
-                tmB = yB.m;
+                wk.tlA = att_join(yA, wk.tlA, __ldcg(ent + T::AREA + 16 + lr));
+                wk.tlB = att_join(yB, wk.tlB, __ldcg(ent + T::AREA + 16 + lr + 8));
+                wk.tmA = yA.m;
+                wk.tmB = yB.m;
             }
             if (lane == 0) *counter_of(scratch, r.seq * kvHeads + kvh) = 0; // ready for the next launch
 #pragma unroll
             for (int e = 0; e < T::ACC; e++) Tt[e * 32 + lane] = tacc[e];
         }
-        for (int e = 0; e < T::ACC; e++) {
-            const int idx = e * 32 + lane;
-            const bool b = (e & 2) != 0;
-            const int j = b ? jB : jA;
-            if (j < wrows) store(idx, Tt[idx], b ? tlB : tlA, j);
-        }
+        wk.finish(Tt, jA, jB, wrows, lane, store);
         return;
     }
 
