@@ -8,8 +8,6 @@ import (
 	"regexp"
 	"strconv"
 
-	"github.com/nlpodyssey/safetensors"
-
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
 	"github.com/rollout-worker/rollout-worker/moe"
 )
@@ -152,7 +150,7 @@ func ReadInputScales(path string, layers, experts int) ([]InputScales, error) {
 		if err != nil {
 			return nil, fmt.Errorf("policy: input scales: %w", err)
 		}
-		if t.DType != safetensors.F32 || len(t.Data) != 4 {
+		if t.DType != stfile.F32 || len(t.Data) != 4 {
 			return nil, fmt.Errorf("policy: input scales: %s: %s is %s %v, want an F32 scalar", path, name, t.DType, t.Shape)
 		}
 		v := math.Float32frombits(binary.LittleEndian.Uint32(t.Data))
@@ -195,7 +193,7 @@ func WriteInputScales(path string, cfg Config, scales []InputScales, metadata ma
 				data := make([]byte, 4)
 				binary.LittleEndian.PutUint32(data, math.Float32bits(v))
 				ts = append(ts, stfile.Tensor{Name: fmt.Sprintf("model.layers.%d.%s.experts.%d.%s.input_scale", l, prefix, e, projs[i]),
-					DType: safetensors.F32, Shape: []uint64{}, Data: data})
+					DType: stfile.F32, Shape: []uint64{}, Data: data})
 			}
 		}
 	}

@@ -12,8 +12,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nlpodyssey/safetensors"
-
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
 	"github.com/rollout-worker/rollout-worker/moe"
 )
@@ -170,7 +168,7 @@ func TestInputScalesFile(t *testing.T) {
 	scalar := func(name string, v float32) stfile.Tensor {
 		data := make([]byte, 4)
 		binary.LittleEndian.PutUint32(data, math.Float32bits(v))
-		return stfile.Tensor{Name: name, DType: safetensors.F32, Shape: []uint64{}, Data: data}
+		return stfile.Tensor{Name: name, DType: stfile.F32, Shape: []uint64{}, Data: data}
 	}
 	name := func(l, e int, proj string) string {
 		return fmt.Sprintf("model.layers.%d.mlp.experts.%d.%s.input_scale", l, e, proj)
@@ -191,8 +189,8 @@ func TestInputScalesFile(t *testing.T) {
 		{"expert past the model", append(slices.Clone(full), scalar(name(0, 2, "gate_proj"), 1)), "of 2 experts"},
 		{"zero", append(slices.Clone(full), scalar(name(0, 0, "up_proj"), 0)), "positive finite"},
 		{"nan", append(slices.Clone(full), scalar(name(0, 0, "up_proj"), float32(math.NaN()))), "positive finite"},
-		{"bf16", append(slices.Clone(full), stfile.Tensor{Name: name(0, 0, "up_proj"), DType: safetensors.BF16, Shape: []uint64{}, Data: []byte{0x80, 0x3f}}), "F32 scalar"},
-		{"vector", append(slices.Clone(full), stfile.Tensor{Name: name(0, 0, "up_proj"), DType: safetensors.F32, Shape: []uint64{2}, Data: make([]byte, 8)}), "F32 scalar"},
+		{"bf16", append(slices.Clone(full), stfile.Tensor{Name: name(0, 0, "up_proj"), DType: stfile.BF16, Shape: []uint64{}, Data: []byte{0x80, 0x3f}}), "F32 scalar"},
+		{"vector", append(slices.Clone(full), stfile.Tensor{Name: name(0, 0, "up_proj"), DType: stfile.F32, Shape: []uint64{2}, Data: make([]byte, 8)}), "F32 scalar"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "_")+".safetensors")

@@ -5,7 +5,8 @@
 //
 // Open maps a file read-only into memory (syscall.Mmap on Linux and macOS; on
 // other systems the whole file is read into a heap buffer instead) and parses
-// its header with github.com/nlpodyssey/safetensors. The header is treated as
+// its header (the format github.com/nlpodyssey/safetensors defines, plus the
+// F8_E4M3 and F8_E5M2 types it lacks). The header is treated as
 // untrusted input: every tensor's byte range is checked against the file's
 // size, so a malformed or truncated file gives an error, never a panic or an
 // out-of-range slice.
@@ -33,7 +34,8 @@
 //
 // # Writing
 //
-// Write serializes tensors with safetensors.SerializeToWriter into a
+// Write serializes tensors with safetensors.SerializeToWriter (files holding
+// F8_E4M3 or F8_E5M2 tensors in the same layout by its own encoder) into a
 // temporary file in the destination's directory, syncs it and renames it over
 // the destination, so readers see either the old file or the complete new one
 // and a failed write leaves nothing behind. Scalar tensors (shape []) are

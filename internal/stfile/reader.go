@@ -2,7 +2,6 @@ package stfile
 
 import (
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -10,9 +9,6 @@ import (
 	"maps"
 	"os"
 	"slices"
-	"sort"
-
-	"github.com/nlpodyssey/safetensors"
 )
 
 // maxHeaderBytes bounds the JSON header a Reader reads, as the safetensors
@@ -90,49 +86,14 @@ func readHeader(path string, fd *os.File, size int64) (*Reader, error) {
 	if _, err := fd.ReadAt(head, 8); err != nil && !(errors.Is(err, io.EOF) && n == 0) {
 		return nil, fmt.Errorf("stfile: read %s: %w", path, err)
 	}
-	var meta safetensors.Metadata
-	if err := json.Unmarshal(head, &meta); err != nil {
-		return bad("invalid header deserialization: %v", err)
+	h, err := parseHeader(head, uint64(size-8-int64(n)))
+	if err != nil {
+		return bad("%v", err)
 	}
-	r := &Reader{path: path, f: fd, size: size, tensors: map[string]TensorInfo{}, metadata: meta.Metadata()}
-	if r.metadata == nil {
-		r.metadata = map[string]string{}
-	}
-	dataStart, dataLen := 8+int64(n), size-8-int64(n)
-	infos := meta.Tensors()
-	r.names = slices.Sorted(maps.Keys(infos))
-	type span struct {
-		lo, hi uint64
-		name   string
-	}
-	spans := make([]span, 0, len(infos))
-	for name, info := range infos {
-		lo, hi := info.DataOffsets[0], info.DataOffsets[1]
-		if lo > hi || hi > uint64(dataLen) {
-			return bad("tensor %q: data offsets [%d, %d) outside the %d data bytes", name, lo, hi, dataLen)
-		}
-		t := Tensor{Name: name, DType: info.DType, Shape: info.Shape}
-		if t.Shape == nil {
-			t.Shape = []uint64{}
-		}
-		if err := t.checkLen(int(hi - lo)); err != nil {
-			return bad("tensor %q: %v", name, err)
-		}
-		r.tensors[name] = TensorInfo{Name: name, DType: t.DType, Shape: t.Shape, Offset: dataStart + int64(lo), Size: int64(hi - lo)}
-		spans = append(spans, span{lo, hi, name})
-	}
-	sort.Slice(spans, func(i, j int) bool {
-		return spans[i].lo < spans[j].lo || spans[i].lo == spans[j].lo && spans[i].hi < spans[j].hi
-	})
-	var at uint64
-	for _, s := range spans {
-		if s.lo != at {
-			return bad("tensor %q: data starts at %d, want %d", s.name, s.lo, at)
-		}
-		at = s.hi
-	}
-	if at != uint64(dataLen) {
-		return bad("tensors cover %d of the %d data bytes", at, dataLen)
+	r := &Reader{path: path, f: fd, size: size, tensors: make(map[string]TensorInfo, len(h.entries)), names: h.names, metadata: h.metadata}
+	dataStart := 8 + int64(n)
+	for name, e := range h.entries {
+		r.tensors[name] = TensorInfo{Name: name, DType: e.dtype, Shape: e.shape, Offset: dataStart + int64(e.lo), Size: int64(e.hi - e.lo)}
 	}
 	return r, nil
 }

@@ -59,6 +59,7 @@ func TestReader(t *testing.T) {
 		"valid":           good,
 		"empty tensors":   header(`{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"b":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}`, nil),
 		"scalar":          header(`{"a":{"dtype":"U8","shape":[],"data_offsets":[0,1]}}`, []byte{7}),
+		"8-bit floats":    header(`{"a":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"F8_E5M2","shape":[1],"data_offsets":[2,3]}}`, []byte{0x38, 0x7e, 0x3c}),
 		"no tensors":      header(`{}`, nil),
 		"empty":           {},
 		"short":           {1, 2, 3},

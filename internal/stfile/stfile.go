@@ -1,6 +1,7 @@
 package stfile
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,28 +12,79 @@ import (
 	"github.com/nlpodyssey/safetensors"
 )
 
-// DType is a safetensors element type.
-type DType = safetensors.DType
+// DType is a safetensors element type: the types of
+// github.com/nlpodyssey/safetensors, with the same values, and the 8-bit
+// floats it lacks, which NVFP4 and FP8 checkpoints store their scales in
+// (F8_E4M3, F8_E5M2). Files holding those are read by stfile's own header
+// parser; Write takes only the library's types.
+type DType uint8
 
-// Element types, re-exported from github.com/nlpodyssey/safetensors.
+// Element types: the library's, then (below) the 8-bit floats.
 const (
-	BOOL = safetensors.BOOL
-	U8   = safetensors.U8
-	I8   = safetensors.I8
-	I16  = safetensors.I16
-	U16  = safetensors.U16
-	F16  = safetensors.F16
-	BF16 = safetensors.BF16
-	I32  = safetensors.I32
-	U32  = safetensors.U32
-	F32  = safetensors.F32
-	F64  = safetensors.F64
-	I64  = safetensors.I64
-	U64  = safetensors.U64
+	BOOL = DType(safetensors.BOOL)
+	U8   = DType(safetensors.U8)
+	I8   = DType(safetensors.I8)
+	I16  = DType(safetensors.I16)
+	U16  = DType(safetensors.U16)
+	F16  = DType(safetensors.F16)
+	BF16 = DType(safetensors.BF16)
+	I32  = DType(safetensors.I32)
+	U32  = DType(safetensors.U32)
+	F32  = DType(safetensors.F32)
+	F64  = DType(safetensors.F64)
+	I64  = DType(safetensors.I64)
+	U64  = DType(safetensors.U64)
 )
 
-// lastDType is the largest valid DType value.
-const lastDType = U64
+const (
+	F8E4M3 = U64 + 1 + iota // "F8_E4M3": float8_e4m3fn
+	F8E5M2                  // "F8_E5M2": float8_e5m2
+)
+
+// lastLibDType is the library's largest DType value; lastDType stfile's.
+const (
+	lastLibDType = U64
+	lastDType    = F8E5M2
+)
+
+// String returns the type's name in safetensors headers.
+func (d DType) String() string {
+	switch {
+	case d <= lastLibDType:
+		return safetensors.DType(d).String()
+	case d == F8E4M3:
+		return "F8_E4M3"
+	case d == F8E5M2:
+		return "F8_E5M2"
+	}
+	return fmt.Sprintf("DType(%d)", uint8(d))
+}
+
+// Size returns the bytes of one element (0 for an invalid type).
+func (d DType) Size() uint64 {
+	switch {
+	case d <= lastLibDType:
+		return safetensors.DType(d).Size()
+	case d <= lastDType:
+		return 1
+	}
+	return 0
+}
+
+// ParseDType parses a header's dtype name.
+func ParseDType(s string) (DType, error) {
+	switch s {
+	case "F8_E4M3":
+		return F8E4M3, nil
+	case "F8_E5M2":
+		return F8E5M2, nil
+	}
+	d, err := safetensors.ParseDType(s)
+	if err != nil {
+		return 0, err
+	}
+	return DType(d), nil
+}
 
 // metadataKey is the reserved header key holding the file's string metadata.
 const metadataKey = "__metadata__"
@@ -117,35 +169,27 @@ func Open(path string) (*File, error) {
 // parse validates buf as a complete safetensors file. The tensors' Data
 // slices alias buf.
 func parse(path string, buf []byte) (*File, error) {
-	n, meta, err := safetensors.ReadMetadata(buf)
+	bad := func(format string, args ...any) (*File, error) {
+		return nil, fmt.Errorf("stfile: %s: malformed safetensors file (%d bytes): %s", path, len(buf), fmt.Sprintf(format, args...))
+	}
+	if len(buf) < 8 {
+		return bad("header too small")
+	}
+	n := binary.LittleEndian.Uint64(buf)
+	switch {
+	case n > maxHeaderBytes:
+		return bad("header too large: max %d, actual %d", maxHeaderBytes, n)
+	case n > uint64(len(buf)-8):
+		return bad("invalid header length %d", n)
+	}
+	h, err := parseHeader(buf[8:8+n], uint64(len(buf))-8-n)
 	if err != nil {
-		return nil, fmt.Errorf("stfile: %s: malformed safetensors file (%d bytes): %w", path, len(buf), err)
+		return bad("%v", err)
 	}
-	// ReadMetadata checked n+8 <= len(buf) and that the tensors tile the data
-	// exactly; bound every tensor again so that no header can make a slice
-	// expression below panic, whatever the library's checks miss.
 	data := buf[8+n:]
-	infos := meta.Tensors()
-	f := &File{
-		path:     path,
-		buf:      buf,
-		tensors:  make(map[string]Tensor, len(infos)),
-		names:    slices.Sorted(maps.Keys(infos)),
-		metadata: meta.Metadata(),
-	}
-	for name, info := range infos {
-		lo, hi := info.DataOffsets[0], info.DataOffsets[1]
-		if lo > hi || hi > uint64(len(data)) {
-			return nil, fmt.Errorf("stfile: %s: tensor %q: data offsets [%d, %d) outside the %d data bytes", path, name, lo, hi, len(data))
-		}
-		t := Tensor{Name: name, DType: info.DType, Shape: info.Shape, Data: data[lo:hi:hi]}
-		if t.Shape == nil {
-			t.Shape = []uint64{}
-		}
-		if err := t.check(); err != nil {
-			return nil, fmt.Errorf("stfile: %s: tensor %q: %w", path, name, err)
-		}
-		f.tensors[name] = t
+	f := &File{path: path, buf: buf, tensors: make(map[string]Tensor, len(h.entries)), names: h.names, metadata: h.metadata}
+	for name, e := range h.entries {
+		f.tensors[name] = Tensor{Name: name, DType: e.dtype, Shape: e.shape, Data: data[e.lo:e.hi:e.hi]}
 	}
 	return f, nil
 }

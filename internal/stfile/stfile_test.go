@@ -10,6 +10,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/nlpodyssey/safetensors"
 )
 
 func f32Bytes(vs ...float32) []byte {
@@ -67,6 +69,16 @@ func TestRoundTrip(t *testing.T) {
 			},
 		},
 		{
+			name: "8-bit floats",
+			tensors: []Tensor{
+				{Name: "w.weight", DType: U8, Shape: []uint64{2, 8}, Data: seq(16, 3)},
+				{Name: "w.weight_scale", DType: F8E4M3, Shape: []uint64{2, 1}, Data: []byte{0x38, 0x7e}},
+				{Name: "w.weight_scale_2", DType: F32, Shape: []uint64{}, Data: f32Bytes(0.5)},
+				{Name: "x", DType: F8E5M2, Shape: []uint64{3}, Data: []byte{0x3c, 0x00, 0x80}},
+			},
+			metadata: map[string]string{"quant_algo": "NVFP4"},
+		},
+		{
 			name:    "unicode name",
 			tensors: []Tensor{{Name: "layers.0.mlp/écart \"q\"", DType: I8, Shape: []uint64{2}, Data: []byte{0x80, 0x7f}}},
 		},
@@ -121,6 +133,33 @@ func TestRoundTrip(t *testing.T) {
 				t.Errorf("header length %d is not a multiple of 8", n)
 			}
 		})
+	}
+}
+
+// TestOwnSerializerMatchesLibrary: the encoder of files holding 8-bit
+// floats writes the library's bytes for a file of the library's types.
+func TestOwnSerializerMatchesLibrary(t *testing.T) {
+	ts := map[string]view{}
+	for _, tt := range []Tensor{
+		{Name: "a.packed", DType: U8, Shape: []uint64{2, 4, 8}, Data: seq(64, 0)},
+		{Name: "b", DType: BF16, Shape: []uint64{3, 16}, Data: seq(96, 7)},
+		{Name: "c", DType: I64, Shape: []uint64{2}, Data: seq(16, 100)},
+		{Name: "s", DType: F32, Shape: []uint64{}, Data: f32Bytes(2)},
+		{Name: "\"q\" é", DType: I8, Shape: []uint64{1}, Data: []byte{1}},
+	} {
+		ts[tt.Name] = view{tt}
+	}
+	for _, md := range []map[string]string{nil, {"k": "v", "format": "pt"}} {
+		var lib, own bytes.Buffer
+		if err := safetensors.SerializeToWriter(ts, md, &lib); err != nil {
+			t.Fatal(err)
+		}
+		if err := serializeOwn(ts, md, &own); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(lib.Bytes(), own.Bytes()) {
+			t.Errorf("metadata %v:\nlibrary %q\nown     %q", md, lib.Bytes(), own.Bytes())
+		}
 	}
 }
 
