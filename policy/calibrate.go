@@ -114,6 +114,20 @@ func (m *Model) SetInputScales(scales []InputScales) error {
 	return nil
 }
 
+// InputScales returns every MoE layer's per_tensor input scales, and
+// whether all of them are set (false for recipes that take none).
+func (m *Model) InputScales() ([]InputScales, bool) {
+	out := make([]InputScales, len(m.layers))
+	for i, l := range m.layers {
+		fc1, fc2, ok := l.moe.InputScales()
+		if !ok {
+			return nil, false
+		}
+		out[i] = InputScales{fc1, fc2}
+	}
+	return out, true
+}
+
 // The per_tensor input scales in a safetensors file, as a ModelOpt NVFP4
 // checkpoint names them: one FP32 scalar a projection and expert,
 // model.layers.L.mlp.experts.E.{gate_proj,up_proj}.input_scale (FC1's
@@ -137,41 +151,59 @@ func ReadInputScales(path string, layers, experts int) ([]InputScales, error) {
 	defer f.Close()
 	out := make([]InputScales, layers)
 	for _, name := range f.Names() {
-		m := inputScaleName.FindStringSubmatch(name)
-		if m == nil {
+		if !inputScaleName.MatchString(name) {
 			continue
-		}
-		l, errL := strconv.Atoi(m[1])
-		e, errE := strconv.Atoi(m[2])
-		if errL != nil || errE != nil || l >= layers || e >= experts {
-			return nil, fmt.Errorf("policy: input scales: %s: %s: the model has %d layers of %d experts", path, name, layers, experts)
 		}
 		t, err := f.Tensor(name)
 		if err != nil {
 			return nil, fmt.Errorf("policy: input scales: %w", err)
 		}
-		if t.DType != stfile.F32 || len(t.Data) != 4 {
-			return nil, fmt.Errorf("policy: input scales: %s: %s is %s %v, want an F32 scalar", path, name, t.DType, t.Shape)
+		if err := foldInputScale(out, t, experts); err != nil {
+			return nil, fmt.Errorf("policy: input scales: %s: %w", path, err)
 		}
-		v := math.Float32frombits(binary.LittleEndian.Uint32(t.Data))
-		if !(v > 0) || math.IsInf(float64(v), 0) {
-			return nil, fmt.Errorf("policy: input scales: %s: %s is %v, want a positive finite scale", path, name, v)
-		}
-		s := &out[l].FC1
-		if m[3] == "down_proj" || m[3] == "w2" {
-			s = &out[l].FC2
-		}
-		*s = max(*s, v)
 	}
+	if err := inputScalesComplete(out); err != nil {
+		return nil, fmt.Errorf("policy: input scales: %s: %w", path, err)
+	}
+	return out, nil
+}
+
+// foldInputScale folds an expert's input_scale tensor t (named as
+// inputScaleName matches) into its layer's entry of out: the largest value
+// of the layer's FC1 (gate, up) or FC2 (down) inputs.
+func foldInputScale(out []InputScales, t stfile.Tensor, experts int) error {
+	m := inputScaleName.FindStringSubmatch(t.Name)
+	l, errL := strconv.Atoi(m[1])
+	e, errE := strconv.Atoi(m[2])
+	if errL != nil || errE != nil || l >= len(out) || e >= experts {
+		return fmt.Errorf("%s: the model has %d layers of %d experts", t.Name, len(out), experts)
+	}
+	if t.DType != stfile.F32 || len(t.Data) != 4 {
+		return fmt.Errorf("%s is %s %v, want an F32 scalar", t.Name, t.DType, t.Shape)
+	}
+	v := math.Float32frombits(binary.LittleEndian.Uint32(t.Data))
+	if !(v > 0) || math.IsInf(float64(v), 0) {
+		return fmt.Errorf("%s is %v, want a positive finite scale", t.Name, v)
+	}
+	s := &out[l].FC1
+	if m[3] == "down_proj" || m[3] == "w2" {
+		s = &out[l].FC2
+	}
+	*s = max(*s, v)
+	return nil
+}
+
+// inputScalesComplete checks that every layer has both scales.
+func inputScalesComplete(out []InputScales) error {
 	for l, s := range out {
 		switch {
 		case s.FC1 == 0:
-			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no gate_proj, up_proj, w1 or w3 input_scale", path, l)
+			return fmt.Errorf("layer %d has no gate_proj, up_proj, w1 or w3 input_scale", l)
 		case s.FC2 == 0:
-			return nil, fmt.Errorf("policy: input scales: %s: layer %d has no down_proj or w2 input_scale", path, l)
+			return fmt.Errorf("layer %d has no down_proj or w2 input_scale", l)
 		}
 	}
-	return out, nil
+	return nil
 }
 
 // WriteInputScales writes scales (one entry a layer of the model cfg

@@ -19,6 +19,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
 	"github.com/rollout-worker/rollout-worker/kernels"
+	"github.com/rollout-worker/rollout-worker/moe"
 )
 
 // Checkpoint file names, as transformers writes them.
@@ -42,6 +43,7 @@ type CheckpointError struct {
 	NonFinite  []string // tensors holding NaN or Inf
 	Duplicate  []string // tensors written by more than one checkpoint tensor
 	Missing    []string // canonical tensors (Model.Tensors) no checkpoint tensor covers
+	Scales     []string // NVFP4 modules whose scales the model cannot take as given
 }
 
 // Count returns the number of problems.
@@ -60,7 +62,7 @@ type problemKind struct {
 
 func (e *CheckpointError) kinds() []problemKind {
 	return []problemKind{{"file", e.Files}, {"unexpected", e.Unexpected}, {"wrong dtype", e.DType},
-		{"misshapen", e.Misshapen}, {"non-finite", e.NonFinite}, {"duplicate", e.Duplicate}, {"missing", e.Missing}}
+		{"misshapen", e.Misshapen}, {"non-finite", e.NonFinite}, {"duplicate", e.Duplicate}, {"missing", e.Missing}, {"scales", e.Scales}}
 }
 
 func (e *CheckpointError) Error() string {
@@ -119,27 +121,34 @@ type ckptEntry struct {
 // Every tensor must be BF16, resolve (Model.Resolve) and have the shape the
 // model expects; every canonical tensor (Model.Tensors) must be covered
 // exactly once, by its per-expert name or by a fused per-layer expert
-// tensor; no value may be NaN or Inf. All problems are collected and
-// returned as one *CheckpointError, and then m's weights are left as they
-// were: nothing is uploaded until the whole checkpoint has been checked
-// (only a failing Backend.Upload can leave a partial load).
+// tensor; no value may be NaN or Inf. A linear layer may instead come
+// quantized to NVFP4 in ModelOpt's layout (nvfp4ckpt.go): its BF16 weights
+// are then its dequantization, and an expert's NVFP4 copies take its codes
+// and scales as they are. All problems are collected and returned as one
+// *CheckpointError, and then m's weights are left as they were: nothing is
+// uploaded until the whole checkpoint has been checked (only a failing
+// Backend.Upload can leave a partial load).
 //
-// Files are memory-mapped; tensor bytes go from the mapping straight to
-// Backend.Upload, with no copy in between. After the upload the NVFP4
-// expert copies are rebuilt (Model.Requantize).
+// Files are memory-mapped; BF16 tensor bytes go from the mapping straight
+// to Backend.Upload, with no copy in between. After the upload the NVFP4
+// expert copies of the experts that came as BF16 are rebuilt
+// (Model.Requantize). Under the per_tensor recipe, the experts'
+// input_scale tensors, when the checkpoint has them for every layer, set
+// the layers' input scales (as ReadInputScales reads them).
 func LoadCheckpoint(m *Model, dir string) error {
 	src, perr, err := openCheckpoint(dir)
 	defer src.close()
 	if err != nil {
 		return fmt.Errorf("policy: load %s: %w", dir, err)
 	}
-	entries := src.entries
+	mods, entries := nvfp4Parts(src.entries)
 
 	canon, err := m.Tensors()
 	if err != nil {
 		return fmt.Errorf("policy: load %s: %w", dir, err)
 	}
 	cov := newCoverage(canon)
+	var bf16Targets []Target
 	for i := range entries {
 		e := &entries[i]
 		tg, err := m.Resolve(e.t.Name)
@@ -149,9 +158,10 @@ func LoadCheckpoint(m *Model, dir string) error {
 		}
 		e.target = tg
 		cov.add(tg)
+		bf16Targets = append(bf16Targets, tg)
 		e.ok = true
 		if e.t.DType != stfile.BF16 {
-			perr.DType = append(perr.DType, fmt.Sprintf("%s (in %s): %s, want BF16", e.t.Name, e.file, e.t.DType))
+			perr.DType = append(perr.DType, fmt.Sprintf("%s (in %s): %s, want BF16 (or an NVFP4 module: U8 weight, F8_E4M3 weight_scale, F32 weight_scale_2)", e.t.Name, e.file, e.t.DType))
 			e.ok = false
 		}
 		if !sameShape(e.t.Shape, tg.Shape) {
@@ -159,9 +169,12 @@ func LoadCheckpoint(m *Model, dir string) error {
 			e.ok = false
 		}
 	}
+	qmods := m.checkNVFP4(mods, perr, cov)
+	quantExperts := m.checkExperts(qmods, bf16Targets, perr)
+	scales, hasScales := m.checkpointInputScales(mods, perr)
 	perr.Duplicate = cov.duplicates()
-	perr.Missing = cov.missing()
-	perr.NonFinite = checkFinite(entries)
+	perr.Missing = append(perr.Missing, cov.missing()...)
+	perr.NonFinite = append(perr.NonFinite, checkFinite(entries)...)
 	if perr.Count() > 0 {
 		return perr
 	}
@@ -172,8 +185,32 @@ func LoadCheckpoint(m *Model, dir string) error {
 			return fmt.Errorf("policy: load %s: upload %s: %w", dir, e.t.Name, err)
 		}
 	}
-	if err := m.Requantize(); err != nil {
-		return fmt.Errorf("policy: load %s: %w", dir, err)
+	for _, q := range qmods {
+		if err := m.uploadNVFP4(q); err != nil {
+			return fmt.Errorf("policy: load %s: %w", dir, err)
+		}
+	}
+	for i, l := range m.layers {
+		var requant []int
+		for e := range m.cfg.Experts {
+			if !quantExperts[expertKey{i, e}] {
+				requant = append(requant, e)
+			}
+		}
+		if len(requant) == 0 {
+			continue
+		}
+		if len(requant) == m.cfg.Experts {
+			requant = nil // all of them, in one pass
+		}
+		if err := l.moe.Requantize(requant...); err != nil {
+			return fmt.Errorf("policy: load %s: layer %d: %w", dir, i, err)
+		}
+	}
+	if hasScales && m.opts.Recipe == moe.RecipePerTensor {
+		if err := m.SetInputScales(scales); err != nil {
+			return fmt.Errorf("policy: load %s: %w", dir, err)
+		}
 	}
 	// The files are unmapped on return: a device backend must have finished
 	// reading them.

@@ -306,6 +306,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 		q     = "model.layers.0.self_attn.q_proj.weight"
 		up3   = "model.layers.1.mlp.experts.3.up_proj.weight"
 		down5 = "model.layers.0.mlp.experts.5.down_proj.weight"
+		oProj = "model.layers.1.self_attn.o_proj"
 	)
 	tests := []struct {
 		name  string
@@ -353,6 +354,39 @@ func TestLoadCheckpointErrors(t *testing.T) {
 				return ckptReplace(q, func(stfile.Tensor) stfile.Tensor { return ckptZeros(q, 64, 63) })(ts)
 			})
 		}, kinds: map[string][]string{"Missing": {up3}, "Unexpected": {"extra"}, "Misshapen": {q}}},
+		{name: "nvfp4: gate and up scales differ", edit: func(dir string) {
+			ckptNVFP4(t, dir, ckptPickExperts)
+			ckptRewrite(t, dir, ckptReplace("model.layers.1.mlp.experts.2.up_proj.weight_scale_2", func(x stfile.Tensor) stfile.Tensor {
+				return ckptScalar(x.Name, 0.125)
+			}))
+		}, kinds: map[string][]string{"Scales": {"layer 1 expert 2: model.layers.1.mlp.experts.2.gate_proj.weight_scale_2 is",
+			"but model.layers.1.mlp.experts.2.up_proj.weight_scale_2 is 0.125", "one FC1 matrix with one global scale"}}},
+		{name: "nvfp4: an expert half quantized", edit: func(dir string) {
+			ckptNVFP4(t, dir, func(name string) bool { return name == up3 })
+		}, kinds: map[string][]string{"Scales": {"layer 1 expert 3: model.layers.1.mlp.experts.3.up_proj is NVFP4 but model.layers.1.mlp.experts.3.gate_proj.weight is BF16",
+			"input_scale: layer 0 has no gate_proj, up_proj, w1 or w3 input_scale (a checkpoint with input scales has them for every layer)"}}},
+		{name: "nvfp4: broken parts", edit: func(dir string) {
+			ckptNVFP4(t, dir, ckptPickExperts)
+			ckptRewrite(t, dir, func(ts []stfile.Tensor) []stfile.Tensor {
+				ts = ckptWithout("model.layers.0.mlp.experts.1.down_proj.weight_scale_2")(ts)
+				ts = ckptReplace("model.layers.0.mlp.experts.4.down_proj.weight_scale", func(x stfile.Tensor) stfile.Tensor {
+					x.Data[5] = 0x7f
+					return x
+				})(ts)
+				ts = ckptReplace(oProj+".weight_scale", func(x stfile.Tensor) stfile.Tensor { x.DType = stfile.U8; return x })(ts)
+				ts = ckptReplace("model.layers.0.mlp.experts.6.gate_proj.weight", func(x stfile.Tensor) stfile.Tensor {
+					x.Shape, x.Data = []uint64{32, 16}, x.Data[:32*16]
+					return x
+				})(ts)
+				ts = ckptReplace("model.layers.0.mlp.experts.7.gate_proj.input_scale", func(x stfile.Tensor) stfile.Tensor { return ckptScalar(x.Name, -1) })(ts)
+				return ckptWith(ckptScalar("model.layers.0.self_attn.q_proj.weight_scale_2", 1))(ts)
+			})
+		}, kinds: map[string][]string{
+			"Missing":   {"model.layers.0.mlp.experts.1.down_proj.weight_scale_2: NVFP4 module", "model.layers.0.self_attn.q_proj.weight as U8 codes"},
+			"NonFinite": {"model.layers.0.mlp.experts.4.down_proj.weight_scale (in model.safetensors): NaN (0x7f) at element [2 1]"},
+			"DType":     {oProj + ".weight_scale (in model.safetensors): U8, want F8_E4M3"},
+			"Misshapen": {"model.layers.0.mlp.experts.6.gate_proj.weight (in model.safetensors): shape [32 16], want [32 32]"},
+			"Scales":    {"model.layers.0.mlp.experts.7.gate_proj.input_scale is -1, want a positive finite scale (in model.safetensors)"}}},
 		{name: "sharded: missing shard", edit: func(dir string) {
 			if err := os.Remove(filepath.Join(dir, "model-00002-of-00002.safetensors")); err != nil {
 				t.Fatal(err)
@@ -409,7 +443,7 @@ func TestLoadCheckpointErrors(t *testing.T) {
 				t.Errorf("error lacks the operation: %s", msg)
 			}
 			lists := map[string][]string{"Files": ce.Files, "Unexpected": ce.Unexpected, "DType": ce.DType,
-				"Misshapen": ce.Misshapen, "NonFinite": ce.NonFinite, "Duplicate": ce.Duplicate, "Missing": ce.Missing}
+				"Misshapen": ce.Misshapen, "NonFinite": ce.NonFinite, "Duplicate": ce.Duplicate, "Missing": ce.Missing, "Scales": ce.Scales}
 			for kind, list := range lists {
 				if _, want := tc.kinds[kind]; !want && len(list) > 0 {
 					t.Errorf("unexpected %s problems: %q", kind, list)

@@ -91,7 +91,7 @@ func LoadConfig(dir string) (Config, error) {
 // omitted by hand-written files take transformers' defaults for the
 // architecture. Settings this worker does not implement (sliding windows,
 // RoPE scaling, attention biases, dense layers between MoE layers,
-// quantized checkpoints, non-bfloat16 dtypes, ...) are errors, never
+// quantizations other than ModelOpt NVFP4, non-bfloat16 dtypes, ...) are errors, never
 // approximations. Unknown fields are ignored: transformers writes many
 // training-only ones (router_aux_loss_coef, output_router_logits, ...).
 func ParseConfig(data []byte) (Config, error) {
@@ -303,9 +303,7 @@ func (r *cfgReader) parse() Config {
 	if v, ok := r.int("shared_expert_intermediate_size"); ok && v != 0 {
 		r.errorf("shared_expert_intermediate_size %d: shared experts are not supported", v)
 	}
-	if r.has("quantization_config") {
-		r.errorf("quantization_config is set: quantized checkpoints are not supported (want bfloat16 weights)")
-	}
+	r.quantization()
 	if v, ok := r.float("partial_rotary_factor"); ok && v != 1 {
 		r.errorf("partial_rotary_factor %v: only full-head RoPE is supported", v)
 	}
@@ -327,6 +325,30 @@ func (r *cfgReader) parse() Config {
 	r.activation(&c)
 	r.eos(&c)
 	return c
+}
+
+// quantization accepts a ModelOpt NVFP4 export's quantization_config
+// (quant_method "modelopt", quant_algo "NVFP4", blocks of 16 where a group
+// size is given), whose tensors LoadCheckpoint reads; every other
+// quantization is refused.
+func (r *cfgReader) quantization() {
+	if !r.has("quantization_config") {
+		return
+	}
+	var q struct {
+		Method    string `json:"quant_method"`
+		Algo      string `json:"quant_algo"`
+		GroupSize *int   `json:"group_size"`
+	}
+	if !r.get("quantization_config", &q, "an object") {
+		return
+	}
+	switch {
+	case q.Method != "modelopt" || !strings.EqualFold(q.Algo, "NVFP4"):
+		r.errorf("quantization_config %s: only ModelOpt NVFP4 checkpoints (quant_method \"modelopt\", quant_algo \"NVFP4\") are supported besides bfloat16", r.m["quantization_config"])
+	case q.GroupSize != nil && *q.GroupSize != 16:
+		r.errorf("quantization_config group_size %d: NVFP4 blocks are 16 elements", *q.GroupSize)
+	}
 }
 
 // rope reads the RoPE base from rope_theta (4.x) or rope_parameters (5.x)

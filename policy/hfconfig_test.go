@@ -88,6 +88,10 @@ func TestParseConfig(t *testing.T) {
 			want: with(mixtral, func(c *Config) { c.KVHeads = 32 })},
 		{name: "tied embeddings", data: hfcPatch(t, "mixtral_4x.json", map[string]any{"tie_word_embeddings": true}),
 			want: with(mixtral, func(c *Config) { c.TieEmbeddings = true })},
+		{name: "modelopt nvfp4", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{
+			"quant_method": "modelopt", "quant_algo": "NVFP4", "producer": map[string]any{"name": "modelopt"},
+			"config_groups": map[string]any{"group_0": map[string]any{"weights": map[string]any{"num_bits": 4, "group_size": 16}}},
+			"ignore":        []string{"lm_head", "model.layers.*.mlp.gate"}}}), want: qwen},
 
 		// Rejections.
 		{name: "not json", data: []byte("{"), error: []string{"not a JSON object"}},
@@ -137,8 +141,12 @@ func TestParseConfig(t *testing.T) {
 			error: []string{`torch_dtype "float16"`, "bfloat16"}},
 		{name: "float32 dtype 5.x", data: hfcPatch(t, "mixtral_5x.json", map[string]any{"dtype": "float32"}),
 			error: []string{`dtype "float32"`}},
-		{name: "quantized", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{"quant_method": "fp8"}}),
-			error: []string{"quantization_config"}},
+		{name: "quantized fp8", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{"quant_method": "fp8"}}),
+			error: []string{"quantization_config", "only ModelOpt NVFP4 checkpoints"}},
+		{name: "modelopt fp8", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{"quant_method": "modelopt", "quant_algo": "FP8"}}),
+			error: []string{"only ModelOpt NVFP4 checkpoints"}},
+		{name: "nvfp4 group of 32", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}}),
+			error: []string{"group_size 32: NVFP4 blocks are 16 elements"}},
 		{name: "eos string", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"eos_token_id": "</s>"}),
 			error: []string{"eos_token_id"}},
 		{name: "validate", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"num_key_value_heads": 5}),

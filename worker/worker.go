@@ -42,7 +42,9 @@ type Config struct {
 	Recipe   moe.Recipe
 	// InputScales is the safetensors file of the per_tensor recipe's
 	// input scales (policy.ReadInputScales; rollout-worker calibrate
-	// writes one): required with that recipe, refused with the others.
+	// writes one), refused with the other recipes. The per_tensor recipe
+	// needs scales from it or from the checkpoint (a ModelOpt NVFP4
+	// export's input_scale tensors); the file wins over the checkpoint.
 	InputScales string
 	Device      string // auto, cpu or cuda (see OpenBackend)
 
@@ -155,8 +157,8 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 	}
 	var mc policy.Config
 	switch {
-	case (cfg.Recipe == moe.RecipePerTensor) != (cfg.InputScales != ""):
-		return nil, fmt.Errorf("worker: input scales %q with recipe %s: the per_tensor recipe needs them, the others take none", cfg.InputScales, cfg.Recipe)
+	case cfg.InputScales != "" && cfg.Recipe != moe.RecipePerTensor:
+		return nil, fmt.Errorf("worker: input scales %q with recipe %s: only the per_tensor recipe takes them", cfg.InputScales, cfg.Recipe)
 	case cfg.ModelDir != "" && cfg.Layers != 0:
 		return nil, fmt.Errorf("worker: layers %d: a depth cut applies to presets, not to model directories", cfg.Layers)
 	case cfg.ModelDir != "":
@@ -204,6 +206,9 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 		if err != nil {
 			return nil, fmt.Errorf("worker: %w", err)
 		}
+	}
+	if _, ok := w.m.InputScales(); cfg.Recipe == moe.RecipePerTensor && !ok {
+		return nil, fmt.Errorf("worker: recipe per_tensor: no input scales: give a scales file (rollout-worker calibrate writes one) or a checkpoint with the experts' input_scale tensors")
 	}
 	log.Info("model loaded", zap.String("source", source), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
 		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),

@@ -200,8 +200,8 @@ func TestOnDemandPagesAndPrefixCache(t *testing.T) {
 	}
 }
 
-// TestPerTensorInputScales: a per_tensor worker needs its input scales
-// file, takes one that fits its model and serves with it; a file for
+// TestPerTensorInputScales: a per_tensor worker of a preset (no
+// checkpoint scales) needs an input scales file, takes one that fits its model and serves with it; a file for
 // another depth or scales with another recipe are refused.
 func TestPerTensorInputScales(t *testing.T) {
 	nc := startNATS(t)
@@ -229,8 +229,8 @@ func TestPerTensorInputScales(t *testing.T) {
 		file   string
 		want   string // "" for success
 	}{
-		{"per_tensor without scales", moe.RecipePerTensor, "", "needs them"},
-		{"scales with per_token", moe.RecipePerToken, good, "the others take none"},
+		{"per_tensor without scales", moe.RecipePerTensor, "", "recipe per_tensor: no input scales"},
+		{"scales with per_token", moe.RecipePerToken, good, "only the per_tensor recipe takes them"},
 		{"scales of one layer", moe.RecipePerTensor, short, "layer 1 has no gate_proj, up_proj, w1 or w3 input_scale"},
 		{"per_tensor", moe.RecipePerTensor, good, ""},
 		{"unit_scale", moe.RecipeUnitScale, "", ""},

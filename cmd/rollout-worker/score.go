@@ -40,10 +40,10 @@ func recipeFlag(name string) (moe.Recipe, error) {
 	return "", usageErrorf("--recipe %q: want bf16, nvfp4, per_tensor or unit_scale", name)
 }
 
-// inputScalesFlag checks that --input-scales is given with the per_tensor
-// recipe and only with it.
+// inputScalesFlag checks that --input-scales is given only with the
+// per_tensor recipe (which may also take its scales from the checkpoint).
 func inputScalesFlag(recipe moe.Recipe, path string) error {
-	if (recipe == moe.RecipePerTensor) != (path != "") {
+	if path != "" && recipe != moe.RecipePerTensor {
 		return usageErrorf("--input-scales goes with --recipe per_tensor, and only there")
 	}
 	return nil
@@ -76,7 +76,7 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	dir := fs.String("model", "", "model `directory` (config.json and safetensors; required)")
 	tokensPath := fs.String("tokens", "", "JSON `file` with the sequences (required)")
 	recipeName := fs.String("recipe", "bf16", "MoE recipe: bf16, nvfp4, per_tensor or unit_scale")
-	scalesPath := fs.String("input-scales", "", "safetensors `file` of per_tensor input scales (rollout-worker calibrate writes one; required with --recipe per_tensor)")
+	scalesPath := fs.String("input-scales", "", "safetensors `file` of per_tensor input scales (rollout-worker calibrate writes one; --recipe per_tensor needs it unless the checkpoint has input_scale tensors)")
 	device := fs.String("device", "auto", "compute device: auto, cpu or cuda")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -113,6 +113,9 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err := m.SetInputScales(scales); err != nil {
 			return err
 		}
+	}
+	if _, ok := m.InputScales(); recipe == moe.RecipePerTensor && !ok {
+		return usageErrorf("--recipe per_tensor needs --input-scales, or a checkpoint with the experts' input_scale tensors")
 	}
 	e := policy.NewEngine(m, policy.EngineConfig{})
 	runCtx, stop := context.WithCancel(ctx)

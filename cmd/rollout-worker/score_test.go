@@ -114,7 +114,7 @@ func TestScoreErrors(t *testing.T) {
 	}{
 		{"missing flags", []string{"score"}, 2, "--model and --tokens are required"},
 		{"bad recipe", []string{"score", "--model", dir, "--tokens", write("a.json", `{"sequences":[[1,2]]}`), "--recipe", "fp8"}, 2, "want bf16, nvfp4, per_tensor or unit_scale"},
-		{"per_tensor without scales", []string{"score", "--model", dir, "--tokens", write("a2.json", `{"sequences":[[1,2]]}`), "--recipe", "per_tensor"}, 2, "--input-scales goes with --recipe per_tensor"},
+		{"per_tensor without scales", []string{"score", "--model", dir, "--tokens", write("a2.json", `{"sequences":[[1,2]]}`), "--recipe", "per_tensor"}, 2, "--recipe per_tensor needs --input-scales, or a checkpoint"},
 		{"scales without per_tensor", []string{"score", "--model", dir, "--tokens", write("a3.json", `{"sequences":[[1,2]]}`), "--input-scales", "x"}, 2, "--input-scales goes with --recipe per_tensor"},
 		{"missing scales file", []string{"score", "--model", dir, "--tokens", write("a4.json", `{"sequences":[[1,2]]}`), "--recipe", "per_tensor", "--input-scales", filepath.Join(tmp, "none.safetensors")}, 1, "none.safetensors"},
 		{"malformed json", []string{"score", "--model", dir, "--tokens", write("b.json", `{"sequences":[[1,2]`)}, 1, "b.json"},

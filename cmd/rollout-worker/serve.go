@@ -111,7 +111,7 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer, be kern
 	fs.StringVar(&cfg.Preset, "preset", "tiny", "random model preset when --model is not given: "+strings.Join(policy.PresetNames(), ", "))
 	fs.IntVar(&cfg.Layers, "layers", 0, "cut the preset to its first `N` decoder layers (0: all)")
 	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of the random preset model")
-	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16, nvfp4, per_tensor (with --input-scales) or unit_scale")
+	recipeName := fs.String("recipe", "nvfp4", "MoE recipe: bf16, nvfp4, per_tensor (its input scales from --input-scales or the checkpoint) or unit_scale")
 	fs.StringVar(&cfg.InputScales, "input-scales", "", "safetensors `file` of the per_tensor recipe's input scales (rollout-worker calibrate writes one)")
 	fs.StringVar(&cfg.Device, "device", "auto", "compute device: auto, cpu or cuda")
 	fs.StringVar(&cfg.ModelID, "model-id", "", "model id: the refit stream and the rollout subjects (rollout.<id>.*); empty: the preset's name or the model directory's base name")
