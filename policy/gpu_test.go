@@ -16,7 +16,8 @@ import (
 // preempted samples bitwise equal to unpreempted ones (KV pages on
 // demand), prefix-cache hits bitwise equal to cold prefills and none
 // across a version change, the sampling distribution, the per_tensor
-// calibration and the KV cache sized from free memory (the recipe loops
+// calibration, a ModelOpt NVFP4 checkpoint's load and the KV cache sized
+// from free memory (the recipe loops
 // include per_tensor and unit_scale). It skips where there is no GPU.
 func TestGPUEngine(t *testing.T) {
 	be := cudatest.Use(t, &testBackend)
@@ -43,6 +44,7 @@ func TestGPUEngine(t *testing.T) {
 		{"NumericFailureFailsOnlyItsRequest", TestNumericFailureFailsOnlyItsRequest},
 		{"Calibrate", TestCalibrate},
 		{"PerTensorNeedsScales", TestPerTensorNeedsScales},
+		{"LoadNVFP4Checkpoint", TestLoadNVFP4Checkpoint},
 		{"KVPagesFromFreeMemory", func(t *testing.T) { testKVPagesFromDevice(t, be) }},
 	} {
 		t.Run(tc.name, tc.test)

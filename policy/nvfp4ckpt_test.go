@@ -101,7 +101,8 @@ func ckptPickExperts(name string) bool {
 // BF16; the experts' NVFP4 copies hold the checkpoint's codes, block scales
 // and global scales byte for byte (not a requantization, which the test
 // shows differs); the other tensors load as written; and under per_tensor
-// the experts' input scales set the layers' (their maximum per layer).
+// the experts' input scales set the layers' (their maximum per layer). It
+// runs on the engine tests' backend (the GPU in TestGPUEngine).
 func TestLoadNVFP4Checkpoint(t *testing.T) {
 	tests := []struct {
 		name   string
@@ -120,7 +121,15 @@ func TestLoadNVFP4Checkpoint(t *testing.T) {
 			cfg := ckptPreset(t, tc.preset, tc.act)
 			dir := ckptWrite(t, cfg, 7, randomLayout{})
 			ckptNVFP4(t, dir, ckptPickExperts)
-			m := ckptLoad(t, dir, tc.recipe)
+			m, err := LoadModel(testBackend(t), dir, ckptOptions(tc.recipe))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if err := m.Close(); err != nil {
+					t.Error(err)
+				}
+			})
 
 			f, err := stfile.Open(dir + "/" + SingleFileName)
 			if err != nil {
