@@ -195,7 +195,7 @@ func runBenchMoE(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs.IntVar(&topK, "topk", 0, "same as --top-k")
 	act := fs.String("activation", string(moe.ReLU2), "expert activation: relu2 or swiglu")
 	scoring := fs.String("scoring", string(moe.Softmax), "router scoring: softmax or sigmoid")
-	recipes := fs.String("recipes", "nvfp4,bf16", "comma-separated recipes: nvfp4 (also per_token), bf16, weight_only; bf16 is required (the accuracy reference)")
+	recipes := fs.String("recipes", "nvfp4,bf16", "comma-separated recipes: nvfp4 (also per_token), bf16, weight_only, per_tensor (calibrated on inputs drawn as the benchmark's), unit_scale; bf16 is required (the accuracy reference)")
 	batchInv := fs.Bool("batch-invariant", true, "use the deterministic, batch-invariant finalize (false: the atomic one)")
 	compareFin := fs.Bool("compare-finalize", false, "also time every recipe with the atomic finalize, side by side")
 	iters := fs.Int("iters", 0, "timed forwards (graph replays) per case, the mean is reported (default 50 on cuda, 10 on cpu)")
