@@ -335,16 +335,23 @@ func (r *cfgReader) quantization() {
 	if !r.has("quantization_config") {
 		return
 	}
-	var q struct {
-		Method    string `json:"quant_method"`
+	type algo struct {
 		Algo      string `json:"quant_algo"`
 		GroupSize *int   `json:"group_size"`
+	}
+	var q struct {
+		Method string `json:"quant_method"`
+		algo
+		Nested *algo `json:"quantization"` // hf_quant_config.json's layout, embedded
 	}
 	if !r.get("quantization_config", &q, "an object") {
 		return
 	}
+	if q.Nested != nil && q.Algo == "" {
+		q.algo = *q.Nested
+	}
 	switch {
-	case q.Method != "modelopt" || !strings.EqualFold(q.Algo, "NVFP4"):
+	case q.Method != "modelopt" && q.Method != "modelopt_fp4" || !strings.EqualFold(q.Algo, "NVFP4"):
 		r.errorf("quantization_config %s: only ModelOpt NVFP4 checkpoints (quant_method \"modelopt\", quant_algo \"NVFP4\") are supported besides bfloat16", r.m["quantization_config"])
 	case q.GroupSize != nil && *q.GroupSize != 16:
 		r.errorf("quantization_config group_size %d: NVFP4 blocks are 16 elements", *q.GroupSize)

@@ -145,6 +145,8 @@ func TestParseConfig(t *testing.T) {
 			error: []string{"quantization_config", "only ModelOpt NVFP4 checkpoints"}},
 		{name: "modelopt fp8", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{"quant_method": "modelopt", "quant_algo": "FP8"}}),
 			error: []string{"only ModelOpt NVFP4 checkpoints"}},
+		{name: "compressed-tensors nvfp4", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}),
+			error: []string{"only ModelOpt NVFP4 checkpoints"}},
 		{name: "nvfp4 group of 32", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"quantization_config": map[string]any{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}}),
 			error: []string{"group_size 32: NVFP4 blocks are 16 elements"}},
 		{name: "eos string", data: hfcPatch(t, "qwen3_moe_4x.json", map[string]any{"eos_token_id": "</s>"}),
