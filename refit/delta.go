@@ -108,13 +108,8 @@ func parseDeltaRecord(b []byte, n int) (deltaRecord, error) {
 	rec := deltaRecord{form: int(b[0]), count: int(binary.LittleEndian.Uint32(b[4:]))}
 	if rec.form == DeltaIndexList {
 		rec.mask = b[deltaRecordHeader : deltaRecordHeader+2*rec.count]
-		prev := -1
-		for i := range rec.count {
-			j := int(binary.LittleEndian.Uint16(rec.mask[2*i:]))
-			if j <= prev || j >= n {
-				return deltaRecord{}, fmt.Errorf("index %d is %d (after %d): want strictly increasing indices below %d", i, j, prev, n)
-			}
-			prev = j
+		if i, j, prev := increasingBelow(rec.mask, n); i >= 0 {
+			return deltaRecord{}, fmt.Errorf("index %d is %d (after %d): want strictly increasing indices below %d", i, j, prev, n)
 		}
 	} else {
 		rec.mask = b[deltaRecordHeader : deltaRecordHeader+bitmapBytes(n)]
@@ -130,12 +125,63 @@ func parseDeltaRecord(b []byte, n int) (deltaRecord, error) {
 		}
 	}
 	rec.values = b[len(b)-2*rec.count:]
-	for i := 0; i < len(rec.values); i += 2 {
-		if bad(rec.values[i], rec.values[i+1]) {
-			return deltaRecord{}, fmt.Errorf("value %d is NaN or Inf", i/2)
-		}
+	if i := firstNonFinite(rec.values); i >= 0 {
+		return deltaRecord{}, fmt.Errorf("value %d is NaN or Inf", i)
 	}
 	return rec, nil
+}
+
+// increasingBelow checks that the little-endian 16-bit indices of list
+// strictly increase and stay below n, four at a time. It returns -1, or
+// the position of the first index that does not, the index and the one
+// before it (-1 for the first).
+func increasingBelow(list []byte, n int) (at, idx, prev int) {
+	le := binary.LittleEndian
+	p, i := -1, 0
+	for ; i+8 <= len(list); i += 8 {
+		x := le.Uint64(list[i:])
+		a, b, c, d := int(x&0xffff), int(x>>16&0xffff), int(x>>32&0xffff), int(x>>48)
+		if p < a && a < b && b < c && c < d && d < n {
+			p = d
+			continue
+		}
+		break // the element-wise loop below finds which
+	}
+	for ; i+1 < len(list); i += 2 {
+		j := int(le.Uint16(list[i:]))
+		if j <= p || j >= n {
+			return i / 2, j, p
+		}
+		p = j
+	}
+	return -1, 0, 0
+}
+
+// firstNonFinite returns the index of the first NaN or Inf among the
+// little-endian BF16 values of v, or -1, testing four values per 8-byte
+// word: a value is not finite when its exponent bits (0x7f80) are all set.
+func firstNonFinite(v []byte) int {
+	const (
+		exp  = 0x7f80_7f80_7f80_7f80
+		ones = 0x0001_0001_0001_0001
+		high = 0x8000_8000_8000_8000
+	)
+	le := binary.LittleEndian
+	i := 0
+	for ; i+8 <= len(v); i += 8 {
+		// A lane of z is zero exactly when that value's exponent is all
+		// ones; the borrow trick finds whether any lane is zero.
+		z := le.Uint64(v[i:])&exp ^ exp
+		if (z-ones)&^z&high != 0 {
+			break
+		}
+	}
+	for ; i+1 < len(v); i += 2 {
+		if bad(v[i], v[i+1]) {
+			return i / 2
+		}
+	}
+	return -1
 }
 
 // changedIn reports whether the record changes an element of [a, b) of its
@@ -262,68 +308,97 @@ func (d *deltaDecoder) done() error {
 // appendDeltaRecord appends the record of a region, the smaller form, from
 // its elements in the base (old) and in the new version (both little-endian
 // BF16, the same length). changed is the number of elements that differ.
-func appendDeltaRecord(dst, old, new []byte) (out []byte, changed int) {
+// pos is scratch for their indices (returned, grown as needed).
+func appendDeltaRecord(dst, old, new []byte, pos []uint16) (out []byte, changed int, posOut []uint16) {
 	n := len(new) / 2
-	k := countChanged(old, new)
+	pos = appendChanged(pos[:0], old, new)
+	k := len(pos)
 	_, form := DeltaRecordSize(n, k)
 	dst = append(dst, byte(form), 0, 0, 0)
 	dst = binary.LittleEndian.AppendUint32(dst, uint32(k))
-	at := len(dst)
-	idx := 2 * k
-	if form != DeltaIndexList {
-		idx = bitmapBytes(n)
-	}
-	dst = append(dst, make([]byte, idx+2*k)...)
-	// One pass, eight bytes at a time: unchanged words (most of a sparse
-	// delta) cost one compare; a changed element adds its index (or bit)
-	// and its value.
-	j, v := at, at+idx
-	emit := func(e int) {
-		if form == DeltaIndexList {
-			binary.LittleEndian.PutUint16(dst[j:], uint16(e))
-			j += 2
-		} else {
-			dst[at+e/8] |= 1 << (e % 8)
+	if form == DeltaIndexList {
+		for _, e := range pos {
+			dst = binary.LittleEndian.AppendUint16(dst, e)
 		}
-		dst[v], dst[v+1] = new[2*e], new[2*e+1]
-		v += 2
+	} else {
+		at := len(dst)
+		dst = append(dst, make([]byte, bitmapBytes(n))...)
+		for _, e := range pos {
+			dst[at+int(e>>3)] |= 1 << (e & 7)
+		}
 	}
+	for _, e := range pos {
+		dst = append(dst, new[2*int(e)], new[2*int(e)+1])
+	}
+	return dst, k, pos
+}
+
+// appendChanged appends the indices of the BF16 elements that differ
+// between old and new (at most 65536 of them), in increasing order. Equal
+// bytes, most of a sparse delta's, cost one compare per 32: four 8-byte
+// words are XORed and ORed together before any lane is looked at.
+func appendChanged(pos []uint16, old, new []byte) []uint16 {
+	n := len(new) / 2
+	le := binary.LittleEndian
 	i := 0
-	for ; i+4 <= n; i += 4 {
-		x := binary.LittleEndian.Uint64(old[2*i:]) ^ binary.LittleEndian.Uint64(new[2*i:])
-		if x == 0 {
+	for ; i+16 <= n; i += 16 {
+		o, w := old[2*i:2*i+32], new[2*i:2*i+32]
+		x0, x1 := le.Uint64(o)^le.Uint64(w), le.Uint64(o[8:])^le.Uint64(w[8:])
+		x2, x3 := le.Uint64(o[16:])^le.Uint64(w[16:]), le.Uint64(o[24:])^le.Uint64(w[24:])
+		if x0|x1|x2|x3 == 0 {
 			continue
 		}
-		for e := range 4 {
-			if x>>(16*e)&0xffff != 0 {
-				emit(i + e)
-			}
-		}
+		pos = appendLanes(pos, i, x0)
+		pos = appendLanes(pos, i+4, x1)
+		pos = appendLanes(pos, i+8, x2)
+		pos = appendLanes(pos, i+12, x3)
+	}
+	for ; i+4 <= n; i += 4 {
+		pos = appendLanes(pos, i, le.Uint64(old[2*i:])^le.Uint64(new[2*i:]))
 	}
 	for ; i < n; i++ {
 		if old[2*i] != new[2*i] || old[2*i+1] != new[2*i+1] {
-			emit(i)
+			pos = append(pos, uint16(i))
 		}
 	}
-	return dst, k
+	return pos
+}
+
+// appendLanes appends i + l for each 16-bit lane l of x that is not zero.
+func appendLanes(pos []uint16, i int, x uint64) []uint16 {
+	for x != 0 {
+		l := bits.TrailingZeros64(x) >> 4
+		pos = append(pos, uint16(i+l))
+		x &^= 0xffff << (16 * l)
+	}
+	return pos
 }
 
 // countChanged counts the BF16 elements that differ between old and new,
-// eight bytes at a time.
+// 32 bytes at a time (as appendChanged scans).
 func countChanged(old, new []byte) int {
+	le := binary.LittleEndian
 	k, i := 0, 0
-	for ; i+8 <= len(new); i += 8 {
-		x := binary.LittleEndian.Uint64(old[i:]) ^ binary.LittleEndian.Uint64(new[i:])
-		if x == 0 {
-			continue
-		}
-		// A lane differs when any of its 16 bits does: fold each lane's
-		// bits into its low bit.
+	// A lane differs when any of its 16 bits does: fold each lane's bits
+	// into its low bit.
+	lanes := func(x uint64) int {
 		x |= x >> 8
 		x |= x >> 4
 		x |= x >> 2
 		x |= x >> 1
-		k += bits.OnesCount64(x & 0x0001000100010001)
+		return bits.OnesCount64(x & 0x0001000100010001)
+	}
+	for ; i+32 <= len(new); i += 32 {
+		o, w := old[i:i+32], new[i:i+32]
+		x0, x1 := le.Uint64(o)^le.Uint64(w), le.Uint64(o[8:])^le.Uint64(w[8:])
+		x2, x3 := le.Uint64(o[16:])^le.Uint64(w[16:]), le.Uint64(o[24:])^le.Uint64(w[24:])
+		if x0|x1|x2|x3 == 0 {
+			continue
+		}
+		k += lanes(x0) + lanes(x1) + lanes(x2) + lanes(x3)
+	}
+	for ; i+8 <= len(new); i += 8 {
+		k += lanes(le.Uint64(old[i:]) ^ le.Uint64(new[i:]))
 	}
 	for ; i+1 < len(new); i += 2 {
 		if old[i] != new[i] || old[i+1] != new[i+1] {

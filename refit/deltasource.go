@@ -59,9 +59,11 @@ type DeltaStats struct {
 	FullBytes, Bytes int64
 }
 
-// deltaScratch holds one region of each side and its encoded record.
+// deltaScratch holds one region of each side, its encoded record and the
+// indices of its changed elements.
 type deltaScratch struct {
 	old, new, rec []byte
+	pos           []uint16
 }
 
 // OpenDelta opens the checkpoint at path and the one at base (a directory
@@ -324,7 +326,7 @@ func (d *DeltaSource) job(sc *deltaScratch, j deltaJob) error {
 		return err
 	}
 	k := regionLen(seg.elems, j.r)
-	sc.rec, _ = appendDeltaRecord(sc.rec[:0], sc.old[:2*k], sc.new[:2*k])
+	sc.rec, _, sc.pos = appendDeltaRecord(sc.rec[:0], sc.old[:2*k], sc.new[:2*k], sc.pos)
 	if int64(len(sc.rec)) != seg.at[j.r+1]-seg.at[j.r] {
 		return fmt.Errorf("refit: delta source: tensor %s: region %d encodes to %d bytes, %d when the delta was assembled: a checkpoint changed",
 			d.next.tensors[seg.next].name, j.r, len(sc.rec), seg.at[j.r+1]-seg.at[j.r])
