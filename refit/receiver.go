@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -1315,22 +1314,11 @@ func checkFinite(w *write, lo int64, part []byte) error {
 		}
 		j = 1
 	}
-	// Four values a word: a lane is NaN or Inf when its exponent bits
-	// (0x7F80) are all set, i.e. when (v & 0x7F80) ^ 0x7F80 is zero.
-	const exp, ones, high = 0x7F807F807F807F80, 0x0001000100010001, 0x8000800080008000
-	for ; j+8 <= len(part); j += 8 {
-		y := binary.LittleEndian.Uint64(part[j:])&exp ^ exp
-		if (y-ones)&^y&high != 0 {
-			break // some lane is: find it below
-		}
+	if i := firstNonFinite(part[j:]); i >= 0 {
+		return fmt.Errorf("tensor %q: value %d is NaN or Inf", w.info.Name, (lo+int64(j))/2+int64(i))
 	}
-	for ; j+1 < len(part); j += 2 {
-		if bad(part[j], part[j+1]) {
-			return fmt.Errorf("tensor %q: value %d is NaN or Inf", w.info.Name, (lo+int64(j))/2)
-		}
-	}
-	if j < len(part) {
-		w.carry = part[j]
+	if (len(part)-j)%2 == 1 { // the low byte of a value the next chunk completes
+		w.carry = part[len(part)-1]
 	}
 	return nil
 }
