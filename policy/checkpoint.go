@@ -433,7 +433,7 @@ func checkFinite(entries []ckptEntry) []string {
 					return
 				}
 				if e := entries[i]; e.ok {
-					if j := firstNonFinite(e.t.Data); j >= 0 {
+					if j := bf16.FirstNonFinite(e.t.Data); j >= 0 {
 						h := binary.LittleEndian.Uint16(e.t.Data[2*j:])
 						bad[i] = fmt.Sprintf("%s (in %s): %v at element %v", e.t.Name, e.file, bf16.ToFloat32(h), unflatten(j, e.t.Shape))
 					}
@@ -449,36 +449,6 @@ func checkFinite(entries []ckptEntry) []string {
 		}
 	}
 	return out
-}
-
-// firstNonFinite returns the index of the first NaN or Inf in little-endian
-// BF16 data, or -1. It tests four values per 64-bit word: a value is
-// non-finite when its exponent bits (0x7f80) are all set.
-func firstNonFinite(data []byte) int {
-	const (
-		exp  = 0x7f80_7f80_7f80_7f80
-		ones = 0x0001_0001_0001_0001
-		high = 0x8000_8000_8000_8000
-	)
-	n := len(data) / 8 * 8
-	for off := 0; off < n; off += 8 {
-		// A lane of z is zero exactly when that value's exponent is all
-		// ones; the borrow trick finds whether any lane is zero.
-		z := binary.LittleEndian.Uint64(data[off:])&exp ^ exp
-		if (z-ones)&^z&high != 0 {
-			for j := off / 2; j < off/2+4; j++ {
-				if !bf16.IsFinite(binary.LittleEndian.Uint16(data[2*j:])) {
-					return j
-				}
-			}
-		}
-	}
-	for j := n / 2; j < len(data)/2; j++ {
-		if !bf16.IsFinite(binary.LittleEndian.Uint16(data[2*j:])) {
-			return j
-		}
-	}
-	return -1
 }
 
 // unflatten turns a row-major element index into a multi-index.

@@ -516,34 +516,6 @@ func TestLoadCheckpointNoFiles(t *testing.T) {
 	}
 }
 
-func TestFirstNonFinite(t *testing.T) {
-	for n := range 13 {
-		for bad := -1; bad < n; bad++ {
-			data := make([]byte, 2*n)
-			for i := range n {
-				binary.LittleEndian.PutUint16(data[2*i:], bf16.FromFloat32(float32(i)-6.5))
-			}
-			if bad >= 0 {
-				binary.LittleEndian.PutUint16(data[2*bad:], 0xff80) // -Inf
-				if bad+2 < n {
-					binary.LittleEndian.PutUint16(data[2*(bad+2):], 0x7fc1) // NaN after it
-				}
-			}
-			if got := firstNonFinite(data); got != bad {
-				t.Errorf("n=%d: first non-finite at %d, want %d", n, got, bad)
-			}
-		}
-	}
-	// Largest finite values, with every exponent bit but one set, are finite.
-	data := make([]byte, 16)
-	for i := range 8 {
-		binary.LittleEndian.PutUint16(data[2*i:], 0x7f7f|uint16(i%2)<<15)
-	}
-	if got := firstNonFinite(data); got != -1 {
-		t.Errorf("max finite values: got %d", got)
-	}
-}
-
 func TestPreset(t *testing.T) {
 	for _, name := range PresetNames() {
 		cfg, err := Preset(name)

@@ -6,6 +6,7 @@ import (
 	"math/bits"
 	"sort"
 
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/kernels"
 )
 
@@ -125,7 +126,7 @@ func parseDeltaRecord(b []byte, n int) (deltaRecord, error) {
 		}
 	}
 	rec.values = b[len(b)-2*rec.count:]
-	if i := firstNonFinite(rec.values); i >= 0 {
+	if i := bf16.FirstNonFinite(rec.values); i >= 0 {
 		return deltaRecord{}, fmt.Errorf("value %d is NaN or Inf", i)
 	}
 	return rec, nil
@@ -155,33 +156,6 @@ func increasingBelow(list []byte, n int) (at, idx, prev int) {
 		p = j
 	}
 	return -1, 0, 0
-}
-
-// firstNonFinite returns the index of the first NaN or Inf among the
-// little-endian BF16 values of v, or -1, testing four values per 8-byte
-// word: a value is not finite when its exponent bits (0x7f80) are all set.
-func firstNonFinite(v []byte) int {
-	const (
-		exp  = 0x7f80_7f80_7f80_7f80
-		ones = 0x0001_0001_0001_0001
-		high = 0x8000_8000_8000_8000
-	)
-	le := binary.LittleEndian
-	i := 0
-	for ; i+8 <= len(v); i += 8 {
-		// A lane of z is zero exactly when that value's exponent is all
-		// ones; the borrow trick finds whether any lane is zero.
-		z := le.Uint64(v[i:])&exp ^ exp
-		if (z-ones)&^z&high != 0 {
-			break
-		}
-	}
-	for ; i+1 < len(v); i += 2 {
-		if bad(v[i], v[i+1]) {
-			return i / 2
-		}
-	}
-	return -1
 }
 
 // changedIn reports whether the record changes an element of [a, b) of its

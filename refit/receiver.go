@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/policy"
@@ -1314,7 +1315,7 @@ func checkFinite(w *write, lo int64, part []byte) error {
 		}
 		j = 1
 	}
-	if i := firstNonFinite(part[j:]); i >= 0 {
+	if i := bf16.FirstNonFinite(part[j:]); i >= 0 {
 		return fmt.Errorf("tensor %q: value %d is NaN or Inf", w.info.Name, (lo+int64(j))/2+int64(i))
 	}
 	if (len(part)-j)%2 == 1 { // the low byte of a value the next chunk completes

@@ -30,6 +30,33 @@ func Round(f float32) float32 { return ToFloat32(FromFloat32(f)) }
 // IsFinite reports whether the BF16 value h is neither NaN nor infinite.
 func IsFinite(h uint16) bool { return h&0x7f80 != 0x7f80 }
 
+// FirstNonFinite returns the index of the first NaN or Inf among the
+// little-endian BF16 values of data (a trailing odd byte is not a value),
+// or -1. It tests four values per 8-byte word: a lane of z below is zero
+// exactly when that value's exponent bits (0x7f80) are all set, and the
+// borrow trick finds whether any lane is zero; only then are the word's
+// values looked at one by one.
+func FirstNonFinite(data []byte) int {
+	const (
+		exp  = 0x7f80_7f80_7f80_7f80
+		ones = 0x0001_0001_0001_0001
+		high = 0x8000_8000_8000_8000
+	)
+	i := 0
+	for ; i+8 <= len(data); i += 8 {
+		z := binary.LittleEndian.Uint64(data[i:])&exp ^ exp
+		if (z-ones)&^z&high != 0 {
+			break
+		}
+	}
+	for ; i+1 < len(data); i += 2 {
+		if !IsFinite(binary.LittleEndian.Uint16(data[i:])) {
+			return i / 2
+		}
+	}
+	return -1
+}
+
 // Decode widens little-endian BF16 bytes into dst (len(dst) values).
 func Decode(dst []float32, src []byte) {
 	for i := range dst {

@@ -2,6 +2,7 @@ package bf16
 
 import (
 	"bytes"
+	"encoding/binary"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -204,5 +205,33 @@ func TestEncodeDecode(t *testing.T) {
 	Decode(short, buf)
 	if short[0] != 1 || short[1] != -2 {
 		t.Errorf("Decode short = %v", short)
+	}
+}
+
+func TestFirstNonFinite(t *testing.T) {
+	for n := range 13 {
+		for bad := -1; bad < n; bad++ {
+			data := make([]byte, 2*n)
+			for i := range n {
+				binary.LittleEndian.PutUint16(data[2*i:], FromFloat32(float32(i)-6.5))
+			}
+			if bad >= 0 {
+				binary.LittleEndian.PutUint16(data[2*bad:], 0xff80) // -Inf
+				if bad+2 < n {
+					binary.LittleEndian.PutUint16(data[2*(bad+2):], 0x7fc1) // NaN after it
+				}
+			}
+			if got := FirstNonFinite(data); got != bad {
+				t.Errorf("n=%d: first non-finite at %d, want %d", n, got, bad)
+			}
+		}
+	}
+	// Largest finite values, with every exponent bit but one set, are finite.
+	data := make([]byte, 16)
+	for i := range 8 {
+		binary.LittleEndian.PutUint16(data[2*i:], 0x7f7f|uint16(i%2)<<15)
+	}
+	if got := FirstNonFinite(data); got != -1 {
+		t.Errorf("max finite values: got %d", got)
 	}
 }
