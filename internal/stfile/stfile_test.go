@@ -379,6 +379,8 @@ func addFileSeeds(f *testing.F) {
 	f.Add(header(`{"a":{"dtype":"U8","shape":[18446744073709551615],"data_offsets":[0,18446744073709551615]}}`, nil))
 	f.Add(header(`{"__metadata__":null}`, nil))
 	f.Add(header(`null`, nil))
+	f.Add(header(`{"s":{"dtype":"F8_E4M3","shape":[2,1],"data_offsets":[0,2]},"t":{"dtype":"F8_E5M2","shape":[1],"data_offsets":[2,3]}}`, []byte{0x38, 0x7e, 0x3c}))
+	f.Add(header(`{"s":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]},"t":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[1,2]}}`, []byte{1, 2}))
 }
 
 // FuzzOpen feeds arbitrary bytes to Open as a file: it must return an error
