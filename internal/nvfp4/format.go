@@ -37,44 +37,32 @@ func E2M1Decode(c uint8) float32 {
 // zero gives code 8 (-0). NaN gives +-6 (the largest code of its sign): NaN
 // never reaches a quantizer in this project, the refit path rejects it first.
 func E2M1Encode(x float32) uint8 {
-	a := math.Float32frombits(math.Float32bits(x) & 0x7fffffff)
-	var c uint8
-	switch {
-	case a <= 0.25:
-		c = 0
-	case a < 0.75:
-		c = 1
-	case a <= 1.25:
-		c = 2
-	case a < 1.75:
-		c = 3
-	case a <= 2.5:
-		c = 4
-	case a < 3.5:
-		c = 5
-	case a <= 5:
-		c = 6
-	default: // > 5, +Inf and NaN
-		c = 7
-	}
-	if math.Float32bits(x)>>31 != 0 {
-		c |= 8
-	}
-	return c
+	// The code of |x| is the number of rounding boundaries below it, each
+	// boundary inclusive or not as ties to the even code want (0.25 -> 0,
+	// 0.75 -> 2, ...). |x|'s bits compare as unsigned integers in the
+	// order of the values, and NaN's bits lie above every boundary, so
+	// NaN counts all seven. (t - a) >> 31 is 1 exactly when a > t (both
+	// below 2^31): no branch, so random data mispredicts none.
+	b := math.Float32bits(x)
+	a := b & 0x7fffffff
+	c := (0x3e800000-a)>>31 + (0x3f3fffff-a)>>31 + (0x3fa00000-a)>>31 + (0x3fdfffff-a)>>31 + // > 0.25, >= 0.75, > 1.25, >= 1.75
+		(0x40200000-a)>>31 + (0x405fffff-a)>>31 + (0x40a00000-a)>>31 // > 2.5, >= 3.5, > 5
+	return uint8(c) | uint8(b>>28)&8
 }
 
 // E4M3Decode returns the value of the float8_e4m3fn byte b. 0x7F and 0xFF are NaN.
 func E4M3Decode(b uint8) float32 {
-	exp := int(b>>3) & 0xf
-	man := float32(b & 7)
+	exp, man := uint32(b>>3)&0xf, uint32(b&7)
 	var v float32
 	switch {
 	case b&0x7f == 0x7f:
 		return float32(math.NaN())
 	case exp == 0:
-		v = man * (1.0 / 512) // subnormal: k * 2^-9
+		v = float32(man) * (1.0 / 512) // subnormal: k * 2^-9, exact
 	default:
-		v = (1 + man/8) * float32(math.Ldexp(1, exp-7))
+		// (1 + man/8) * 2^(exp-7): the float32 with exponent field
+		// exp - 7 + 127 and man in its top mantissa bits.
+		v = math.Float32frombits((exp+120)<<23 | man<<20)
 	}
 	if b&0x80 != 0 {
 		return -v
