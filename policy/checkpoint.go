@@ -185,10 +185,8 @@ func LoadCheckpoint(m *Model, dir string) error {
 			return fmt.Errorf("policy: load %s: upload %s: %w", dir, e.t.Name, err)
 		}
 	}
-	for _, q := range qmods {
-		if err := m.uploadNVFP4(q); err != nil {
-			return fmt.Errorf("policy: load %s: %w", dir, err)
-		}
+	if err := m.uploadNVFP4(qmods); err != nil {
+		return fmt.Errorf("policy: load %s: %w", dir, err)
 	}
 	for i, l := range m.layers {
 		var requant []int

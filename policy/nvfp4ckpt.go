@@ -6,8 +6,10 @@ import (
 	"maps"
 	"math"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
@@ -209,26 +211,79 @@ func (m *Model) checkExperts(mods []*quantModule, bf16Targets []Target, perr *Ch
 	return out
 }
 
-// uploadNVFP4 writes a checked module: its dequantized BF16 weights into
-// its place and, for an expert under an NVFP4 recipe, its codes, block
-// scales and global scale into the layer's NVFP4 copies.
-func (m *Model) uploadNVFP4(q *quantModule) error {
-	be := m.be
-	N, K := q.target.Shape[0], q.target.Shape[1]
-	out := make([]byte, 2*N*K)
-	row := make([]float32, K)
-	for r := range N {
-		nvfp4.DequantizeRow(row, q.weight.t.Data[r*q.kp/2:(r+1)*q.kp/2], q.scale.t.Data[r*q.kp/16:(r+1)*q.kp/16], q.sdec)
-		for i, v := range row {
-			binary.LittleEndian.PutUint16(out[2*(r*K+i):], bf16.FromFloat32(v))
+// dequantTable maps a block scale byte and a code (sf<<4 | code) to the
+// BF16 value bf16(RN(RN(e2m1(code) * f32(sf)) * sdec)): a matrix's
+// dequantization is then one lookup an element.
+func dequantTable(sdec float32) *[256 * 16]uint16 {
+	var t [256 * 16]uint16
+	for sf := range 256 {
+		s := nvfp4.E4M3Decode(uint8(sf))
+		for c := range 16 {
+			t[sf<<4|c] = bf16.FromFloat32(nvfp4.E2M1Decode(uint8(c)) * s * sdec)
 		}
 	}
+	return &t
+}
+
+// dequantize writes the module's BF16 weights (row-major [N, K]) into out.
+func (q *quantModule) dequantize(out []byte) {
+	N, K := q.target.Shape[0], q.target.Shape[1]
+	t := dequantTable(q.sdec)
+	codes, sfs := q.weight.t.Data, q.scale.t.Data
+	for r := range N {
+		row, sf := codes[r*q.kp/2:], sfs[r*q.kp/16:]
+		o := out[2*r*K : 2*(r+1)*K]
+		for i := 0; i < K; i += 2 {
+			b := row[i/2]
+			hi := uint16(sf[i/16]) << 4
+			binary.LittleEndian.PutUint16(o[2*i:], t[hi|uint16(b&15)])
+			if i+1 < K {
+				binary.LittleEndian.PutUint16(o[2*i+2:], t[hi|uint16(b>>4)])
+			}
+		}
+	}
+}
+
+// uploadNVFP4 writes the checked modules: each one's dequantized BF16
+// weights into its place and, for an expert under an NVFP4 recipe, its
+// codes, block scales and global scale into the layer's NVFP4 copies.
+// Modules go a batch at a time: one goroutine a core dequantizes a module
+// each, then the batch is uploaded here, in order.
+func (m *Model) uploadNVFP4(mods []*quantModule) error {
+	P := runtime.GOMAXPROCS(0)
+	outs := make([][]byte, P)
+	for b0 := 0; b0 < len(mods); b0 += P {
+		batch := mods[b0:min(b0+P, len(mods))]
+		var wg sync.WaitGroup
+		for i, q := range batch {
+			n := 2 * q.target.Shape[0] * q.target.Shape[1]
+			if cap(outs[i]) < n {
+				outs[i] = make([]byte, n)
+			}
+			outs[i] = outs[i][:n]
+			wg.Go(func() { q.dequantize(outs[i]) })
+		}
+		wg.Wait()
+		for i, q := range batch {
+			if err := m.uploadModule(q, outs[i]); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// uploadModule uploads one module's dequantized weights and, for an
+// expert, its NVFP4 copy.
+func (m *Model) uploadModule(q *quantModule, out []byte) error {
+	be := m.be
 	if err := be.Upload(q.target.Buffer, q.target.Offset, out); err != nil {
 		return fmt.Errorf("upload %s.weight: %w", q.name, err)
 	}
 	if !q.target.IsExpert() {
 		return nil
 	}
+	K := q.target.Shape[1]
 	l := m.layers[q.target.Layer].moe
 	fc1, fc2 := l.Quantized()
 	dst := fc2
