@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"maps"
@@ -190,7 +191,11 @@ func (m *Model) checkExperts(mods []*quantModule, bf16Targets []Target, perr *Ch
 	}
 	gated := m.cfg.Activation == moe.SwiGLU
 	out := make(map[expertKey]bool, len(quant))
-	for k, qs := range quant {
+	keys := slices.SortedFunc(maps.Keys(quant), func(a, b expertKey) int {
+		return cmp.Or(cmp.Compare(a.layer, b.layer), cmp.Compare(a.expert, b.expert))
+	})
+	for _, k := range keys { // in order, so that the problems are listed in order
+		qs := quant[k]
 		out[k] = true
 		if !gated {
 			continue
