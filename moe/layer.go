@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync/atomic"
 
 	"github.com/rollout-worker/rollout-worker/internal/nvfp4"
@@ -16,7 +17,8 @@ var (
 	// ErrClosed is returned by a Layer used after Close.
 	ErrClosed = errors.New("moe: layer is closed")
 	// ErrNotQuantized is returned by Forward when the recipe reads NVFP4
-	// copies that no full Requantize has built (or the last one failed).
+	// copies that are not built for every expert (by Requantize or
+	// SetQuantized), or after a Requantize failed.
 	ErrNotQuantized = errors.New("moe: NVFP4 copies not built: call Requantize after loading the weights")
 	// ErrNotCalibrated is returned by Forward under RecipePerTensor before
 	// the layer has its input scales (SetInputScales, or Calibrate then
@@ -68,9 +70,13 @@ type Layer struct {
 	hq      kernels.NVFP4   // per-row FC2 input [R, Ip/2] ...
 	y       *kernels.Buffer // BF16 [R, H]: FC2 output, expert order
 
-	owned     []*kernels.Buffer // everything New allocated, for Close
-	closed    bool
-	quantized bool // the NVFP4 copies match the BF16 stacks as last requantized
+	owned  []*kernels.Buffer // everything New allocated, for Close
+	closed bool
+	// built marks the experts whose NVFP4 copies Requantize or
+	// SetQuantized wrote; quantized is every expert built (a failed
+	// Requantize clears both: some copies may be half rebuilt).
+	built     []bool
+	quantized bool
 	marker    kernels.Marker
 }
 
@@ -279,13 +285,85 @@ func (l *Layer) RequantizeHinted(h AmaxHint, experts ...int) error {
 		}
 		return nil
 	})
-	switch {
-	case err != nil:
-		l.quantized = false // some copies may be half rebuilt
-	case all:
-		l.quantized = true
+	if err != nil {
+		l.setBuilt(nil)
+		return err
 	}
-	return err
+	l.setBuilt(experts)
+	return nil
+}
+
+// setBuilt marks the experts built, or (nil) none.
+func (l *Layer) setBuilt(experts []int) {
+	if l.built == nil {
+		l.built = make([]bool, l.cfg.Experts)
+	}
+	if experts == nil {
+		clear(l.built)
+	}
+	for _, e := range experts {
+		l.built[e] = true
+	}
+	l.quantized = !slices.Contains(l.built, false)
+}
+
+// QuantizedMatrix is one expert matrix in NVFP4 as a quantized checkpoint
+// holds it: codes [rows, Kp/2] and block scales [rows, Kp/16] (rows and Kp
+// as the layer's copy of that matrix has them) and the matrix's global
+// decode scale S_dec, its GEMM's alpha.
+type QuantizedMatrix struct {
+	Packed, Scales []byte
+	Scale          float32
+}
+
+// SetQuantized writes expert e's NVFP4 copies as given, in place of a
+// requantization of its BF16 weights: FC1 (for SwiGLU its gate rows, then
+// its up rows, one matrix with one scale) and FC2. It is how a model loads
+// a checkpoint quantized already; the BF16 stacks are the caller's to
+// fill (the dequantized values), and a later Requantize of the expert
+// replaces the copies with this worker's quantization of them.
+func (l *Layer) SetQuantized(e int, fc1, fc2 QuantizedMatrix) error {
+	if l.closed {
+		return ErrClosed
+	}
+	if !l.spec.quantWeights {
+		return fmt.Errorf("moe: set quantized expert %d: recipe %s keeps no NVFP4 copies", e, l.cfg.Recipe)
+	}
+	if e < 0 || e >= l.cfg.Experts {
+		return fmt.Errorf("moe: set quantized expert %d of %d", e, l.cfg.Experts)
+	}
+	type part struct {
+		name string
+		dst  kernels.NVFP4
+		src  QuantizedMatrix
+	}
+	parts := []part{{"FC1", l.fc1q, fc1}, {"FC2", l.fc2q, fc2}}
+	for i, m := range parts { // every check before any write: a refusal changes nothing
+		dst, err := sliceNVFP4(m.dst, e, e+1)
+		if err != nil {
+			return fmt.Errorf("moe: set quantized expert %d %s: %w", e, m.name, err)
+		}
+		if len(m.src.Packed) != dst.Packed.Size() || len(m.src.Scales) != dst.Scales.Size() {
+			return fmt.Errorf("moe: set quantized expert %d %s: %d code bytes and %d block scales, want %d and %d",
+				e, m.name, len(m.src.Packed), len(m.src.Scales), dst.Packed.Size(), dst.Scales.Size())
+		}
+		parts[i].dst = dst
+	}
+	for _, m := range parts {
+		err := l.be.Upload(m.dst.Packed, 0, m.src.Packed)
+		if err == nil {
+			err = l.be.Upload(m.dst.Scales, 0, m.src.Scales)
+		}
+		if err == nil {
+			err = l.be.Upload(m.dst.Scale, 0, binary.LittleEndian.AppendUint32(nil, math.Float32bits(m.src.Scale)))
+		}
+		if err != nil {
+			l.setBuilt(nil) // a copy may be half written
+			return fmt.Errorf("moe: set quantized expert %d %s: %w", e, m.name, err)
+		}
+	}
+	l.setBuilt([]int{e})
+	return nil
 }
 
 // forRuns calls fn for each run [lo, hi) of consecutive experts of

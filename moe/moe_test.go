@@ -125,3 +125,81 @@ func BenchmarkForward(b *testing.B) {
 		}
 	}
 }
+
+// TestSetQuantized: copies written as given (a quantized checkpoint's)
+// count as built expert by expert, alone or with requantized experts; the
+// bytes land in the expert's place; bad sizes, experts out of range and
+// recipes without copies are refused, and a refusal changes nothing.
+func TestSetQuantized(t *testing.T) {
+	be := newBackend(t)
+	cfg := moe.Config{Hidden: 32, Intermediate: 16, Experts: 4, TopK: 2, Activation: moe.SwiGLU,
+		Scoring: moe.Softmax, MaxTokens: 4, Recipe: moe.RecipePerToken}
+	l, err := moe.New(be, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	matrix := func(rows, k int, fill byte, scale float32) moe.QuantizedMatrix {
+		m := moe.QuantizedMatrix{Packed: make([]byte, rows*k/2), Scales: make([]byte, rows*k/16), Scale: scale}
+		for i := range m.Packed {
+			m.Packed[i] = fill
+		}
+		for i := range m.Scales {
+			m.Scales[i] = 0x38 // 1.0
+		}
+		return m
+	}
+	fc1, fc2 := matrix(32, 32, 0x21, 0.5), matrix(32, 16, 0x12, 0.25)
+	x, out := mustAlloc(t, be, kernels.BF16, 4, 32), mustAlloc(t, be, kernels.BF16, 4, 32)
+	for _, e := range []int{0, 1, 2} {
+		if err := l.SetQuantized(e, fc1, fc2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := l.Forward(out, x); !errors.Is(err, moe.ErrNotQuantized) {
+		t.Fatalf("Forward with expert 3 not built: %v, want ErrNotQuantized", err)
+	}
+	if err := l.Requantize(3); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Forward(out, x); err != nil {
+		t.Fatalf("Forward with experts 0-2 set and 3 requantized: %v", err)
+	}
+	q1, q2 := l.Quantized()
+	got := make([]byte, len(fc1.Packed))
+	if err := be.Download(got, q1.Packed, 2*len(fc1.Packed)); err != nil {
+		t.Fatal(err)
+	}
+	alpha := make([]byte, 4)
+	if err := be.Download(alpha, q2.Scale, 4*2); err != nil {
+		t.Fatal(err)
+	}
+	if got[0] != 0x21 || got[len(got)-1] != 0x21 || alpha[3] != 0x3e { // 0.25 = 0x3e800000
+		t.Fatalf("expert 2's copies: codes % x.., FC2 alpha % x", got[:4], alpha)
+	}
+	for _, tc := range []struct {
+		name     string
+		e        int
+		fc1, fc2 moe.QuantizedMatrix
+	}{
+		{"expert out of range", 4, fc1, fc2},
+		{"FC1 rows short", 1, matrix(16, 32, 0, 1), fc2},
+		{"FC2 K wrong", 1, fc1, matrix(32, 32, 0, 1)},
+	} {
+		if err := l.SetQuantized(tc.e, tc.fc1, tc.fc2); err == nil {
+			t.Errorf("%s: SetQuantized succeeded", tc.name)
+		}
+	}
+	if err := l.Forward(out, x); err != nil {
+		t.Fatalf("Forward after refused SetQuantized calls: %v", err)
+	}
+	cfg.Recipe = moe.RecipeBF16
+	lb, err := moe.New(be, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lb.Close()
+	if err := lb.SetQuantized(0, fc1, fc2); err == nil {
+		t.Error("SetQuantized under the bf16 recipe succeeded")
+	}
+}

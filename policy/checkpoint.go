@@ -188,10 +188,13 @@ func LoadCheckpoint(m *Model, dir string) error {
 	if err := m.uploadNVFP4(qmods); err != nil {
 		return fmt.Errorf("policy: load %s: %w", dir, err)
 	}
+	if err := m.setQuantizedExperts(quantExperts); err != nil {
+		return fmt.Errorf("policy: load %s: %w", dir, err)
+	}
 	for i, l := range m.layers {
 		var requant []int
 		for e := range m.cfg.Experts {
-			if !quantExperts[expertKey{i, e}] {
+			if _, ok := quantExperts[expertKey{i, e}]; !ok {
 				requant = append(requant, e)
 			}
 		}

@@ -166,12 +166,19 @@ func (q *quantModule) check(perr *CheckpointError) bool {
 // expertKey names one expert of one layer.
 type expertKey struct{ layer, expert int }
 
+// sortedExperts returns the keys of by in layer, then expert order.
+func sortedExperts[V any](by map[expertKey]V) []expertKey {
+	return slices.SortedFunc(maps.Keys(by), func(a, b expertKey) int {
+		return cmp.Or(cmp.Compare(a.layer, b.layer), cmp.Compare(a.expert, b.expert))
+	})
+}
+
 // checkExperts checks what the NVFP4 copies need of the expert modules:
 // an expert's projections all quantized or none (its copies are either the
 // checkpoint's or requantized whole), and a SwiGLU expert's gate and up
 // projections with one global scale (they are one FC1 matrix with one
-// alpha). It returns the quantized experts.
-func (m *Model) checkExperts(mods []*quantModule, bf16Targets []Target, perr *CheckpointError) map[expertKey]bool {
+// alpha). It returns the quantized experts' modules.
+func (m *Model) checkExperts(mods []*quantModule, bf16Targets []Target, perr *CheckpointError) map[expertKey][]*quantModule {
 	quant := map[expertKey][]*quantModule{}
 	for _, q := range mods {
 		if q.target.IsExpert() {
@@ -190,13 +197,8 @@ func (m *Model) checkExperts(mods []*quantModule, bf16Targets []Target, perr *Ch
 		}
 	}
 	gated := m.cfg.Activation == moe.SwiGLU
-	out := make(map[expertKey]bool, len(quant))
-	keys := slices.SortedFunc(maps.Keys(quant), func(a, b expertKey) int {
-		return cmp.Or(cmp.Compare(a.layer, b.layer), cmp.Compare(a.expert, b.expert))
-	})
-	for _, k := range keys { // in order, so that the problems are listed in order
+	for _, k := range sortedExperts(quant) { // in order, so that the problems are listed in order
 		qs := quant[k]
-		out[k] = true
 		if !gated {
 			continue
 		}
@@ -213,7 +215,7 @@ func (m *Model) checkExperts(mods []*quantModule, bf16Targets []Target, perr *Ch
 			}
 		}
 	}
-	return out
+	return quant
 }
 
 // dequantTable maps a block scale byte and a code (sf<<4 | code) to the
@@ -278,37 +280,38 @@ func (m *Model) uploadNVFP4(mods []*quantModule) error {
 	return nil
 }
 
-// uploadModule uploads one module's dequantized weights and, for an
-// expert, its NVFP4 copy.
+// uploadModule uploads one module's dequantized weights.
 func (m *Model) uploadModule(q *quantModule, out []byte) error {
-	be := m.be
-	if err := be.Upload(q.target.Buffer, q.target.Offset, out); err != nil {
+	if err := m.be.Upload(q.target.Buffer, q.target.Offset, out); err != nil {
 		return fmt.Errorf("upload %s.weight: %w", q.name, err)
 	}
-	if !q.target.IsExpert() {
-		return nil
-	}
-	K := q.target.Shape[1]
-	l := m.layers[q.target.Layer].moe
-	fc1, fc2 := l.Quantized()
-	dst := fc2
-	if q.target.Buffer == l.FC1() {
-		dst = fc1
-	}
-	if dst.Packed == nil { // the BF16 recipe keeps no copies
-		return nil
-	}
-	r0 := q.target.Offset / (2 * K) // the module's first row in the stack
-	var s [4]byte
-	binary.LittleEndian.PutUint32(s[:], math.Float32bits(q.sdec))
-	if err := be.Upload(dst.Packed, r0*q.kp/2, q.weight.t.Data); err != nil {
-		return fmt.Errorf("upload %s.weight into the NVFP4 copy: %w", q.name, err)
-	}
-	if err := be.Upload(dst.Scales, r0*q.kp/16, q.scale.t.Data); err != nil {
-		return fmt.Errorf("upload %s.weight_scale into the NVFP4 copy: %w", q.name, err)
-	}
-	if err := be.Upload(dst.Scale, 4*q.target.Experts[0], s[:]); err != nil {
-		return fmt.Errorf("upload %s.weight_scale_2 into the NVFP4 copy: %w", q.name, err)
+	return nil
+}
+
+// setQuantizedExperts writes each quantized expert's codes, block scales
+// and global scales into its layer's NVFP4 copies as they are (moe's
+// SetQuantized): FC1 from its gate rows, then its up rows (one global
+// scale, checked), FC2 from down. Recipes without copies take none.
+func (m *Model) setQuantizedExperts(quant map[expertKey][]*quantModule) error {
+	for _, k := range sortedExperts(quant) {
+		l := m.layers[k.layer].moe
+		if fc1, _ := l.Quantized(); fc1.Packed == nil {
+			return nil // the BF16 recipe
+		}
+		qs := slices.SortedFunc(slices.Values(quant[k]), func(a, b *quantModule) int { return cmp.Compare(a.target.Offset, b.target.Offset) })
+		var fc1, fc2 moe.QuantizedMatrix
+		for _, q := range qs {
+			dst := &fc2
+			if q.target.Buffer == l.FC1() {
+				dst = &fc1
+			}
+			dst.Packed = append(dst.Packed, q.weight.t.Data...)
+			dst.Scales = append(dst.Scales, q.scale.t.Data...)
+			dst.Scale = q.sdec
+		}
+		if err := l.SetQuantized(k.expert, fc1, fc2); err != nil {
+			return fmt.Errorf("layer %d: %w", k.layer, err)
+		}
 	}
 	return nil
 }

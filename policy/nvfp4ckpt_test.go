@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/binary"
 	"math"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -14,82 +13,35 @@ import (
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy/policytest"
 )
 
-// fc1Module maps a gate or up projection's module name to its expert's
-// FC1, whose two projections share one global scale.
-var fc1Module = regexp.MustCompile(`\.(gate_proj|up_proj|w1|w3)$`)
-
-// ckptInputScale is the input_scale the NVFP4 fixture gives a module:
-// distinct per layer, expert and projection, so that a layer's scale is
-// the maximum over its experts.
-func ckptInputScale(name string) float32 {
+// ckptInputScale is the input_scale the NVFP4 fixture gives an expert
+// module: distinct per layer, expert and projection, so that a layer's
+// scale is the maximum over its experts.
+func ckptInputScale(module string) float32 {
+	if !strings.Contains(module, ".experts.") {
+		return 0
+	}
 	var h uint32 = 2166136261
-	for _, c := range []byte(name) {
+	for _, c := range []byte(module) {
 		h = (h ^ uint32(c)) * 16777619
 	}
 	return float32(1+h%1000) / 4096
 }
 
 // ckptNVFP4 rewrites the checkpoint in dir as a ModelOpt NVFP4 export of
-// the 2-D weights pick selects: each becomes X.weight (U8 codes),
-// X.weight_scale (F8_E4M3), X.weight_scale_2 (F32) and, for experts,
-// X.input_scale. A gate and an up projection of one expert share one
-// global scale. The global scale is 1.5 times what this worker's recipe
-// derives from the amax (a calibration with headroom), so the codes are
-// not what a requantization of the dequantized weights gives.
+// the weights pick selects, global scales 1.5 times this worker's recipe's
+// (so the codes and scales are not what a requantization of the
+// dequantized weights gives), experts with input scales.
 func ckptNVFP4(t *testing.T, dir string, pick func(name string) bool) {
 	t.Helper()
-	ckptRewrite(t, dir, func(ts []stfile.Tensor) []stfile.Tensor {
-		amax := map[string]float32{} // by module, or by FC1 for gate and up
-		group := func(mod string) string { return fc1Module.ReplaceAllString(mod, ".fc1") }
-		rows := func(x stfile.Tensor) []uint16 {
-			v := make([]uint16, len(x.Data)/2)
-			for i := range v {
-				v[i] = binary.LittleEndian.Uint16(x.Data[2*i:])
-			}
-			return v
-		}
-		for _, x := range ts {
-			if pick(x.Name) {
-				g := group(strings.TrimSuffix(x.Name, ".weight"))
-				amax[g] = max(amax[g], nvfp4.AmaxBF16(rows(x)))
-			}
-		}
-		var out []stfile.Tensor
-		for _, x := range ts {
-			if !pick(x.Name) {
-				out = append(out, x)
-				continue
-			}
-			mod := strings.TrimSuffix(x.Name, ".weight")
-			N, K := int(x.Shape[0]), int(x.Shape[1])
-			kp := nvfp4.PaddedK(K)
-			_, sdec := nvfp4.EncodeScale(amax[group(mod)])
-			sdec *= 1.5
-			senc, _ := nvfp4.InputScale(sdec)
-			packed, scales := make([]byte, N*kp/2), make([]byte, N*kp/16)
-			v := rows(x)
-			for r := range N {
-				if err := nvfp4.QuantizeRow(packed[r*kp/2:(r+1)*kp/2], scales[r*kp/16:(r+1)*kp/16], v[r*K:(r+1)*K], senc, sdec); err != nil {
-					t.Fatal(err)
-				}
-			}
-			out = append(out,
-				stfile.Tensor{Name: mod + ".weight", DType: stfile.U8, Shape: []uint64{uint64(N), uint64(kp / 2)}, Data: packed},
-				stfile.Tensor{Name: mod + ".weight_scale", DType: stfile.F8E4M3, Shape: []uint64{uint64(N), uint64(kp / 16)}, Data: scales},
-				ckptScalar(mod+".weight_scale_2", sdec))
-			if strings.Contains(mod, ".experts.") {
-				out = append(out, ckptScalar(mod+".input_scale", ckptInputScale(mod)))
-			}
-		}
-		return out
-	})
+	if err := policytest.ExportNVFP4(dir, policytest.NVFP4Export{Pick: pick, Headroom: 1.5, InputScale: ckptInputScale}); err != nil {
+		t.Fatal(err)
+	}
 }
 
-func ckptScalar(name string, v float32) stfile.Tensor {
-	return stfile.Tensor{Name: name, DType: stfile.F32, Shape: []uint64{}, Data: binary.LittleEndian.AppendUint32(nil, math.Float32bits(v))}
-}
+func ckptScalar(name string, v float32) stfile.Tensor { return policytest.Scalar(name, v) }
 
 // ckptPickExperts selects every expert weight and one attention projection.
 func ckptPickExperts(name string) bool {

@@ -4,9 +4,16 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"math"
+	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/rollout-worker/rollout-worker/policy"
+	"github.com/rollout-worker/rollout-worker/policy/policytest"
 )
 
 // TestCalibrate calibrates the reference checkpoint over its sequences,
@@ -46,5 +53,65 @@ func TestCalibrate(t *testing.T) {
 	var e bytes.Buffer
 	if code := run(context.Background(), []string{"calibrate", "--model", ref.dir, "--tokens", ref.tokens}, &stdout, &e); code != 2 || !strings.Contains(e.String(), "--out are required") {
 		t.Fatalf("calibrate without --out: exit %d, %s", code, e.String())
+	}
+}
+
+// TestScoreNVFP4Checkpoint serves the reference model from a ModelOpt
+// NVFP4 export of it: its experts quantized with this worker's recipe and
+// the input scales calibrate measured, stored as input_scale tensors.
+// score --recipe per_tensor then needs no --input-scales (the checkpoint's
+// are taken) and scores as the BF16 checkpoint with the scales file does;
+// per_token runs on the export too.
+func TestScoreNVFP4Checkpoint(t *testing.T) {
+	ref := loadReference(t)
+	scales := filepath.Join(t.TempDir(), "scales.safetensors")
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), []string{"calibrate", "--model", ref.dir, "--tokens", ref.tokens, "--out", scales}, &stdout, &stderr); code != 0 {
+		t.Fatalf("calibrate: exit %d: %s", code, stderr.String())
+	}
+	cfg, err := policy.LoadConfig(ref.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	layerScales, err := policy.ReadInputScales(scales, cfg.Layers, cfg.Experts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	export := ref
+	export.dir = filepath.Join(t.TempDir(), "nvfp4")
+	if err := os.CopyFS(export.dir, os.DirFS(ref.dir)); err != nil {
+		t.Fatal(err)
+	}
+	module := regexp.MustCompile(`^model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj$`)
+	err = policytest.ExportNVFP4(export.dir, policytest.NVFP4Export{
+		Pick:     func(name string) bool { return strings.Contains(name, ".experts.") },
+		Headroom: 1,
+		InputScale: func(mod string) float32 {
+			m := module.FindStringSubmatch(mod)
+			if m == nil {
+				t.Fatalf("an expert module named %s", mod)
+			}
+			l, _ := strconv.Atoi(m[1])
+			if m[2] == "down" {
+				return layerScales[l].FC2
+			}
+			return layerScales[l].FC1
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromFile := ref.scoreError(t, "--recipe", "per_tensor", "--input-scales", scales)
+	fromCheckpoint := export.scoreError(t, "--recipe", "per_tensor")
+	perToken := export.scoreError(t, "--recipe", "nvfp4")
+	t.Logf("mean |logprob - transformers fp32|: per_tensor from the BF16 checkpoint and a scales file %.4f, from the NVFP4 export alone %.4f; per_token on the export %.4f",
+		fromFile, fromCheckpoint, perToken)
+	// The export's codes are this worker's quantization of the same
+	// weights (its scales' last bit aside), so both runs score alike.
+	if math.Abs(fromCheckpoint-fromFile) > 0.1*fromFile+0.005 {
+		t.Fatalf("per_tensor from the export %.4f, from the BF16 checkpoint and its scales %.4f", fromCheckpoint, fromFile)
+	}
+	if perToken > 0.25 {
+		t.Fatalf("per_token on the export: mean error %.4f", perToken)
 	}
 }
