@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"errors"
 	"encoding/binary"
 	"fmt"
 	"math"
@@ -110,6 +111,34 @@ func (m *Model) SetInputScales(scales []InputScales) error {
 		if err := l.moe.SetInputScales(scales[i].FC1, scales[i].FC2); err != nil {
 			return fmt.Errorf("policy: input scales: layer %d: %w", i, err)
 		}
+	}
+	return nil
+}
+
+// ErrNoInputScales is UseInputScales's error for a per_tensor model left
+// without input scales.
+var ErrNoInputScales = errors.New("policy: recipe per_tensor has no input scales: give a scales file (rollout-worker calibrate writes one) or a checkpoint with the experts' input_scale tensors")
+
+// UseInputScales settles a loaded model's per_tensor input scales: those
+// of the scales file at path (ReadInputScales) when path is not empty,
+// over any the checkpoint gave; then a per_tensor model must have them
+// (ErrNoInputScales). Other recipes take no file.
+func (m *Model) UseInputScales(path string) error {
+	per := m.opts.Recipe == moe.RecipePerTensor
+	if path != "" {
+		if !per {
+			return fmt.Errorf("policy: input scales %s with recipe %s: only %s takes them", path, m.opts.Recipe, moe.RecipePerTensor)
+		}
+		scales, err := ReadInputScales(path, m.cfg.Layers, m.cfg.Experts)
+		if err != nil {
+			return err
+		}
+		if err := m.SetInputScales(scales); err != nil {
+			return err
+		}
+	}
+	if _, ok := m.InputScales(); per && !ok {
+		return ErrNoInputScales
 	}
 	return nil
 }

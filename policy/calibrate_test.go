@@ -119,15 +119,33 @@ func TestPerTensorNeedsScales(t *testing.T) {
 	if err := m.Forward(sh, false); !errors.Is(err, moe.ErrNotCalibrated) {
 		t.Fatalf("forward before calibration: %v, want ErrNotCalibrated", err)
 	}
+	if err := m.UseInputScales(""); !errors.Is(err, ErrNoInputScales) {
+		t.Fatalf("UseInputScales without a file or checkpoint scales: %v, want ErrNoInputScales", err)
+	}
 	s := make([]InputScales, cfg.Layers)
 	for i := range s {
 		s[i] = InputScales{FC1: 1.0 / 1024, FC2: 1.0 / 2048}
 	}
-	if err := m.SetInputScales(s); err != nil {
+	path := filepath.Join(t.TempDir(), "scales.safetensors")
+	if err := WriteInputScales(path, cfg, s, nil); err != nil {
 		t.Fatal(err)
+	}
+	if err := m.UseInputScales(path); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := m.InputScales(); !ok || !slices.Equal(got, s) {
+		t.Fatalf("input scales %v (%v) after UseInputScales, want the file's %v", got, ok, s)
 	}
 	if err := m.Forward(sh, false); err != nil {
 		t.Fatal(err)
+	}
+	other, err := NewModel(testBackend(t), cfg, testOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { other.Close() })
+	if err := other.UseInputScales(path); err == nil || !strings.Contains(err.Error(), "only per_tensor takes them") {
+		t.Fatalf("a scales file under recipe %s: %v", testOptions().Recipe, err)
 	}
 }
 

@@ -198,17 +198,8 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 	if err != nil {
 		return nil, err
 	}
-	if cfg.InputScales != "" {
-		scales, err := policy.ReadInputScales(cfg.InputScales, mc.Layers, mc.Experts)
-		if err == nil {
-			err = w.m.SetInputScales(scales)
-		}
-		if err != nil {
-			return nil, fmt.Errorf("worker: %w", err)
-		}
-	}
-	if _, ok := w.m.InputScales(); cfg.Recipe == moe.RecipePerTensor && !ok {
-		return nil, fmt.Errorf("worker: recipe per_tensor: no input scales: give a scales file (rollout-worker calibrate writes one) or a checkpoint with the experts' input_scale tensors")
+	if err := w.m.UseInputScales(cfg.InputScales); err != nil {
+		return nil, fmt.Errorf("worker: %w", err)
 	}
 	log.Info("model loaded", zap.String("source", source), zap.String("architecture", mc.Architecture), zap.Int("layers", mc.Layers),
 		zap.Int("experts", mc.Experts), zap.String("recipe", string(cfg.Recipe)), zap.String("backend", be.Name()),

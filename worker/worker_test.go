@@ -229,7 +229,7 @@ func TestPerTensorInputScales(t *testing.T) {
 		file   string
 		want   string // "" for success
 	}{
-		{"per_tensor without scales", moe.RecipePerTensor, "", "recipe per_tensor: no input scales"},
+		{"per_tensor without scales", moe.RecipePerTensor, "", "recipe per_tensor has no input scales"},
 		{"scales with per_token", moe.RecipePerToken, good, "only the per_tensor recipe takes them"},
 		{"scales of one layer", moe.RecipePerTensor, short, "layer 1 has no gate_proj, up_proj, w1 or w3 input_scale"},
 		{"per_tensor", moe.RecipePerTensor, good, ""},

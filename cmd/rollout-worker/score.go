@@ -105,17 +105,10 @@ func runScore(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	defer m.Close()
-	if *scalesPath != "" {
-		scales, err := policy.ReadInputScales(*scalesPath, m.Config().Layers, m.Config().Experts)
-		if err != nil {
-			return err
-		}
-		if err := m.SetInputScales(scales); err != nil {
-			return err
-		}
-	}
-	if _, ok := m.InputScales(); recipe == moe.RecipePerTensor && !ok {
+	if err := m.UseInputScales(*scalesPath); errors.Is(err, policy.ErrNoInputScales) {
 		return usageErrorf("--recipe per_tensor needs --input-scales, or a checkpoint with the experts' input_scale tensors")
+	} else if err != nil {
+		return err
 	}
 	e := policy.NewEngine(m, policy.EngineConfig{})
 	runCtx, stop := context.WithCancel(ctx)
