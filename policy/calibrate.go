@@ -2,8 +2,8 @@ package policy
 
 import (
 	"context"
-	"errors"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"regexp"

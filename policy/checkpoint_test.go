@@ -18,6 +18,7 @@ import (
 	"github.com/rollout-worker/rollout-worker/kernels"
 	"github.com/rollout-worker/rollout-worker/kernels/cpu"
 	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy/policytest"
 )
 
 // ckptOptions are the smallest run-time sizes a model can be built with:
@@ -248,19 +249,8 @@ func TestWriteRandomModelDeterministic(t *testing.T) {
 // rewrite replaces model.safetensors in dir with edit applied to its tensors.
 func ckptRewrite(t *testing.T, dir string, edit func([]stfile.Tensor) []stfile.Tensor) {
 	t.Helper()
-	path := filepath.Join(dir, SingleFileName)
-	f, err := stfile.Open(path)
+	err := policytest.Rewrite(filepath.Join(dir, SingleFileName), func(ts []stfile.Tensor) ([]stfile.Tensor, error) { return edit(ts), nil })
 	if err != nil {
-		t.Fatal(err)
-	}
-	var tensors []stfile.Tensor
-	for _, name := range f.Names() {
-		tensor, _ := f.Tensor(name)
-		tensor.Data = slices.Clone(tensor.Data) // outlive the mapping
-		tensors = append(tensors, tensor)
-	}
-	f.Close()
-	if err := stfile.Write(path, edit(tensors), nil); err != nil {
 		t.Fatal(err)
 	}
 }

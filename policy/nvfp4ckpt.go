@@ -62,9 +62,11 @@ func nvfp4Parts(entries []ckptEntry) ([]*quantModule, []ckptEntry) {
 		}
 		return q
 	}
+	part := make([]bool, len(entries)) // a scale tensor of a module
 	for i := range entries {
 		e := &entries[i]
 		if m := quantPart.FindStringSubmatch(e.t.Name); m != nil {
+			part[i] = true
 			q := get(m[1])
 			switch m[2] {
 			case "weight_scale":
@@ -80,7 +82,7 @@ func nvfp4Parts(entries []ckptEntry) ([]*quantModule, []ckptEntry) {
 	for i := range entries {
 		e := &entries[i]
 		switch {
-		case quantPart.MatchString(e.t.Name), kvScale.MatchString(e.t.Name):
+		case part[i], kvScale.MatchString(e.t.Name):
 			continue
 		case strings.HasSuffix(e.t.Name, ".weight") && e.t.DType == stfile.U8:
 			if q := mods[strings.TrimSuffix(e.t.Name, ".weight")]; q != nil {

@@ -137,7 +137,7 @@ func TestLoadNVFP4Checkpoint(t *testing.T) {
 				if !tg.IsExpert() {
 					continue
 				}
-				if s, ok := inputScaleName.FindStringSubmatch(mod+".input_scale"), true; ok && s != nil {
+				if s := inputScaleName.FindStringSubmatch(mod + ".input_scale"); s != nil {
 					v := scalar(mod + ".input_scale")
 					if s[3] == "down_proj" || s[3] == "w2" {
 						wantScales[tg.Layer].FC2 = max(wantScales[tg.Layer].FC2, v)

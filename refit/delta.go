@@ -316,9 +316,7 @@ func appendChanged(pos []uint16, old, new []byte) []uint16 {
 	le := binary.LittleEndian
 	i := 0
 	for ; i+16 <= n; i += 16 {
-		o, w := old[2*i:2*i+32], new[2*i:2*i+32]
-		x0, x1 := le.Uint64(o)^le.Uint64(w), le.Uint64(o[8:])^le.Uint64(w[8:])
-		x2, x3 := le.Uint64(o[16:])^le.Uint64(w[16:]), le.Uint64(o[24:])^le.Uint64(w[24:])
+		x0, x1, x2, x3 := diff32(old[2*i:2*i+32], new[2*i:2*i+32])
 		if x0|x1|x2|x3 == 0 {
 			continue
 		}
@@ -336,6 +334,13 @@ func appendChanged(pos []uint16, old, new []byte) []uint16 {
 		}
 	}
 	return pos
+}
+
+// diff32 XORs 32 bytes of o and w as four little-endian 8-byte words.
+func diff32(o, w []byte) (x0, x1, x2, x3 uint64) {
+	_, _ = o[31], w[31] // one bounds check each
+	le := binary.LittleEndian
+	return le.Uint64(o) ^ le.Uint64(w), le.Uint64(o[8:]) ^ le.Uint64(w[8:]), le.Uint64(o[16:]) ^ le.Uint64(w[16:]), le.Uint64(o[24:]) ^ le.Uint64(w[24:])
 }
 
 // appendLanes appends i + l for each 16-bit lane l of x that is not zero.
@@ -363,9 +368,7 @@ func countChanged(old, new []byte) int {
 		return bits.OnesCount64(x & 0x0001000100010001)
 	}
 	for ; i+32 <= len(new); i += 32 {
-		o, w := old[i:i+32], new[i:i+32]
-		x0, x1 := le.Uint64(o)^le.Uint64(w), le.Uint64(o[8:])^le.Uint64(w[8:])
-		x2, x3 := le.Uint64(o[16:])^le.Uint64(w[16:]), le.Uint64(o[24:])^le.Uint64(w[24:])
+		x0, x1, x2, x3 := diff32(old[i:i+32], new[i:i+32])
 		if x0|x1|x2|x3 == 0 {
 			continue
 		}

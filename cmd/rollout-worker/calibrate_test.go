@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -16,17 +17,25 @@ import (
 	"github.com/rollout-worker/rollout-worker/policy/policytest"
 )
 
+// calibrate runs rollout-worker calibrate over the reference's sequences
+// and returns the scales file and what it printed.
+func (r reference) calibrate(t *testing.T) (path string, stdout *bytes.Buffer) {
+	t.Helper()
+	path = filepath.Join(t.TempDir(), "scales.safetensors")
+	var out, stderr bytes.Buffer
+	if code := run(context.Background(), []string{"calibrate", "--model", r.dir, "--tokens", r.tokens, "--out", path}, &out, &stderr); code != 0 {
+		t.Fatalf("calibrate: exit %d: %s", code, stderr.String())
+	}
+	return path, &out
+}
+
 // TestCalibrate calibrates the reference checkpoint over its sequences,
 // reads the scales back through score --recipe per_tensor and checks that
 // per_tensor scores the sequences about as well as per_token does, against
 // transformers' float32 logprobs.
 func TestCalibrate(t *testing.T) {
 	ref := loadReference(t)
-	scales := filepath.Join(t.TempDir(), "scales.safetensors")
-	var stdout, stderr bytes.Buffer
-	if code := run(context.Background(), []string{"calibrate", "--model", ref.dir, "--tokens", ref.tokens, "--out", scales}, &stdout, &stderr); code != 0 {
-		t.Fatalf("calibrate: exit %d: %s", code, stderr.String())
-	}
+	scales, stdout := ref.calibrate(t)
 	var cal struct {
 		Layers []struct {
 			FC1 float64 `json:"fc1_input_scale"`
@@ -51,7 +60,7 @@ func TestCalibrate(t *testing.T) {
 		t.Fatalf("per_tensor mean error %.4f, per_token %.4f: calibrated scales should do about as well", ps, pt)
 	}
 	var e bytes.Buffer
-	if code := run(context.Background(), []string{"calibrate", "--model", ref.dir, "--tokens", ref.tokens}, &stdout, &e); code != 2 || !strings.Contains(e.String(), "--out are required") {
+	if code := run(context.Background(), []string{"calibrate", "--model", ref.dir, "--tokens", ref.tokens}, io.Discard, &e); code != 2 || !strings.Contains(e.String(), "--out are required") {
 		t.Fatalf("calibrate without --out: exit %d, %s", code, e.String())
 	}
 }
@@ -64,11 +73,7 @@ func TestCalibrate(t *testing.T) {
 // per_token runs on the export too.
 func TestScoreNVFP4Checkpoint(t *testing.T) {
 	ref := loadReference(t)
-	scales := filepath.Join(t.TempDir(), "scales.safetensors")
-	var stdout, stderr bytes.Buffer
-	if code := run(context.Background(), []string{"calibrate", "--model", ref.dir, "--tokens", ref.tokens, "--out", scales}, &stdout, &stderr); code != 0 {
-		t.Fatalf("calibrate: exit %d: %s", code, stderr.String())
-	}
+	scales, _ := ref.calibrate(t)
 	cfg, err := policy.LoadConfig(ref.dir)
 	if err != nil {
 		t.Fatal(err)

@@ -44,18 +44,35 @@ type NVFP4Export struct {
 // global scale. config.json gains ModelOpt's quantization_config.
 func ExportNVFP4(dir string, e NVFP4Export) error {
 	path := filepath.Join(dir, "model.safetensors")
+	if err := Rewrite(path, func(ts []stfile.Tensor) ([]stfile.Tensor, error) { return exportNVFP4(ts, e) }); err != nil {
+		return err
+	}
+	return addQuantizationConfig(filepath.Join(dir, "config.json"))
+}
+
+// Rewrite replaces the safetensors file at path with edit applied to its
+// tensors (their data copied out of the file first).
+func Rewrite(path string, edit func([]stfile.Tensor) ([]stfile.Tensor, error)) error {
 	f, err := stfile.Open(path)
 	if err != nil {
 		return err
 	}
 	var ts []stfile.Tensor
 	for _, name := range f.Names() {
-		t, _ := f.Tensor(name)
+		t, _ := f.Tensor(name)        // listed by Names: cannot fail
 		t.Data = slices.Clone(t.Data) // outlive the mapping
 		ts = append(ts, t)
 	}
 	f.Close()
+	ts, err = edit(ts)
+	if err != nil {
+		return err
+	}
+	return stfile.Write(path, ts, nil)
+}
 
+// exportNVFP4 is ExportNVFP4's rewrite of the tensors.
+func exportNVFP4(ts []stfile.Tensor, e NVFP4Export) ([]stfile.Tensor, error) {
 	group := func(mod string) string { return fc1Module.ReplaceAllString(mod, ".fc1") }
 	values := func(t stfile.Tensor) []uint16 {
 		v := make([]uint16, len(t.Data)/2)
@@ -68,7 +85,7 @@ func ExportNVFP4(dir string, e NVFP4Export) error {
 	for _, t := range ts {
 		if e.Pick(t.Name) {
 			if t.DType != stfile.BF16 || len(t.Shape) != 2 {
-				return fmt.Errorf("policytest: %s is %s %v: only BF16 matrices are quantized", t.Name, t.DType, t.Shape)
+				return nil, fmt.Errorf("policytest: %s is %s %v: only BF16 matrices are quantized", t.Name, t.DType, t.Shape)
 			}
 			g := group(strings.TrimSuffix(t.Name, ".weight"))
 			amax[g] = max(amax[g], nvfp4.AmaxBF16(values(t)))
@@ -90,7 +107,7 @@ func ExportNVFP4(dir string, e NVFP4Export) error {
 		v := values(t)
 		for r := range N {
 			if err := nvfp4.QuantizeRow(packed[r*kp/2:(r+1)*kp/2], scales[r*kp/16:(r+1)*kp/16], v[r*K:(r+1)*K], senc, sdec); err != nil {
-				return err
+				return nil, err
 			}
 		}
 		out = append(out,
@@ -103,10 +120,7 @@ func ExportNVFP4(dir string, e NVFP4Export) error {
 			}
 		}
 	}
-	if err := stfile.Write(path, out, nil); err != nil {
-		return err
-	}
-	return addQuantizationConfig(filepath.Join(dir, "config.json"))
+	return out, nil
 }
 
 // addQuantizationConfig adds ModelOpt's NVFP4 quantization_config to a
