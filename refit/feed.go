@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -91,12 +92,61 @@ func liveOptions(nc *nats.Conn) nats.Options {
 	return opts
 }
 
+// partOptions points opts at the server of part (PublisherConfig and
+// ReceiverConfig PartServers): part i >= 1 at servers[(i-1) mod len],
+// part 0, or every part without servers, where opts already point.
+func partOptions(opts nats.Options, servers []string, part int) nats.Options {
+	if part >= 1 && len(servers) > 0 {
+		opts.Url, opts.Servers = servers[(part-1)%len(servers)], nil
+	}
+	return opts
+}
+
+// redactedURL is a server URL without its user information (credentials),
+// for logs and errors.
+func redactedURL(s string) string {
+	u := s
+	if !strings.Contains(u, "://") {
+		u = "nats://" + u
+	}
+	pu, err := url.Parse(u)
+	if err != nil {
+		return "(a server URL that does not parse)"
+	}
+	return pu.Scheme + "://" + pu.Host
+}
+
+// checkPartServers checks a list of part servers: at most MaxParts - 1
+// (parts 1 to MaxParts - 1), each a server URL ("nats://host:port", or
+// "host:port"), no two alike.
+func checkPartServers(servers []string) error {
+	if len(servers) > MaxParts-1 {
+		return fmt.Errorf("%d part servers: at most %d (parts 1 to %d)", len(servers), MaxParts-1, MaxParts-1)
+	}
+	seen := map[string]bool{}
+	for i, s := range servers {
+		u := s
+		if !strings.Contains(u, "://") {
+			u = "nats://" + u
+		}
+		pu, err := url.Parse(u)
+		if err != nil || pu.Host == "" || pu.Port() == "" || strings.ContainsAny(s, " ,") {
+			return fmt.Errorf("part server %d %q: want a server URL such as nats://127.0.0.1:4223", i+1, redactedURL(s))
+		}
+		if seen[s] {
+			return fmt.Errorf("part server %s listed twice", redactedURL(s))
+		}
+		seen[s] = true
+	}
+	return nil
+}
+
 func (r *Receiver) trySubscribeLive(ctx context.Context, part int) (*liveSub, error) {
 	subjects := PartStreamSubjects(r.cfg.Model, part)
-	opts := r.liveOpts
+	opts := partOptions(r.liveOpts, r.cfg.PartServers, part)
 	nc, err := opts.Connect()
 	if err != nil {
-		return nil, fmt.Errorf("refit: receiver: connect for live chunks: %w", err)
+		return nil, fmt.Errorf("refit: receiver: connect for part %d's live chunks: %w", part, err)
 	}
 	sub, err := nc.SubscribeSync(subjects)
 	if err != nil {
@@ -302,9 +352,13 @@ func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
 	}
 	f.live = nil
 	name := PartStreamName(f.r.cfg.Model, f.part)
-	stream, err := f.r.js.Stream(ctx, name)
+	js, where, err := f.r.partJS(f.part)
 	if err != nil {
-		return fmt.Errorf("stream %s: %w", name, err)
+		return err
+	}
+	stream, err := js.Stream(ctx, name)
+	if err != nil {
+		return fmt.Errorf("stream %s%s: %w", name, where, err)
 	}
 	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{f.subject}, DeliverPolicy: jetstream.DeliverAllPolicy}
 	if start, ok := f.startSeq(ctx, stream, seq); ok {

@@ -3,6 +3,7 @@ package refit
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
 	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/policy"
 	"github.com/rollout-worker/rollout-worker/refit/refittest"
 )
 
@@ -363,4 +365,126 @@ func partSubjects(t *testing.T, nc *nats.Conn, i int) []string {
 		t.Fatal(err)
 	}
 	return slices.Sorted(maps.Keys(info.State.Subjects))
+}
+
+// TestRefitPartServers: a version in four parts over three servers of
+// their own (part 0 and the announcements on the first, parts 1-3 on the
+// others by PartServers) is applied as it is over one; each part server
+// carries its parts' bytes; a delta and a late joiner (every part from its
+// stream, over the part servers) too.
+func TestRefitPartServers(t *testing.T) {
+	main, s1, s2 := refittest.StartServer(t), refittest.StartServer(t), refittest.StartServer(t)
+	servers := []string{s1.URL(), s2.URL()}
+	p, err := NewPublisher(refittest.Connect(t, main.URL()), PublisherConfig{Model: testModel, ChunkBytes: 4093, Parts: 4,
+		PartServers: servers}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	onServers := func(c *ReceiverConfig) { c.PartServers = servers }
+	a := modelDir(t, 83)
+	w := startWorker(t, main.URL(), a, "w", moe.RecipePerToken, onServers)
+	<-w.r.liveReady
+
+	before := [2]refittest.Traffic{}
+	for i, s := range []*refittest.Server{s1, s2} {
+		if before[i], err = s.Traffic(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b := perturbDir(t, a, 1, 0.3, nil)
+	full := subset(t, b, nil)
+	m, err := p.Publish(context.Background(), 1, bytes.NewReader(full), int64(len(full)), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(m.Parts) != 4 {
+		t.Fatalf("manifest of %d parts, want 4", len(m.Parts))
+	}
+	if st := w.waitStatus(t, 1); st.State != StateApplied {
+		t.Fatalf("full version over part servers: %+v", st)
+	}
+	checkServes(t, "full version over part servers", w, b, moe.RecipePerToken)
+	// Part i >= 1 lives on servers[(i-1) % 2]: s1 carries parts 1 and 3,
+	// s2 part 2, each in (publisher to server) and out (to the worker).
+	want := [2]int64{m.Parts[1].TotalBytes + m.Parts[3].TotalBytes, m.Parts[2].TotalBytes}
+	for i, s := range []*refittest.Server{s1, s2} {
+		now, err := s.Traffic()
+		if err != nil {
+			t.Fatal(err)
+		}
+		in, out := now.InBytes-before[i].InBytes, now.OutBytes-before[i].OutBytes
+		if in < want[i] || out < want[i] {
+			t.Errorf("part server %d carried %d bytes in and %d out, want at least its parts' %d each way", i+1, in, out, want[i])
+		}
+	}
+	// No part stream but part 0's on the main server.
+	for i := 1; i < 4; i++ {
+		if _, err := jsOf(t, main.URL()).Stream(context.Background(), PartStreamName(testModel, i)); !errors.Is(err, jetstream.ErrStreamNotFound) {
+			t.Errorf("part %d's stream on the main server: %v, want not found", i, err)
+		}
+	}
+
+	c := perturbDir(t, b, 2, 0.05, nil)
+	stream, _ := deltaOf(t, c, b)
+	publishDelta(t, p, 2, 1, stream)
+	if st := w.waitStatus(t, 2); st.State != StateApplied {
+		t.Fatalf("delta over part servers: %+v", st)
+	}
+	checkServes(t, "delta over part servers", w, c, moe.RecipePerToken)
+
+	late := startWorker(t, main.URL(), a, "late", moe.RecipePerToken, onServers)
+	if st := late.waitStatus(t, 2); st.State != StateApplied {
+		t.Fatalf("late join over part servers: %+v", st)
+	}
+	checkServes(t, "late join over part servers", late, c, moe.RecipePerToken)
+}
+
+// jsOf is a JetStream on a new connection to url.
+func jsOf(t *testing.T, url string) jetstream.JetStream {
+	t.Helper()
+	js, err := jetstream.New(refittest.Connect(t, url))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js
+}
+
+// TestPartServersRejects: part servers are checked where they are given.
+func TestPartServersRejects(t *testing.T) {
+	srv := refittest.StartServer(t)
+	nc := refittest.Connect(t, srv.URL())
+	tests := []struct {
+		name    string
+		parts   int
+		servers []string
+		want    string
+	}{
+		{"one part", 1, []string{srv.URL()}, "versions of one part"},
+		{"not a URL", 2, []string{"nats://"}, "want a server URL"},
+		{"no port", 2, []string{"nats://127.0.0.1"}, "want a server URL"},
+		{"twice", 3, []string{srv.URL(), srv.URL()}, "listed twice"},
+		{"too many", 2, make([]string, MaxParts), "at most 15"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := NewPublisher(nc, PublisherConfig{Model: testModel, Parts: tc.parts, PartServers: tc.servers}, nil)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("publisher: %v, want an error with %q", err, tc.want)
+			}
+			if tc.parts < 2 {
+				return
+			}
+			m, err := policy.LoadModel(testBackend(t), modelDir(t, 84), testOpts(moe.RecipePerToken))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { m.Close() })
+			_, err = NewReceiver(nc, m, policy.NewEngine(m, policy.EngineConfig{}), ReceiverConfig{Model: testModel, Worker: "w",
+				PartServers: tc.servers}, nil, nil)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("receiver: %v, want an error with %q", err, tc.want)
+			}
+		})
+	}
 }

@@ -79,6 +79,14 @@ type PublisherConfig struct {
 	// with Signer. The extra connections take the options of the one
 	// NewPublisher is given; MaxInflightBytes bounds each.
 	Parts int
+	// PartServers, when set, are the NATS servers that carry parts 1 and
+	// on: part i >= 1 is published over a connection to PartServers[(i-1)
+	// mod len] and its stream is created there, so that a version's bytes
+	// cross several servers (separate ones, or members of one cluster).
+	// Part 0, the announcements and the manifests stay on the server of
+	// the connection NewPublisher is given. Workers must be given the same
+	// list (ReceiverConfig.PartServers). Empty: every part on that server.
+	PartServers []string
 	// PublishTimeout bounds the wait for one acknowledgement and one
 	// JetStream API call (default DefaultPublishTimeout); after it the
 	// operation is retried.
@@ -189,6 +197,11 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 		return fail("parts %d: want 0 to %d", cfg.Parts, MaxParts)
 	case cfg.Parts > 1 && cfg.Signer != nil:
 		return fail("a signing publisher publishes versions of one part (parts are not signed)")
+	case len(cfg.PartServers) > 0 && cfg.Parts < 2:
+		return fail("%d part servers for versions of one part: they carry parts 1 and on", len(cfg.PartServers))
+	}
+	if err := checkPartServers(cfg.PartServers); err != nil {
+		return fail("%v", err)
 	}
 	cfg.Parts = max(cfg.Parts, 1)
 	// The window, not the library, bounds what is pending: leave it room.
@@ -206,7 +219,7 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 	p := &Publisher{nc: nc, js: js, cfg: cfg, log: log.With(zap.String("model", cfg.Model)), protocol: ProtocolVersion,
 		outcomes: map[uint64]map[string]Status{}, conns: []*partConn{{nc: nc, js: js}}}
 	for i := 1; i < cfg.Parts; i++ {
-		opts := liveOptions(nc)
+		opts := partOptions(liveOptions(nc), cfg.PartServers, i)
 		opts.Name = strings.TrimSpace(nc.Opts.Name + " refit-part-" + strconv.Itoa(i))
 		pc, err := opts.Connect()
 		if err == nil {
@@ -606,7 +619,7 @@ func (p *Publisher) purgeOtherParts(ctx context.Context, from int, version, prev
 		name := PartStreamName(p.cfg.Model, i)
 		var st jetstream.Stream
 		err := p.retry(ctx, "look up stream "+name, func(ctx context.Context) (err error) {
-			st, err = p.js.Stream(ctx, name)
+			st, err = p.partJS(i).Stream(ctx, name)
 			if errors.Is(err, jetstream.ErrStreamNotFound) {
 				st, err = nil, nil
 			}
@@ -653,14 +666,25 @@ func (p *Publisher) sendParts(ctx context.Context, log *zap.Logger, version uint
 	return errors.Join(errs...)
 }
 
-// ensurePartStream creates or updates the stream of part i >= 1.
+// partJS is the JetStream of part i's connection: its server's, with
+// PartServers (the main one for a part past the Publisher's Parts).
+func (p *Publisher) partJS(i int) jetstream.JetStream {
+	if i < len(p.conns) {
+		return p.conns[i].js
+	}
+	return p.js
+}
+
+// ensurePartStream creates or updates the stream of part i >= 1, through
+// the part's connection (on its server, with PartServers).
 func (p *Publisher) ensurePartStream(ctx context.Context, i int) (jetstream.Stream, error) {
+	js := p.partJS(i)
 	want := p.streamConfig()
 	want.Name, want.Subjects = PartStreamName(p.cfg.Model, i), []string{PartStreamSubjects(p.cfg.Model, i)}
 	want.Description = fmt.Sprintf("refit versions of model %s, part %d (PROTOCOL.md)", p.cfg.Model, i)
 	var stream jetstream.Stream
 	err := p.retry(ctx, "look up stream "+want.Name, func(ctx context.Context) (err error) {
-		stream, err = p.js.Stream(ctx, want.Name)
+		stream, err = js.Stream(ctx, want.Name)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			stream, err = nil, nil
 		}
@@ -670,7 +694,7 @@ func (p *Publisher) ensurePartStream(ctx context.Context, i int) (jetstream.Stre
 		return stream, err
 	}
 	err = p.retry(ctx, "create or update stream "+want.Name, func(ctx context.Context) (err error) {
-		stream, err = p.js.CreateOrUpdateStream(ctx, want)
+		stream, err = js.CreateOrUpdateStream(ctx, want)
 		return err
 	})
 	return stream, err

@@ -71,6 +71,11 @@ type ReceiverConfig struct {
 	// own (default 1). A version of more parts subscribes to the rest when
 	// it is announced and reads what it missed of them from their streams.
 	LiveParts int
+	// PartServers are the NATS servers that carry parts 1 and on of a
+	// version, as the publisher's PublisherConfig.PartServers: part i >= 1
+	// is followed live and read from its stream over connections to
+	// PartServers[(i-1) mod len]. Empty: every part on nc's server.
+	PartServers []string
 }
 
 // DefaultMaxVersionStep is ReceiverConfig.MaxVersionStep's default.
@@ -124,6 +129,11 @@ type Receiver struct {
 	// is live), made at Run's start for LiveParts parts and when a version
 	// of more parts is announced.
 	lives []*liveSub
+	// partConns are the connections to PartServers that part streams are
+	// read over, made when first needed (keyed by server) and closed when
+	// Run returns.
+	partMu    sync.Mutex
+	partConns map[string]partStreamConn
 
 	received   atomic.Int64  // bytes of the version being received
 	reports    atomic.Int64  // statuses reported so far
@@ -184,6 +194,9 @@ func NewReceiver(nc *nats.Conn, m *policy.Model, eng Engine, cfg ReceiverConfig,
 	}
 	if cfg.LiveParts < 0 || cfg.LiveParts > MaxParts {
 		return nil, fmt.Errorf("refit: receiver: live parts %d: want 0 to %d", cfg.LiveParts, MaxParts)
+	}
+	if err := checkPartServers(cfg.PartServers); err != nil {
+		return nil, fmt.Errorf("refit: receiver: %w", err)
 	}
 	if log == nil {
 		log = zap.NewNop()
@@ -268,6 +281,7 @@ func (r *Receiver) Run(ctx context.Context) error {
 			l.close()
 		}
 		r.live, r.lives = nil, nil
+		r.closePartConns()
 	}()
 	// The other parts' subscriptions are a fast path: one that cannot be
 	// made now (its subjects not permitted, say) is tried again when a
@@ -1054,6 +1068,54 @@ func (r *Receiver) receiveParts(ctx context.Context, a Announce, parts []Part, l
 		return superseded
 	}
 	return errors.Join(errs...)
+}
+
+// partStreamConn is a connection to a part server and its JetStream.
+type partStreamConn struct {
+	nc *nats.Conn
+	js jetstream.JetStream
+}
+
+// partJS returns the JetStream that part's stream is read through: the
+// receiver's own, or with PartServers one on a connection to the part's
+// server, made on first use. where names that server for errors ("" for
+// the receiver's own).
+func (r *Receiver) partJS(part int) (js jetstream.JetStream, where string, err error) {
+	if part < 1 || len(r.cfg.PartServers) == 0 {
+		return r.js, "", nil
+	}
+	srv := r.cfg.PartServers[(part-1)%len(r.cfg.PartServers)]
+	where = " on part server " + redactedURL(srv)
+	r.partMu.Lock()
+	defer r.partMu.Unlock()
+	if c, ok := r.partConns[srv]; ok {
+		return c.js, where, nil
+	}
+	opts := partOptions(r.liveOpts, r.cfg.PartServers, part)
+	opts.Name = strings.TrimSpace(r.nc.Opts.Name + " refit-part-stream")
+	nc, err := opts.Connect()
+	if err != nil {
+		return nil, where, fmt.Errorf("connect for part %d's stream%s: %w", part, where, err)
+	}
+	if js, err = jetstream.New(nc); err != nil {
+		nc.Close()
+		return nil, where, fmt.Errorf("part %d's stream%s: %w", part, where, err)
+	}
+	if r.partConns == nil {
+		r.partConns = map[string]partStreamConn{}
+	}
+	r.partConns[srv] = partStreamConn{nc: nc, js: js}
+	return js, where, nil
+}
+
+// closePartConns closes the connections partJS made.
+func (r *Receiver) closePartConns() {
+	r.partMu.Lock()
+	defer r.partMu.Unlock()
+	for _, c := range r.partConns {
+		c.nc.Close()
+	}
+	r.partConns = nil
 }
 
 // receivePart receives part i of version a (a's subject, bytes and chunks

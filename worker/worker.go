@@ -73,6 +73,9 @@ type Config struct {
 	// RefitLiveParts is how many parts of a version (refit/PROTOCOL.md,
 	// "Parts") the refit receiver follows live from the start (0: 1).
 	RefitLiveParts int
+	// RefitPartServers are the NATS servers that carry parts 1 and on of a
+	// version (refit.ReceiverConfig.PartServers).
+	RefitPartServers []string
 	// RefitLivePendingBytes bounds what a part's live subscription holds
 	// unread (0: refit.DefaultLivePendingBytes).
 	RefitLivePendingBytes int
@@ -221,7 +224,7 @@ func New(ctx context.Context, nc *nats.Conn, cfg Config, log *zap.Logger, reg pr
 		ecfg.Graphs = w.graphs
 	}
 	w.eng = policy.NewEngine(w.m, ecfg)
-	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID, Trust: cfg.RefitTrust, LiveParts: cfg.RefitLiveParts, LivePendingBytes: cfg.RefitLivePendingBytes}, log.Named("refit"), reg); err != nil {
+	if w.recv, err = refit.NewReceiver(nc, w.m, w.eng, refit.ReceiverConfig{Model: cfg.ModelID, Worker: cfg.WorkerID, Trust: cfg.RefitTrust, LiveParts: cfg.RefitLiveParts, PartServers: cfg.RefitPartServers, LivePendingBytes: cfg.RefitLivePendingBytes}, log.Named("refit"), reg); err != nil {
 		return nil, err
 	}
 	return w, nil

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -24,12 +25,13 @@ import (
 
 // transferConfig is a `bench refit --mode transfer` run.
 type transferConfig struct {
-	preset, device, recipe, natsURL, storage, logDir string
-	layers, parts, liveParts, profileSeconds         int
-	seed                                             uint64
-	deltas                                           []float64
-	streamMax, coreBytes                             int64
-	timeout                                          time.Duration
+	preset, device, recipe, natsURL, storage, logDir  string
+	layers, parts, servers, liveParts, profileSeconds int
+	seed                                              uint64
+	partServers                                       []string // the servers of parts 1 and on (--servers)
+	deltas                                            []float64
+	streamMax, coreBytes                              int64
+	timeout                                           time.Duration
 }
 
 // transferResult is one version of the run.
@@ -61,12 +63,19 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 	}
 	url, where := c.natsURL, "server at "+redactURL(c.natsURL)
 	if url == "" {
-		srv, err := natsembed.Start(natsembed.Config{})
-		if err != nil {
-			return fmt.Errorf("bench refit: %w", err)
+		var urls []string
+		for range max(c.servers, 1) {
+			srv, err := natsembed.Start(natsembed.Config{})
+			if err != nil {
+				return fmt.Errorf("bench refit: %w", err)
+			}
+			defer srv.Shutdown()
+			urls = append(urls, srv.URL())
 		}
-		defer srv.Shutdown()
-		url, where = srv.URL(), "embedded server"
+		url, c.partServers, where = urls[0], urls[1:], "embedded server"
+		if len(urls) > 1 {
+			where = fmt.Sprintf("%d embedded servers", len(urls))
+		}
 	}
 	nc, err := nats.Connect(url, nats.Name("bench refit"))
 	if err != nil {
@@ -91,11 +100,25 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 	if c.coreBytes == 0 {
 		c.coreBytes = min(versionBytes, 4<<30)
 	}
-	coreRate, err := coreNATSRate(ctx, url, c.coreBytes)
+	coreRate, err := coreNATSRate(ctx, []string{url}, c.coreBytes)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "core NATS, one connection to another, 1 MiB messages: %.2f GB/s (%.3f GB)\n", coreRate/1e9, float64(c.coreBytes)/1e9)
+	if c.parts > 1 {
+		// What the parts' connections carry together: a publisher and a
+		// subscriber connection for each part, on the part's server, all
+		// sending at once. The refit is compared with this.
+		pairs := make([]string, c.parts)
+		for i := range pairs {
+			pairs[i] = partServer(url, c.partServers, i)
+		}
+		if coreRate, err = coreNATSRate(ctx, pairs, c.coreBytes); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "core NATS, %d pairs of connections at once (the parts' servers), 1 MiB messages: %.2f GB/s (%.3f GB)\n",
+			c.parts, coreRate/1e9, float64(c.coreBytes)/1e9)
+	}
 
 	model := "bench-" + strings.ReplaceAll(c.preset, ".", "-")
 	worker, err := startBenchWorker(ctx, self, c, url, model, logDir)
@@ -171,55 +194,101 @@ func mib(b int64) string {
 	return strconv.FormatFloat(float64(b)/(1<<20), 'f', 0, 64)
 }
 
-// coreNATSRate sends n bytes in 1 MiB core-NATS messages from one
-// connection to a subscriber on another and returns bytes a second.
-func coreNATSRate(ctx context.Context, url string, n int64) (float64, error) {
+// partServer is the server part i goes over: the first for part 0, or
+// every part without part servers, else the part servers in turn.
+func partServer(url string, partServers []string, i int) string {
+	if i == 0 || len(partServers) == 0 {
+		return url
+	}
+	return partServers[(i-1)%len(partServers)]
+}
+
+// coreNATSRate sends n bytes in 1 MiB core-NATS messages over as many
+// pairs of connections as urls, all at once, pair i on server urls[i]
+// (from a publishing connection to a subscribing one, a subject a pair),
+// and returns bytes a second: n over the time until the last message
+// arrives.
+func coreNATSRate(ctx context.Context, urls []string, n int64) (float64, error) {
 	const msg = 1 << 20
-	pub, err := nats.Connect(url, nats.Name("bench refit core publisher"))
-	if err != nil {
-		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
-	}
-	defer pub.Close()
-	sub, err := nats.Connect(url, nats.Name("bench refit core subscriber"))
-	if err != nil {
-		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
-	}
-	defer sub.Close()
 	count := int((n + msg - 1) / msg)
-	done := make(chan struct{})
-	got := 0
-	s, err := sub.Subscribe("bench.refit.core", func(*nats.Msg) {
-		if got++; got == count {
-			close(done)
+	per := (count + len(urls) - 1) / len(urls)
+	type pair struct {
+		pub, sub *nats.Conn
+		subject  string
+		count    int
+		done     chan struct{}
+	}
+	pairs := make([]*pair, 0, len(urls))
+	defer func() {
+		for _, p := range pairs {
+			p.pub.Close()
+			p.sub.Close()
 		}
-	})
-	if err != nil {
-		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
-	}
-	if err := s.SetPendingLimits(-1, 1<<30); err != nil {
-		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
-	}
-	if err := sub.Flush(); err != nil {
-		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
-	}
-	payload := bytes.Repeat([]byte{0x3c}, msg)
-	start := time.Now()
-	for range count {
-		if err := pub.Publish("bench.refit.core", payload); err != nil {
+	}()
+	total := 0
+	for i, url := range urls {
+		k := min(per, count-total)
+		if k <= 0 {
+			break
+		}
+		total += k
+		pub, err := nats.Connect(url, nats.Name("bench refit core publisher"))
+		if err != nil {
+			return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+		}
+		sub, err := nats.Connect(url, nats.Name("bench refit core subscriber"))
+		if err != nil {
+			pub.Close()
+			return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+		}
+		p := &pair{pub: pub, sub: sub, subject: "bench.refit.core." + strconv.Itoa(i), count: k, done: make(chan struct{})}
+		pairs = append(pairs, p)
+		got := 0
+		s, err := sub.Subscribe(p.subject, func(*nats.Msg) {
+			if got++; got == p.count {
+				close(p.done)
+			}
+		})
+		if err != nil {
+			return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+		}
+		if err := s.SetPendingLimits(-1, 1<<30); err != nil {
+			return 0, fmt.Errorf("bench refit: core NATS: %w", err)
+		}
+		if err := sub.Flush(); err != nil {
 			return 0, fmt.Errorf("bench refit: core NATS: %w", err)
 		}
 	}
-	if err := pub.Flush(); err != nil {
+	payload := bytes.Repeat([]byte{0x3c}, msg)
+	start := time.Now()
+	errs := make([]error, len(pairs))
+	var wg sync.WaitGroup
+	for i, p := range pairs {
+		wg.Go(func() {
+			for range p.count {
+				if err := p.pub.Publish(p.subject, payload); err != nil {
+					errs[i] = err
+					return
+				}
+			}
+			errs[i] = p.pub.Flush()
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
 		return 0, fmt.Errorf("bench refit: core NATS: %w", err)
 	}
-	select {
-	case <-done:
-	case <-time.After(5 * time.Minute):
-		return 0, errors.New("bench refit: core NATS: the subscriber got only part of the messages (a slow consumer?)")
-	case <-ctx.Done():
-		return 0, ctx.Err()
+	timeout := time.After(5 * time.Minute)
+	for _, p := range pairs {
+		select {
+		case <-p.done:
+		case <-timeout:
+			return 0, errors.New("bench refit: core NATS: a subscriber got only part of the messages (a slow consumer?)")
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		}
 	}
-	return float64(int64(count)*msg) / time.Since(start).Seconds(), nil
+	return float64(int64(total)*msg) / time.Since(start).Seconds(), nil
 }
 
 // benchWorker is the `serve` process of a transfer run.
@@ -274,6 +343,9 @@ func startBenchWorker(ctx context.Context, self string, c transferConfig, url, m
 	args := []string{"serve", "--preset", c.preset, "--layers", strconv.Itoa(c.layers), "--device", c.device,
 		"--recipe", c.recipe, "--nats-url", url, "--model-id", model, "--worker-id", "bench-worker",
 		"--http-addr", addr, "--log-format", "json", "--refit-live-parts", strconv.Itoa(c.liveParts)}
+	if len(c.partServers) > 0 {
+		args = append(args, "--refit-part-servers", strings.Join(c.partServers, ","))
+	}
 	if c.profileSeconds > 0 {
 		args = append(args, "--pprof")
 	}
@@ -371,6 +443,9 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	}
 	if c.parts > 1 {
 		args = append(args, "--parts", strconv.Itoa(c.parts))
+	}
+	if len(c.partServers) > 0 {
+		args = append(args, "--part-servers", strings.Join(c.partServers, ","))
 	}
 	var out bytes.Buffer
 	cmd := exec.CommandContext(ctx, self, args...)

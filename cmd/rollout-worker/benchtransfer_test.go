@@ -14,8 +14,8 @@ import (
 // TestBenchRefitTransfer runs `bench refit --mode transfer` on the tiny
 // preset: a worker and a publisher in processes of their own (this test
 // binary, running the commands), a full version and two deltas applied,
-// each in three parts, and a row for each with its rate, commit and the
-// publisher's peak RSS.
+// each in three parts over two servers, and a row for each with its rate,
+// commit and the publisher's peak RSS.
 func TestBenchRefitTransfer(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: starts a worker and three publishers")
@@ -23,7 +23,7 @@ func TestBenchRefitTransfer(t *testing.T) {
 	t.Setenv(rssEnv, "1") // the children run the commands, not the tests
 	var out, errOut bytes.Buffer
 	err := run(context.Background(), []string{"bench", "refit", "--mode", "transfer", "--preset", "tiny", "--device", "cpu",
-		"--deltas", "0.05,0.2", "--storage", "memory", "--stream-max-bytes", "67108864", "--parts", "3"}, &out, &errOut)
+		"--deltas", "0.05,0.2", "--storage", "memory", "--stream-max-bytes", "67108864", "--parts", "3", "--servers", "2"}, &out, &errOut)
 	if err != 0 {
 		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", err, out.String(), errOut.String())
 	}
@@ -51,7 +51,8 @@ func TestBenchRefitTransfer(t *testing.T) {
 	if d5 >= full/2 {
 		t.Errorf("a 5%% delta of %.2f MB against a full version of %.2f MB", d5, full)
 	}
-	for _, want := range []string{"core NATS, one connection to another", "worker peak RSS: ", "per layer, version 1"} {
+	for _, want := range []string{"2 embedded servers", "core NATS, one connection to another", "core NATS, 3 pairs of connections at once",
+		"worker peak RSS: ", "per layer, version 1"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q", want)
 		}

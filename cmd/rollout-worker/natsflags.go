@@ -74,3 +74,15 @@ func redactURL(s string) string {
 		return scheme + "xxxxx@"
 	})
 }
+
+// splitList splits a comma-separated list, trimming spaces; empty items are
+// dropped (so "" is no item).
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}

@@ -91,6 +91,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	inflight := fs.Int64("max-inflight-bytes", refit.DefaultMaxInflightBytes, "unacknowledged chunk bytes at most")
 	storage := fs.String("storage", "file", "JetStream storage of the stream and bucket: file or memory")
 	parts := fs.Int("parts", 1, "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start)")
+	partServers := fs.String("part-servers", "", "comma-separated NATS server `URLs` that carry parts 1 and on (part i on the ((i-1) mod n)th; part 0 and the announcements stay on --nats-url), so that a version's bytes cross several servers; workers need the same list (serve --refit-part-servers)")
 	streamMax := fs.Int64("stream-max-bytes", 0, "cap the stream at this many bytes, the oldest chunks dropped first (0: keep the newest two versions whole)")
 	verbose := fs.Bool("v", false, "log progress (retries and warnings are always logged)")
 	if err := parseFlags(fs, args); err != nil {
@@ -118,6 +119,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--parts %d: want 1 to %d", *parts, refit.MaxParts)
 	case *parts > 1 && *signKey != "":
 		return usageErrorf("--parts %d with --sign-key: signed versions come in one part", *parts)
+	case *partServers != "" && *parts < 2:
+		return usageErrorf("--part-servers without --parts: the part servers carry parts 1 and on")
 	case *streamMax != 0 && *streamMax < *inflight:
 		return usageErrorf("--stream-max-bytes %d: want 0 or at least --max-inflight-bytes (%d)", *streamMax, *inflight)
 	case baseVersion.next:
@@ -125,7 +128,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	case baseVersion.set && *base == "":
 		return usageErrorf("--base-version needs --base")
 	}
-	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax, Parts: *parts}
+	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax, Parts: *parts,
+		PartServers: splitList(*partServers)}
 	switch *storage {
 	case "file":
 		cfg.Storage = jetstream.FileStorage

@@ -134,6 +134,10 @@ func serve(ctx context.Context, args []string, stdout, stderr io.Writer, be kern
 	drainTimeout := fs.Duration("drain-timeout", 30*time.Second, "how long a drain lets in-flight requests finish before aborting them")
 	logFormat := fs.String("log-format", "auto", "log format: auto (JSON unless on a terminal), json or console")
 	fs.IntVar(&cfg.RefitLivePendingBytes, "refit-live-pending-bytes", refit.DefaultLivePendingBytes, "bytes of live chunks a part's subscription holds unread before NATS drops them and the part is read from its stream")
+	fs.Func("refit-part-servers", "comma-separated NATS server `URLs` that carry parts 1 and on of a weight version, as the publisher's publish --part-servers (empty: every part on --nats-url)", func(v string) error {
+		cfg.RefitPartServers = splitList(v)
+		return nil
+	})
 	fs.IntVar(&cfg.RefitLiveParts, "refit-live-parts", 4, "parts of a weight version (publish --parts) followed live from the start, each on a NATS connection of its own; a version of more parts takes the rest from their streams at first")
 	trustFile := fs.String("refit-trust", "", "apply only weight versions signed by a public nkey of this `file` (one a line, # comments; refit/PROTOCOL.md, \"Signatures\")")
 	if err := parseFlags(fs, args); err != nil {
