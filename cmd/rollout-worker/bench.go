@@ -323,6 +323,7 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	liveParts := fs.Int("live-parts", -1, "transfer: parts the worker follows live (serve --refit-live-parts; -1: all of them, 0: every part from its stream, the catch-up path)")
 	profile := fs.Int("profile-seconds", 0, "transfer: write a CPU profile of the worker over this many seconds from the first version's start into --logs (0: none)")
 	logDir := fs.String("logs", "", "transfer: keep the worker's and publishers' output in this `directory`")
+	profilePub := fs.Bool("profile-publishers", false, "transfer: write a CPU profile of each publish process into --logs (publish --cpu-profile)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -330,7 +331,7 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	case "requantize":
 	case "transfer":
 		c := transferConfig{preset: *preset, layers: *layers, device: *device, recipe: *recipe, natsURL: *natsURL,
-			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts, servers: *servers, liveParts: *liveParts, profileSeconds: *profile}
+			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts, servers: *servers, liveParts: *liveParts, profileSeconds: *profile, profilePublishers: *profilePub}
 		if c.liveParts < 0 {
 			c.liveParts = max(c.parts, 1)
 		}
@@ -350,6 +351,8 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 			return usageErrorf("--timeout must be positive, not %v", *timeout)
 		case *coreBytes < 0:
 			return usageErrorf("--core-bytes must not be negative, not %d", *coreBytes)
+		case *profilePub && *logDir == "":
+			return usageErrorf("--profile-publishers needs --logs")
 		case *profile < 0 || (*profile > 0 && *logDir == ""):
 			return usageErrorf("--profile-seconds %d: want 0, or a positive number with --logs", *profile)
 		case *parts < 1 || *parts > refit.MaxParts:

@@ -32,6 +32,7 @@ type transferConfig struct {
 	deltas                                            []float64
 	streamMax, coreBytes                              int64
 	timeout                                           time.Duration
+	profilePublishers                                 bool
 }
 
 // transferResult is one version of the run.
@@ -446,6 +447,10 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	}
 	if len(c.partServers) > 0 {
 		args = append(args, "--part-servers", strings.Join(c.partServers, ","))
+	}
+	if c.profilePublishers {
+		// One a version: the full one is step 0, each delta a step more.
+		args = append(args, "--cpu-profile", filepath.Join(logDir, fmt.Sprintf("publish-step%d-cpu.pprof", len(next.Steps))))
 	}
 	var out bytes.Buffer
 	cmd := exec.CommandContext(ctx, self, args...)

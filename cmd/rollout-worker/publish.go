@@ -6,7 +6,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"regexp"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -93,6 +95,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	parts := fs.Int("parts", 1, "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start)")
 	partServers := fs.String("part-servers", "", "comma-separated NATS server `URLs` that carry parts 1 and on (part i on the ((i-1) mod n)th; part 0 and the announcements stay on --nats-url), so that a version's bytes cross several servers; workers need the same list (serve --refit-part-servers)")
 	streamMax := fs.Int64("stream-max-bytes", 0, "cap the stream at this many bytes, the oldest chunks dropped first (0: keep the newest two versions whole)")
+	cpuProfile := fs.String("cpu-profile", "", "write a CPU profile of the whole command (Go's pprof format) to this `file`")
 	verbose := fs.Bool("v", false, "log progress (retries and warnings are always logged)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -155,6 +158,18 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		if re, err = regexp.Compile(*only); err != nil {
 			return usageErrorf("--only: %v", err)
 		}
+	}
+
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return fmt.Errorf("--cpu-profile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("--cpu-profile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
 	}
 
 	level := zapcore.WarnLevel
