@@ -106,3 +106,20 @@ func (ps *partSource) ReadAt(p []byte, off int64) (int, error) {
 	}
 	return n, nil
 }
+
+// AutoPartBytes is the payload AutoParts gives each part: a part moves at
+// about half a GB/s (its stream takes its chunks one after the other), so a
+// version of tens of GB needs more than one, and a version of less than
+// this goes in one.
+const AutoPartBytes = 2 << 30
+
+// AutoParts is the part count for a version of size bytes published from a
+// machine of cpus cores over 1 + servers servers (PublisherConfig.Parts
+// and PartServers): one part a AutoPartBytes, at least one a server, at
+// most MaxParts and no more than the cores (each part's chunks are read,
+// and a delta's encoded, on a goroutine of their own).
+func AutoParts(size int64, cpus, servers int) int {
+	n := int(min((size+AutoPartBytes-1)/AutoPartBytes, MaxParts))
+	n = min(max(n, 1), max(cpus, 1))
+	return min(max(n, 1+servers), MaxParts)
+}

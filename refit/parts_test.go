@@ -488,3 +488,32 @@ func TestPartServersRejects(t *testing.T) {
 		})
 	}
 }
+
+// TestAutoParts: one part a 2 GiB, at least one a server, at most the
+// cores and MaxParts.
+func TestAutoParts(t *testing.T) {
+	const gib = 1 << 30
+	tests := []struct {
+		size          int64
+		cpus, servers int
+		want          int
+	}{
+		{0, 16, 0, 1},
+		{100 << 20, 16, 0, 1},
+		{2 * gib, 16, 0, 1},
+		{2*gib + 1, 16, 0, 2},
+		{11 * gib, 16, 0, 6},
+		{61 * gib, 16, 0, 16},
+		{61 * gib, 8, 0, 8},
+		{61 * gib, 64, 0, MaxParts},
+		{61 * gib, 0, 0, 1},
+		{100 << 20, 16, 3, 4},
+		{61 * gib, 2, 3, 4},
+		{61 * gib, 16, 20, MaxParts},
+	}
+	for _, tc := range tests {
+		if got := AutoParts(tc.size, tc.cpus, tc.servers); got != tc.want {
+			t.Errorf("AutoParts(%d, %d cores, %d servers) = %d, want %d", tc.size, tc.cpus, tc.servers, got, tc.want)
+		}
+	}
+}

@@ -442,9 +442,7 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	if c.streamMax > 0 {
 		args = append(args, "--stream-max-bytes", strconv.FormatInt(c.streamMax, 10))
 	}
-	if c.parts > 1 {
-		args = append(args, "--parts", strconv.Itoa(c.parts))
-	}
+	args = append(args, "--parts", strconv.Itoa(max(c.parts, 1)))
 	if len(c.partServers) > 0 {
 		args = append(args, "--part-servers", strings.Join(c.partServers, ","))
 	}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"regexp"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -92,7 +93,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	chunkBytes := fs.Int("chunk-bytes", 0, "chunk size in bytes, at most min(4 MiB, the server's max_payload - 4 KiB) (default min(1 MiB, the server's max_payload - 4 KiB))")
 	inflight := fs.Int64("max-inflight-bytes", refit.DefaultMaxInflightBytes, "unacknowledged chunk bytes at most")
 	storage := fs.String("storage", "file", "JetStream storage of the stream and bucket: file or memory")
-	parts := fs.Int("parts", 1, "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start)")
+	parts := partsFlag{auto: true}
+	fs.Var(&parts, "parts", "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start); auto: one a 2 GiB of the version, at least one a server, at most the cores and 16 (refit.AutoParts)")
 	partServers := fs.String("part-servers", "", "comma-separated NATS server `URLs` that carry parts 1 and on (part i on the ((i-1) mod n)th; part 0 and the announcements stay on --nats-url), so that a version's bytes cross several servers; workers need the same list (serve --refit-part-servers)")
 	streamMax := fs.Int64("stream-max-bytes", 0, "cap the stream at this many bytes, the oldest chunks dropped first (0: keep the newest two versions whole)")
 	cpuProfile := fs.String("cpu-profile", "", "write a CPU profile of the whole command (Go's pprof format) to this `file`")
@@ -118,12 +120,14 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--chunk-bytes must not be negative, not %d", *chunkBytes)
 	case *inflight <= 0:
 		return usageErrorf("--max-inflight-bytes must be positive, not %d", *inflight)
-	case *parts < 1 || *parts > refit.MaxParts:
-		return usageErrorf("--parts %d: want 1 to %d", *parts, refit.MaxParts)
-	case *parts > 1 && *signKey != "":
-		return usageErrorf("--parts %d with --sign-key: signed versions come in one part", *parts)
-	case *partServers != "" && *parts < 2:
-		return usageErrorf("--part-servers without --parts: the part servers carry parts 1 and on")
+	case !parts.auto && (parts.n < 1 || parts.n > refit.MaxParts):
+		return usageErrorf("--parts %d: want 1 to %d, or auto", parts.n, refit.MaxParts)
+	case !parts.auto && parts.n > 1 && *signKey != "":
+		return usageErrorf("--parts %d with --sign-key: signed versions come in one part", parts.n)
+	case *partServers != "" && *signKey != "":
+		return usageErrorf("--part-servers with --sign-key: signed versions come in one part")
+	case *partServers != "" && !parts.auto && parts.n < 2:
+		return usageErrorf("--part-servers with --parts %d: the part servers carry parts 1 and on", parts.n)
 	case *streamMax != 0 && *streamMax < *inflight:
 		return usageErrorf("--stream-max-bytes %d: want 0 or at least --max-inflight-bytes (%d)", *streamMax, *inflight)
 	case baseVersion.next:
@@ -131,7 +135,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	case baseVersion.set && *base == "":
 		return usageErrorf("--base-version needs --base")
 	}
-	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax, Parts: *parts,
+	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax, Parts: parts.n,
 		PartServers: splitList(*partServers)}
 	switch *storage {
 	case "file":
@@ -193,6 +197,16 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	defer src.Close()
+	if parts.auto {
+		size := src.Size()
+		if delta != nil {
+			size = delta.Size()
+		}
+		cfg.Parts = 1
+		if cfg.Signer == nil {
+			cfg.Parts = refit.AutoParts(size, runtime.NumCPU(), len(cfg.PartServers))
+		}
+	}
 
 	// Reconnects without end: Publish retries until ctx ends (Ctrl-C).
 	nc, err := nats.Connect(nf.url, append(natsOpts, nats.Timeout(5*time.Second))...)
@@ -293,6 +307,32 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 
 // versionFlag is --version: a number, or "next" for the publisher's next
 // version (refit.Publisher.NextVersion). set says it was given.
+// partsFlag is --parts: a count, or auto (chosen from the version's size).
+type partsFlag struct {
+	n    int
+	auto bool
+}
+
+func (f *partsFlag) String() string {
+	if f.auto {
+		return "auto"
+	}
+	return strconv.Itoa(f.n)
+}
+
+func (f *partsFlag) Set(s string) error {
+	if s == "auto" {
+		f.n, f.auto = 0, true
+		return nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		return errors.New("want a number of parts, or auto")
+	}
+	f.n, f.auto = n, false
+	return nil
+}
+
 type versionFlag struct {
 	n    uint64
 	next bool

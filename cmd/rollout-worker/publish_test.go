@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -348,6 +349,14 @@ func TestPublishCommandErrors(t *testing.T) {
 			[]string{"1 selected tensors are not BF16", "model.layers.0.scale (F32)"}},
 		{"chunk too big", []string{"--model-id", "m", "--version", "1", "--from", dir, "--only", "norm", "--chunk-bytes", "5000000"}, 1,
 			[]string{"chunk bytes 5000000"}},
+		{"parts not a number", []string{"--model-id", "m", "--version", "1", "--from", dir, "--parts", "many"}, 2,
+			[]string{"want a number of parts, or auto"}},
+		{"parts 0", []string{"--model-id", "m", "--version", "1", "--from", dir, "--parts", "0"}, 2, []string{"--parts 0: want 1 to 16, or auto"}},
+		{"parts 17", []string{"--model-id", "m", "--version", "1", "--from", dir, "--parts", "17"}, 2, []string{"--parts 17"}},
+		{"part servers, one part", []string{"--model-id", "m", "--version", "1", "--from", dir, "--parts", "1", "--part-servers", srv.URL()}, 2,
+			[]string{"--part-servers with --parts 1"}},
+		{"bad part server", []string{"--model-id", "m", "--version", "1", "--from", dir, "--only", "norm", "--part-servers", "nats://"}, 1,
+			[]string{"want a server URL"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -660,5 +669,37 @@ func TestPublishCommandFullAfterUnfinished(t *testing.T) {
 		"--only", `layers\.0\.mlp\.experts`)
 	if code != 0 || !strings.Contains(stdout, "published partial version 4") || strings.Contains(stdout, "full version is needed") {
 		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+}
+
+// TestPublishCommandPartServers: with --part-servers and --parts auto (the
+// default) a small version goes in one part a server, part 1 in its stream
+// on the part server and nowhere else.
+func TestPublishCommandPartServers(t *testing.T) {
+	srv, other := refittest.StartServer(t), refittest.StartServer(t)
+	dir, _ := pubtModel(t)
+	code, stdout, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "1",
+		"--from", filepath.Join(dir, "model.safetensors"), "--part-servers", other.URL())
+	if code != 0 {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	name := refit.PartStreamName("tiny", 1)
+	for _, s := range []struct {
+		url  string
+		want bool
+	}{{other.URL(), true}, {srv.URL(), false}} {
+		js, err := jetstream.New(refittest.Connect(t, s.url))
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := js.Stream(context.Background(), name)
+		switch {
+		case s.want && err != nil:
+			t.Errorf("%s on the part server: %v", name, err)
+		case s.want && st.CachedInfo().State.Msgs == 0:
+			t.Errorf("%s on the part server holds no chunk", name)
+		case !s.want && !errors.Is(err, jetstream.ErrStreamNotFound):
+			t.Errorf("%s on the main server: %v, want not found", name, err)
+		}
 	}
 }
