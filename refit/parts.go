@@ -108,18 +108,19 @@ func (ps *partSource) ReadAt(p []byte, off int64) (int, error) {
 }
 
 // AutoPartBytes is the payload AutoParts gives each part: a part moves at
-// about half a GB/s (its stream takes its chunks one after the other), so a
-// version of tens of GB needs more than one, and a version of less than
-// this goes in one.
+// about half a GB/s, so a version of tens of GB needs more than one, and a
+// version of less than this goes in one.
 const AutoPartBytes = 2 << 30
 
 // AutoParts is the part count for a version of size bytes published from a
 // machine of cpus cores over 1 + servers servers (PublisherConfig.Parts
-// and PartServers): one part a AutoPartBytes, at least one a server, at
-// most MaxParts and no more than the cores (each part's chunks are read,
-// and a delta's encoded, on a goroutine of their own).
+// and PartServers): one part a AutoPartBytes, at most one a four cores,
+// at least one a server, at most MaxParts. The cores bound it because a
+// part keeps cores busy at every hop: on a 16-core host carrying the
+// publisher, four servers and the worker, a 61 GB version took 33.0 s in
+// four parts and 39.5 s in eight (docs/REFIT.md).
 func AutoParts(size int64, cpus, servers int) int {
 	n := int(min((size+AutoPartBytes-1)/AutoPartBytes, MaxParts))
-	n = min(max(n, 1), max(cpus, 1))
+	n = min(max(n, 1), max(cpus/4, 1))
 	return min(max(n, 1+servers), MaxParts)
 }

@@ -489,8 +489,8 @@ func TestPartServersRejects(t *testing.T) {
 	}
 }
 
-// TestAutoParts: one part a 2 GiB, at least one a server, at most the
-// cores and MaxParts.
+// TestAutoParts: one part a 2 GiB, at least one a server, at most one a
+// four cores and MaxParts.
 func TestAutoParts(t *testing.T) {
 	const gib = 1 << 30
 	tests := []struct {
@@ -502,11 +502,13 @@ func TestAutoParts(t *testing.T) {
 		{100 << 20, 16, 0, 1},
 		{2 * gib, 16, 0, 1},
 		{2*gib + 1, 16, 0, 2},
-		{11 * gib, 16, 0, 6},
-		{61 * gib, 16, 0, 16},
-		{61 * gib, 8, 0, 8},
-		{61 * gib, 64, 0, MaxParts},
+		{11 * gib, 16, 0, 4},
+		{11 * gib, 64, 0, 6},
+		{61 * gib, 16, 0, 4},
+		{61 * gib, 8, 0, 2},
+		{61 * gib, 128, 0, MaxParts},
 		{61 * gib, 0, 0, 1},
+		{61 * gib, 3, 0, 1},
 		{100 << 20, 16, 3, 4},
 		{61 * gib, 2, 3, 4},
 		{61 * gib, 16, 20, MaxParts},

@@ -94,7 +94,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	inflight := fs.Int64("max-inflight-bytes", refit.DefaultMaxInflightBytes, "unacknowledged chunk bytes at most")
 	storage := fs.String("storage", "file", "JetStream storage of the stream and bucket: file or memory")
 	parts := partsFlag{auto: true}
-	fs.Var(&parts, "parts", "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start); auto: one a 2 GiB of the version, at least one a server, at most the cores and 16 (refit.AutoParts)")
+	fs.Var(&parts, "parts", "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start); auto: one a 2 GiB of the version, at most one a four cores, at least one a server, at most 16 (refit.AutoParts)")
 	partServers := fs.String("part-servers", "", "comma-separated NATS server `URLs` that carry parts 1 and on (part i on the ((i-1) mod n)th; part 0 and the announcements stay on --nats-url), so that a version's bytes cross several servers; workers need the same list (serve --refit-part-servers)")
 	streamMax := fs.Int64("stream-max-bytes", 0, "cap the stream at this many bytes, the oldest chunks dropped first (0: keep the newest two versions whole)")
 	cpuProfile := fs.String("cpu-profile", "", "write a CPU profile of the whole command (Go's pprof format) to this `file`")
