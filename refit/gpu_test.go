@@ -27,6 +27,8 @@ func TestGPURefit(t *testing.T) {
 		{"DeltaSmall", TestRefitDeltaSmall},
 		{"DeltaFused", TestRefitDeltaFused},
 		{"DeltaRejections", TestRefitDeltaRejections},
+		{"Parts", TestRefitParts},
+		{"PartServers", TestRefitPartServers},
 	} {
 		t.Run(tc.name, tc.test)
 	}
