@@ -200,9 +200,6 @@ type chunkFeed struct {
 	part    int
 	subject string
 	log     *zap.Logger
-	// share is how many parts of the version are being received at
-	// once: their stream consumers share the receiver's connection.
-	share int
 
 	live *liveSub // nil once the feed has switched to the stream
 	// watch follows the bucket while the stream is read: a newer version
@@ -376,7 +373,7 @@ func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
 		case <-done:
 		case <-ctx.Done():
 		}
-	}, jetstream.PullMaxBytes(pullBytes(f.r.cfg.MaxBytes, f.share, f.a.ChunkBytes)))
+	}, jetstream.PullMaxBytes(pullBytes(f.r.cfg.MaxBytes, f.a.ChunkBytes)))
 	if err != nil {
 		return fmt.Errorf("consume version %d: %w", f.a.Version, err)
 	}
@@ -389,10 +386,9 @@ func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
 	return nil
 }
 
-// pullBytes is how many bytes the stream consumer of one of share parts
-// read at once over the receiver's connection pulls ahead: maxBytes, but
-// no more than a share of connPullBytes, and no less than one chunk of
-// chunkBytes (a pull smaller than the next message delivers nothing).
+// pullBytes is how many bytes a part's stream consumer pulls ahead, over
+// the part's own connection (Receiver.partJS): maxBytes, but no more than
+// streamPullBytes, and no less than four chunks of chunkBytes.
 //
 // What a connection's consumers pull may all be on its way at once, and
 // Consume asks for more while half a pull is still coming; past the
@@ -402,15 +398,21 @@ func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
 // memory streams of 1 MiB messages: one consumer 2.0-2.3 GB/s pulling 8
 // to 24 MiB and 0.07-0.4 GB/s at 48-64 MiB; four consumers on one
 // connection 1.8-2.1 GB/s pulling 4-8 MiB each and 0.02-0.03 GB/s at 16
-// MiB each, cut off 19-26 times a GiB. TestStreamPull checks it.
-func pullBytes(maxBytes, share, chunkBytes int) int {
-	p := min(maxBytes, connPullBytes/max(share, 1))
-	return max(p, chunkBytes+64<<10)
+// MiB each, cut off 19-26 times a GiB. Hence a connection a part. The
+// floor: pulling about two chunks at a time, eight parts' consumers on one
+// connection (2 MiB each) sometimes stopped asking for more after a chunk
+// or a few, with hundreds waiting in the stream and no pull open at the
+// server, until the chunk timeout rejected the version (nats.go's Consume
+// asks again once what it still expects falls under half the window, and
+// a window of two messages left it expecting bytes that were not coming).
+// TestStreamPull checks both.
+func pullBytes(maxBytes, chunkBytes int) int {
+	return max(min(maxBytes, streamPullBytes), 4*(chunkBytes+64<<10))
 }
 
-// connPullBytes is what the stream consumers of one connection pull ahead
-// together (pullBytes).
-const connPullBytes = 16 << 20
+// streamPullBytes is what a part's stream consumer pulls ahead at most
+// (pullBytes).
+const streamPullBytes = 16 << 20
 
 // startSeq finds the stream sequence to replay chunk seq from: chunks are
 // stored in order (Nats-Expected-Last-Msg-Id), so chunk seq is at least

@@ -228,19 +228,21 @@ func TestLiveOverflow(t *testing.T) {
 	}
 }
 
-// TestStreamPull reads the four parts of a version (48 MiB each) from
-// their streams at once over one connection, as a worker does after it
-// falls back or joins late: every chunk arrives in order, and the server
-// never cuts the connection off as a slow consumer. Consumers that pulled
-// the receiver's whole MaxBytes each were cut off again and again, each
-// time starting over (pullBytes).
+// TestStreamPull reads the eight parts of a version (48 MiB each, chunks
+// of 1 MiB) from their streams at once, as a worker does after it falls
+// back or joins late, each part over its own connection (partJS): every
+// chunk arrives in order, and the server never cuts a connection off as a
+// slow consumer. Consumers that pulled the receiver's whole MaxBytes each
+// over one connection were cut off again and again, each time starting
+// over; pulling two chunks at a time, they sometimes stopped pulling
+// (pullBytes).
 func TestStreamPull(t *testing.T) {
 	if testing.Short() {
-		t.Skip("publishes 192 MiB")
+		t.Skip("publishes 384 MiB")
 	}
 	srv := refittest.StartServer(t)
 	p := newPublisher(t, srv.URL())
-	const parts, chunk, n = 4, 512 << 10, 96
+	const parts, chunk, n = 8, 1<<20 - 4<<10, 48 // the default chunk on a server of 1 MiB max_payload
 	for i := range parts {
 		if _, err := p.ensurePartStream(context.Background(), i); err != nil {
 			t.Fatal(err)
@@ -278,14 +280,17 @@ func TestStreamPull(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &Receiver{nc: nc, js: js, log: zap.NewNop(), cfg: ReceiverConfig{Model: testModel, MaxBytes: 64 << 20, ChunkTimeout: 20 * time.Second}}
+	// The parts' own connections count their cut-offs too.
+	lo := liveOptions(nc)
+	lo.DisconnectedErrCB = func(*nats.Conn, error) { cutOff.Add(1) }
+	r := &Receiver{nc: nc, js: js, liveOpts: lo, log: zap.NewNop(), cfg: ReceiverConfig{Model: testModel, MaxBytes: 64 << 20, ChunkTimeout: 20 * time.Second}}
+	t.Cleanup(r.closePartConns)
 	start := time.Now()
 	errs := make(chan error, parts)
 	for part := range parts {
 		go func() {
 			f := r.newFeed(Announce{Protocol: ProtocolVersion, Model: testModel, Version: 1, Full: true, Subject: PartSubject(testModel, 1, part),
 				TotalBytes: n * chunk, ChunkBytes: chunk, Chunks: n}, part, nil)
-			f.share = parts
 			defer f.close()
 			want := expect{total: -1}
 			for i := range n {
@@ -309,10 +314,13 @@ func TestStreamPull(t *testing.T) {
 		}
 	}
 	el := time.Since(start)
-	t.Logf("%d parts of %d MiB from their streams over one connection in %v (%.2f GB/s), cut off %d times",
+	t.Logf("%d parts of %d MiB from their streams in %v (%.2f GB/s), cut off %d times",
 		parts, n*chunk>>20, el, float64(parts*n*chunk)/el.Seconds()/1e9, cutOff.Load())
 	if c := cutOff.Load(); c != 0 {
-		t.Errorf("the server cut the connection off %d times", c)
+		t.Errorf("the server cut a connection off %d times", c)
+	}
+	if got := len(r.partConns); got != parts-1 {
+		t.Errorf("%d part stream connections, want one for each of parts 1-%d", got, parts-1)
 	}
 }
 

@@ -129,11 +129,11 @@ type Receiver struct {
 	// is live), made at Run's start for LiveParts parts and when a version
 	// of more parts is announced.
 	lives []*liveSub
-	// partConns are the connections to PartServers that part streams are
-	// read over, made when first needed (keyed by server) and closed when
+	// partConns are the connections that the streams of parts 1 and on
+	// are read over, one a part, made when first needed and closed when
 	// Run returns.
 	partMu    sync.Mutex
-	partConns map[string]partStreamConn
+	partConns map[int]partStreamConn
 
 	received   atomic.Int64  // bytes of the version being received
 	reports    atomic.Int64  // statuses reported so far
@@ -1076,23 +1076,28 @@ type partStreamConn struct {
 	js jetstream.JetStream
 }
 
-// partJS returns the JetStream that part's stream is read through: the
-// receiver's own, or with PartServers one on a connection to the part's
-// server, made on first use. where names that server for errors ("" for
-// the receiver's own).
+// partJS returns the JetStream that part's stream is read through: part
+// 0's, the receiver's own; part i >= 1's, one on a connection of the
+// part's own (to its part server, with PartServers), made on first use.
+// A connection a part: the stream consumers of several parts on one
+// connection share the server's outbound allowance for one client, and
+// pulled in small windows a consumer could stall (docs/REFIT.md, "The
+// receiver"). where names the part's server for errors ("" for the
+// receiver's own).
 func (r *Receiver) partJS(part int) (js jetstream.JetStream, where string, err error) {
-	if part < 1 || len(r.cfg.PartServers) == 0 {
+	if part < 1 {
 		return r.js, "", nil
 	}
-	srv := r.cfg.PartServers[(part-1)%len(r.cfg.PartServers)]
-	where = " on part server " + redactedURL(srv)
+	if len(r.cfg.PartServers) > 0 {
+		where = " on part server " + redactedURL(r.cfg.PartServers[(part-1)%len(r.cfg.PartServers)])
+	}
 	r.partMu.Lock()
 	defer r.partMu.Unlock()
-	if c, ok := r.partConns[srv]; ok {
+	if c, ok := r.partConns[part]; ok {
 		return c.js, where, nil
 	}
 	opts := partOptions(r.liveOpts, r.cfg.PartServers, part)
-	opts.Name = strings.TrimSpace(r.nc.Opts.Name + " refit-part-stream")
+	opts.Name = strings.TrimSpace(r.nc.Opts.Name + " refit-part-stream-" + strconv.Itoa(part))
 	nc, err := opts.Connect()
 	if err != nil {
 		return nil, where, fmt.Errorf("connect for part %d's stream%s: %w", part, where, err)
@@ -1102,9 +1107,9 @@ func (r *Receiver) partJS(part int) (js jetstream.JetStream, where string, err e
 		return nil, where, fmt.Errorf("part %d's stream%s: %w", part, where, err)
 	}
 	if r.partConns == nil {
-		r.partConns = map[string]partStreamConn{}
+		r.partConns = map[int]partStreamConn{}
 	}
-	r.partConns[srv] = partStreamConn{nc: nc, js: js}
+	r.partConns[part] = partStreamConn{nc: nc, js: js}
 	return js, where, nil
 }
 
@@ -1125,9 +1130,6 @@ func (r *Receiver) closePartConns() {
 func (r *Receiver) receivePart(ctx context.Context, a Announce, part int, ls *liveSub, vw *versionWatch, pp *partsPlan, res *partRecv) (err error) {
 	feed := r.newFeed(a, part, ls)
 	feed.watch = vw
-	if pp != nil {
-		feed.share = len(pp.ws)
-	}
 	defer func() {
 		feed.close()
 		res.fromNet, res.fromJS = feed.fromNet, feed.fromJS
