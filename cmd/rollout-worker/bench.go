@@ -319,10 +319,11 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	coreBytes := fs.Int64("core-bytes", 0, "transfer: bytes sent over core NATS for the comparison (0: a full version's, at most 4 GiB)")
 	timeout := fs.Duration("timeout", 10*time.Minute, "transfer: how long the worker may take to start, and each version to apply")
 	parts := fs.Int("parts", 1, "transfer: parts a version is published in, each over its own connection (publish --parts)")
-	servers := fs.Int("servers", 1, "transfer: embedded NATS servers, each a process's server of its own: part 0 and the announcements on the first, parts 1 and on spread over the others (publish --part-servers)")
+	servers := fs.Int("servers", 0, "transfer: NATS servers, each a process of its own (rollout-worker nats): part 0 and the announcements on the first, parts 1 and on spread over the others (publish --part-servers); 0: one server embedded in this process")
 	liveParts := fs.Int("live-parts", -1, "transfer: parts the worker follows live (serve --refit-live-parts; -1: all of them, 0: every part from its stream, the catch-up path)")
 	profile := fs.Int("profile-seconds", 0, "transfer: write a CPU profile of the worker over this many seconds from the first version's start into --logs (0: none)")
 	logDir := fs.String("logs", "", "transfer: keep the worker's and publishers' output in this `directory`")
+	inProcess := fs.Bool("servers-in-process", false, "transfer: run the --servers servers embedded in this process, not as processes of their own")
 	profilePub := fs.Bool("profile-publishers", false, "transfer: write a CPU profile of each publish process into --logs (publish --cpu-profile)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -331,7 +332,7 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	case "requantize":
 	case "transfer":
 		c := transferConfig{preset: *preset, layers: *layers, device: *device, recipe: *recipe, natsURL: *natsURL,
-			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts, servers: *servers, liveParts: *liveParts, profileSeconds: *profile, profilePublishers: *profilePub}
+			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts, servers: *servers, liveParts: *liveParts, profileSeconds: *profile, profilePublishers: *profilePub, serversInProcess: *inProcess}
 		if c.liveParts < 0 {
 			c.liveParts = max(c.parts, 1)
 		}
@@ -357,10 +358,12 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 			return usageErrorf("--profile-seconds %d: want 0, or a positive number with --logs", *profile)
 		case *parts < 1 || *parts > refit.MaxParts:
 			return usageErrorf("--parts %d: want 1 to %d", *parts, refit.MaxParts)
-		case *servers < 1 || *servers > *parts:
-			return usageErrorf("--servers %d: want 1 to --parts (%d): a server carries one part or more", *servers, *parts)
-		case *servers > 1 && *natsURL != "":
-			return usageErrorf("--servers %d with --nats-url: several servers are embedded ones", *servers)
+		case *servers < 0 || *servers > *parts:
+			return usageErrorf("--servers %d: want 0 to --parts (%d): a server carries one part or more", *servers, *parts)
+		case *inProcess && *servers == 0:
+			return usageErrorf("--servers-in-process without --servers")
+		case *servers > 0 && *natsURL != "":
+			return usageErrorf("--servers %d with --nats-url: the bench starts its servers", *servers)
 		case *liveParts > refit.MaxParts:
 			return usageErrorf("--live-parts %d: want at most %d", *liveParts, refit.MaxParts)
 		case *recipe != "bf16" && *recipe != "nvfp4":

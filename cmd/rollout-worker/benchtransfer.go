@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -33,7 +34,7 @@ type transferConfig struct {
 	deltas                                            []float64
 	streamMax, coreBytes                              int64
 	timeout                                           time.Duration
-	profilePublishers                                 bool
+	profilePublishers, serversInProcess               bool
 }
 
 // transferResult is one version of the run.
@@ -64,9 +65,10 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 		return fmt.Errorf("bench refit: %w", err)
 	}
 	url, where := c.natsURL, "server at "+redactURL(c.natsURL)
-	if url == "" {
+	switch {
+	case url == "" && c.servers > 0 && c.serversInProcess:
 		var urls []string
-		for range max(c.servers, 1) {
+		for range c.servers {
 			srv, err := natsembed.Start(natsembed.Config{})
 			if err != nil {
 				return fmt.Errorf("bench refit: %w", err)
@@ -74,10 +76,27 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			defer srv.Shutdown()
 			urls = append(urls, srv.URL())
 		}
-		url, c.partServers, where = urls[0], urls[1:], "embedded server"
-		if len(urls) > 1 {
-			where = fmt.Sprintf("%d embedded servers", len(urls))
+		url, c.partServers = urls[0], urls[1:]
+		where = fmt.Sprintf("%d servers embedded in this process", len(urls))
+	case url == "" && c.servers > 0:
+		var urls []string
+		for i := range c.servers {
+			srv, err := startNATSProcess(self, logDir, i)
+			if err != nil {
+				return err
+			}
+			defer srv.stop()
+			urls = append(urls, srv.url)
 		}
+		url, c.partServers = urls[0], urls[1:]
+		where = fmt.Sprintf("%d NATS server processes (rollout-worker nats)", len(urls))
+	case url == "":
+		srv, err := natsembed.Start(natsembed.Config{})
+		if err != nil {
+			return fmt.Errorf("bench refit: %w", err)
+		}
+		defer srv.Shutdown()
+		url, where = srv.URL(), "embedded server"
 	}
 	nc, err := nats.Connect(url, nats.Name("bench refit"))
 	if err != nil {
@@ -194,6 +213,69 @@ func mib(b int64) string {
 		return "-"
 	}
 	return strconv.FormatFloat(float64(b)/(1<<20), 'f', 0, 64)
+}
+
+// natsProcess is a `rollout-worker nats` process of a transfer run.
+type natsProcess struct {
+	cmd  *exec.Cmd
+	log  *os.File
+	url  string
+	done chan error
+}
+
+// startNATSProcess starts server i as a process of its own (its output in
+// logDir) and waits for the URL it prints.
+func startNATSProcess(self, logDir string, i int) (*natsProcess, error) {
+	log, err := os.Create(filepath.Join(logDir, fmt.Sprintf("nats-%d.log", i)))
+	if err != nil {
+		return nil, fmt.Errorf("bench refit: %w", err)
+	}
+	cmd := exec.Command(self, "nats", "--port", "0")
+	cmd.Stderr = log
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		log.Close()
+		return nil, fmt.Errorf("bench refit: %w", err)
+	}
+	if err := cmd.Start(); err != nil {
+		log.Close()
+		return nil, fmt.Errorf("bench refit: start NATS server %d: %w", i, err)
+	}
+	p := &natsProcess{cmd: cmd, log: log, done: make(chan error, 1)}
+	lines := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		if sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+		io.Copy(log, out) // whatever else it prints, until it exits
+		p.done <- cmd.Wait()
+	}()
+	select {
+	case line, ok := <-lines:
+		if u, found := strings.CutPrefix(line, "nats server listening on "); ok && found {
+			p.url = u
+			return p, nil
+		}
+		p.stop()
+		return nil, fmt.Errorf("bench refit: NATS server %d printed %q, not its URL (log: %s)", i, line, log.Name())
+	case <-time.After(30 * time.Second):
+		p.stop()
+		return nil, fmt.Errorf("bench refit: NATS server %d did not start in 30 s (log: %s)", i, log.Name())
+	}
+}
+
+// stop interrupts the server and waits for it (killing it after 10 s).
+func (p *natsProcess) stop() {
+	p.cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		p.cmd.Process.Kill()
+		<-p.done
+	}
+	p.log.Close()
 }
 
 // droppedNote says how many core-NATS messages slow subscribers lost.

@@ -14,7 +14,7 @@ import (
 // TestBenchRefitTransfer runs `bench refit --mode transfer` on the tiny
 // preset: a worker and a publisher in processes of their own (this test
 // binary, running the commands), a full version and two deltas applied,
-// each in three parts over two servers, and a row for each with its rate,
+// each in three parts over two NATS server processes, and a row for each with its rate,
 // commit and the publisher's peak RSS.
 func TestBenchRefitTransfer(t *testing.T) {
 	if testing.Short() {
@@ -51,7 +51,7 @@ func TestBenchRefitTransfer(t *testing.T) {
 	if d5 >= full/2 {
 		t.Errorf("a 5%% delta of %.2f MB against a full version of %.2f MB", d5, full)
 	}
-	for _, want := range []string{"2 embedded servers", "core NATS, one connection to another", "core NATS, 3 pairs of connections at once",
+	for _, want := range []string{"2 NATS server processes", "core NATS, one connection to another", "core NATS, 3 pairs of connections at once",
 		"worker peak RSS: ", "per layer, version 1"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q", want)

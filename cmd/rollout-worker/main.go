@@ -45,6 +45,7 @@ var commands = []command{
 	{"score", "score token sequences with a model (teacher-forced logprobs)", runScore},
 	{"calibrate", "measure the per_tensor recipe's activation scales over token sequences", runCalibrate},
 	{"publish", "publish a weight version (all or some BF16 tensors) to the workers over NATS", runPublish},
+	{"nats", "run a NATS server with JetStream (the one serve embeds) on 127.0.0.1", runNATS},
 	{"kernels", "kernels warm: compile the CUDA kernels into the cubin cache (for a container image)", runKernels},
 }
 
