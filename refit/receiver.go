@@ -40,9 +40,9 @@ type ReceiverConfig struct {
 	Worker string // worker id in status reports
 	// Version is the version of the weights loaded at start (0: none yet).
 	Version uint64
-	// MaxBytes bounds the bytes a consumer pulls ahead (default 64 MiB;
-	// the stream consumers of one connection pull at most 16 MiB ahead
-	// together, see pullBytes).
+	// MaxBytes bounds the bytes a part's stream consumer pulls ahead
+	// (default 64 MiB). A consumer pulls at most 16 MiB and at least four
+	// of the version's chunks ahead whatever it says (pullBytes).
 	MaxBytes int
 	// LivePendingBytes bounds the live chunks of a part waiting to be read
 	// (default DefaultLivePendingBytes); beyond it the server's deliveries
