@@ -102,14 +102,19 @@ func partOptions(opts nats.Options, servers []string, part int) nats.Options {
 	return opts
 }
 
+// parseServerURL parses a NATS server URL, "nats://" assumed where it
+// names no scheme (as nats.go does).
+func parseServerURL(s string) (*url.URL, error) {
+	if !strings.Contains(s, "://") {
+		s = "nats://" + s
+	}
+	return url.Parse(s)
+}
+
 // redactedURL is a server URL without its user information (credentials),
 // for logs and errors.
 func redactedURL(s string) string {
-	u := s
-	if !strings.Contains(u, "://") {
-		u = "nats://" + u
-	}
-	pu, err := url.Parse(u)
+	pu, err := parseServerURL(s)
 	if err != nil {
 		return "(a server URL that does not parse)"
 	}
@@ -125,11 +130,7 @@ func checkPartServers(servers []string) error {
 	}
 	seen := map[string]bool{}
 	for i, s := range servers {
-		u := s
-		if !strings.Contains(u, "://") {
-			u = "nats://" + u
-		}
-		pu, err := url.Parse(u)
+		pu, err := parseServerURL(s)
 		if err != nil || pu.Host == "" || pu.Port() == "" || strings.ContainsAny(s, " ,") {
 			return fmt.Errorf("part server %d %q: want a server URL such as nats://127.0.0.1:4223", i+1, redactedURL(s))
 		}

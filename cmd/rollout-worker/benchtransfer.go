@@ -65,10 +65,20 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 		return fmt.Errorf("bench refit: %w", err)
 	}
 	url, where := c.natsURL, "server at "+redactURL(c.natsURL)
-	switch {
-	case url == "" && c.servers > 0 && c.serversInProcess:
+	if url == "" {
+		// --servers 0: one server embedded here; N: N servers, processes of
+		// their own unless --servers-in-process.
 		var urls []string
-		for range c.servers {
+		for i := range max(c.servers, 1) {
+			if c.servers > 0 && !c.serversInProcess {
+				srv, err := startNATSProcess(self, logDir, i)
+				if err != nil {
+					return err
+				}
+				defer srv.stop()
+				urls = append(urls, srv.url)
+				continue
+			}
 			srv, err := natsembed.Start(natsembed.Config{})
 			if err != nil {
 				return fmt.Errorf("bench refit: %w", err)
@@ -77,26 +87,14 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			urls = append(urls, srv.URL())
 		}
 		url, c.partServers = urls[0], urls[1:]
-		where = fmt.Sprintf("%d servers embedded in this process", len(urls))
-	case url == "" && c.servers > 0:
-		var urls []string
-		for i := range c.servers {
-			srv, err := startNATSProcess(self, logDir, i)
-			if err != nil {
-				return err
-			}
-			defer srv.stop()
-			urls = append(urls, srv.url)
+		switch {
+		case c.servers == 0:
+			where = "embedded server"
+		case c.serversInProcess:
+			where = fmt.Sprintf("%d servers embedded in this process", len(urls))
+		default:
+			where = fmt.Sprintf("%d NATS server processes (rollout-worker nats)", len(urls))
 		}
-		url, c.partServers = urls[0], urls[1:]
-		where = fmt.Sprintf("%d NATS server processes (rollout-worker nats)", len(urls))
-	case url == "":
-		srv, err := natsembed.Start(natsembed.Config{})
-		if err != nil {
-			return fmt.Errorf("bench refit: %w", err)
-		}
-		defer srv.Shutdown()
-		url, where = srv.URL(), "embedded server"
 	}
 	nc, err := nats.Connect(url, nats.Name("bench refit"))
 	if err != nil {

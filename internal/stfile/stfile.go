@@ -16,7 +16,7 @@ import (
 // github.com/nlpodyssey/safetensors, with the same values, and the 8-bit
 // floats it lacks, which NVFP4 and FP8 checkpoints store their scales in
 // (F8_E4M3, F8_E5M2). Files holding those are read by stfile's own header
-// parser; Write takes only the library's types.
+// parser and written by its own encoder (write.go).
 type DType uint8
 
 // Element types: the library's, then (below) the 8-bit floats.
