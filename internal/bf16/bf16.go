@@ -32,25 +32,28 @@ func IsFinite(h uint16) bool { return h&0x7f80 != 0x7f80 }
 
 // FirstNonFinite returns the index of the first NaN or Inf among the
 // little-endian BF16 values of data (a trailing odd byte is not a value),
-// or -1. It tests four values per 8-byte word: a lane of z below is zero
-// exactly when that value's exponent bits (0x7f80) are all set, and the
-// borrow trick finds whether any lane is zero; only then are the word's
-// values looked at one by one.
+// or -1. It tests four values per 8-byte word and four words at a time:
+// a value is NaN or Inf exactly when its exponent bits (0x7f80) are all
+// set, that is when adding 0x0080 to them carries into bit 15 (no other
+// exponent does, and no lane carries into the next). Only a block with
+// such a value is looked at value by value.
 func FirstNonFinite(data []byte) int {
 	const (
 		exp  = 0x7f80_7f80_7f80_7f80
-		ones = 0x0001_0001_0001_0001
+		unit = 0x0080_0080_0080_0080
 		high = 0x8000_8000_8000_8000
 	)
+	le := binary.LittleEndian
 	i := 0
-	for ; i+8 <= len(data); i += 8 {
-		z := binary.LittleEndian.Uint64(data[i:])&exp ^ exp
-		if (z-ones)&^z&high != 0 {
+	for ; i+32 <= len(data); i += 32 {
+		b := data[i : i+32 : i+32]
+		t := (le.Uint64(b)&exp + unit) | (le.Uint64(b[8:])&exp + unit) | (le.Uint64(b[16:])&exp + unit) | (le.Uint64(b[24:])&exp + unit)
+		if t&high != 0 {
 			break
 		}
 	}
 	for ; i+1 < len(data); i += 2 {
-		if !IsFinite(binary.LittleEndian.Uint16(data[i:])) {
+		if !IsFinite(le.Uint16(data[i:])) {
 			return i / 2
 		}
 	}

@@ -209,7 +209,7 @@ func TestEncodeDecode(t *testing.T) {
 }
 
 func TestFirstNonFinite(t *testing.T) {
-	for n := range 13 {
+	for n := range 41 { // past two 32-byte blocks and a tail
 		for bad := -1; bad < n; bad++ {
 			data := make([]byte, 2*n)
 			for i := range n {
@@ -226,9 +226,23 @@ func TestFirstNonFinite(t *testing.T) {
 			}
 		}
 	}
+	// Every 16-bit pattern, at every place of a block and of the tail.
+	data := make([]byte, 2*19)
+	for h := range 1 << 16 {
+		at := h % 19
+		clear(data)
+		binary.LittleEndian.PutUint16(data[2*at:], uint16(h))
+		want := -1
+		if !IsFinite(uint16(h)) {
+			want = at
+		}
+		if got := FirstNonFinite(data); got != want {
+			t.Fatalf("value %#04x at %d: first non-finite at %d, want %d", h, at, got, want)
+		}
+	}
 	// Largest finite values, with every exponent bit but one set, are finite.
-	data := make([]byte, 16)
-	for i := range 8 {
+	data = make([]byte, 64)
+	for i := range 32 {
 		binary.LittleEndian.PutUint16(data[2*i:], 0x7f7f|uint16(i%2)<<15)
 	}
 	if got := FirstNonFinite(data); got != -1 {
