@@ -143,7 +143,7 @@ func checkPartServers(servers []string) error {
 }
 
 func (r *Receiver) trySubscribeLive(ctx context.Context, part int) (*liveSub, error) {
-	subjects := PartStreamSubjects(r.cfg.Model, part)
+	subjects := PartLiveSubjects(r.cfg.Model, part)
 	opts := partOptions(r.liveOpts, r.cfg.PartServers, part)
 	nc, err := opts.Connect()
 	if err != nil {
@@ -196,11 +196,13 @@ type feedChunk struct {
 // consumer on the version's subject. It belongs to one receive call, which
 // must call close.
 type chunkFeed struct {
-	r       *Receiver
-	a       Announce // the version, its part's subject, bytes and chunks in place of part 0's
-	part    int
-	subject string
-	log     *zap.Logger
+	r    *Receiver
+	a    Announce // the version, its part's subject, bytes and chunks in place of part 0's
+	part int
+	// subject is where the part's chunks come live, stored where its
+	// stream keeps them: the same subject but for live-first versions.
+	subject, stored string
+	log             *zap.Logger
 
 	live *liveSub // nil once the feed has switched to the stream
 	// watch follows the bucket while the stream is read: a newer version
@@ -220,6 +222,8 @@ type chunkFeed struct {
 	timer   *time.Timer
 	fromJS  int // chunks taken from the stream
 	fromNet int // chunks taken live
+	// lastLive is when the feed started or last read a live message.
+	lastLive time.Time
 }
 
 // newFeed prepares the feed of part of version a (a's subject, bytes and
@@ -229,7 +233,8 @@ func (r *Receiver) newFeed(a Announce, part int, live *liveSub) *chunkFeed {
 	if part > 0 {
 		log = log.With(zap.Int("part", part))
 	}
-	return &chunkFeed{r: r, a: a, part: part, subject: PartSubject(r.cfg.Model, a.Version, part), live: live, log: log}
+	return &chunkFeed{r: r, a: a, part: part, subject: liveSubject(a.Protocol, r.cfg.Model, a.Version, part),
+		stored: storedSubject(a.Protocol, r.cfg.Model, a.Version, part), live: live, log: log, lastLive: time.Now()}
 }
 
 // close stops the stream consumer, if any, and discards what is left of
@@ -309,6 +314,18 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 	switch {
 	case ctx.Err() != nil:
 		return c, nil, false, "stopping"
+	case errors.Is(err, context.DeadlineExceeded) && f.a.Protocol == ProtocolLive:
+		// The stream gets a live-first version's chunks only after its
+		// live pass: a pause of the live pass is waited out (up to
+		// ChunkTimeout of silence), unless the version is sealed, which
+		// says the live pass is over and the rest was lost.
+		switch {
+		case f.r.sealed.Load() == f.a.Version:
+			return c, nil, false, "the version is sealed: its live chunks are all sent"
+		case time.Since(f.lastLive) >= f.r.cfg.ChunkTimeout:
+			return c, nil, false, fmt.Sprintf("no live chunk for %v", f.r.cfg.ChunkTimeout)
+		}
+		return c, nil, true, ""
 	case errors.Is(err, context.DeadlineExceeded):
 		return c, nil, false, fmt.Sprintf("no live chunk for %v", f.r.cfg.LiveIdle)
 	case errors.Is(err, nats.ErrSlowConsumer):
@@ -319,8 +336,9 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 	case err != nil:
 		return c, nil, false, fmt.Sprintf("live subscription: %v", err)
 	}
+	f.lastLive = time.Now()
 	if msg.Subject != f.subject {
-		if v, ok := versionOfPartSubject(f.r.cfg.Model, f.part, msg.Subject); ok && v > f.a.Version {
+		if v, ok := versionOfLiveSubject(f.r.cfg.Model, f.part, msg.Subject); ok && v > f.a.Version {
 			// A later version has started: this one's live chunks are over.
 			f.live.stash = msg
 			return c, nil, false, fmt.Sprintf("version %d started live", v)
@@ -358,7 +376,7 @@ func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
 	if err != nil {
 		return fmt.Errorf("stream %s%s: %w", name, where, err)
 	}
-	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{f.subject}, DeliverPolicy: jetstream.DeliverAllPolicy}
+	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{f.stored}, DeliverPolicy: jetstream.DeliverAllPolicy}
 	if start, ok := f.startSeq(ctx, stream, seq); ok {
 		cfg.DeliverPolicy, cfg.OptStartSeq = jetstream.DeliverByStartSequencePolicy, start
 	}
@@ -424,7 +442,7 @@ func (f *chunkFeed) startSeq(ctx context.Context, stream jetstream.Stream, seq i
 	if seq == 0 {
 		return 0, false
 	}
-	first, err := stream.GetMsg(ctx, 1, jetstream.WithGetMsgSubject(f.subject))
+	first, err := stream.GetMsg(ctx, 1, jetstream.WithGetMsgSubject(f.stored))
 	if err != nil {
 		return 0, false
 	}
@@ -499,15 +517,17 @@ func (f *chunkFeed) drainLive() {
 		case err != nil:
 			return
 		}
-		if v, ok := versionOfPartSubject(f.r.cfg.Model, f.part, msg.Subject); ok && v > f.a.Version {
+		if v, ok := versionOfLiveSubject(f.r.cfg.Model, f.part, msg.Subject); ok && v > f.a.Version {
 			l.stash = msg
 		}
 	}
 }
 
-// versionOfSubject parses the version of a version subject of model.
-func versionOfSubject(model, subject string) (uint64, bool) {
-	return versionOfPartSubject(model, 0, subject)
+// versionOfLiveSubject parses the version of a subject part's live
+// subscription delivers: a version subject (PartSubject) or a live one
+// (LiveSubject).
+func versionOfLiveSubject(model string, part int, subject string) (uint64, bool) {
+	return versionOfPartSubject(model, part, strings.TrimSuffix(subject, ".live"))
 }
 
 // versionOfPartSubject parses the version of a subject of part of model's
@@ -520,6 +540,31 @@ func versionOfPartSubject(model string, part int, subject string) (uint64, bool)
 	}
 	v, err := strconv.ParseUint(rest, 10, 64)
 	return v, err == nil
+}
+
+// versionOfStoredSubject parses the version of a subject that part's
+// stream stores: the part's version subject (PartSubject) or its stored
+// subject (StoredSubject).
+func versionOfStoredSubject(model string, part int, subject string) (uint64, bool) {
+	if v, ok := versionOfPartSubject(model, part, subject); ok {
+		return v, true
+	}
+	prefix := StoredSubject(model, 0, part)
+	rest, ok := strings.CutPrefix(subject, prefix[:len(prefix)-1])
+	if !ok {
+		return 0, false
+	}
+	v, err := strconv.ParseUint(rest, 10, 64)
+	return v, err == nil
+}
+
+// partSubjectsFilter matches every subject of part's stream: its version
+// subjects and its stored subjects.
+func partSubjectsFilter(model string, part int) string {
+	if part == 0 {
+		return "refit." + model + ".*.*"
+	}
+	return "refit." + model + ".p" + strconv.Itoa(part) + ".*.*"
 }
 
 // digester computes the SHA-256 of a protocol-1 version on its own

@@ -360,7 +360,7 @@ func partSubjects(t *testing.T, nc *nats.Conn, i int) []string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(PartStreamSubjects(testModel, i)))
+	info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(partSubjectsFilter(testModel, i)))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -87,6 +87,15 @@ type PublisherConfig struct {
 	// the connection NewPublisher is given. Workers must be given the same
 	// list (ReceiverConfig.PartServers). Empty: every part on that server.
 	PartServers []string
+	// LiveFirst sends a version of parts live first (PROTOCOL.md, "Live
+	// first"; protocol 4): every part's chunks over core NATS at once,
+	// then the seal, with which workers that received them all commit,
+	// and only then the same chunks into the parts' streams, acknowledged,
+	// and the manifest. The stream is then off the path to the workers'
+	// commit: a version commits at what core NATS carries rather than at
+	// what the servers store. Publish still returns once the manifest is
+	// written. Versions of one part are not affected.
+	LiveFirst bool
 	// PublishTimeout bounds the wait for one acknowledgement and one
 	// JetStream API call (default DefaultPublishTimeout); after it the
 	// operation is retried.
@@ -126,6 +135,9 @@ type Publisher struct {
 	// onInflight, when set (by tests), sees the unacknowledged chunk bytes
 	// after every chunk is published.
 	onInflight func(bytes int64)
+	// afterLive, when set (by tests), runs between a live-first version's
+	// live pass (and its seal) and its stored pass.
+	afterLive func(version uint64)
 	// protocol is what Publish speaks: ProtocolVersion, or Protocol1 in
 	// tests that play an older publisher.
 	protocol int
@@ -482,16 +494,20 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 			return Manifest{}, err
 		}
 	}
+	proto := ProtocolParts // of a version in parts
+	if p.cfg.LiveFirst {
+		proto = ProtocolLive
+	}
 	for i, ps := range parts {
 		n := (ps.size + chunkBytes - 1) / chunkBytes
 		if n > 1<<31-1 {
 			return Manifest{}, fmt.Errorf("part %d: %d chunks of %d bytes: too many", i, n, chunkBytes)
 		}
-		m.Parts = append(m.Parts, Part{Subject: PartSubject(model, version, i), TotalBytes: ps.size, Chunks: int(n),
+		m.Parts = append(m.Parts, Part{Subject: storedSubject(proto, model, version, i), TotalBytes: ps.size, Chunks: int(n),
 			HeaderBytes: len(ps.head) - 8, Tensors: ps.tensors})
 	}
 	if len(parts) > 0 {
-		m.Protocol, m.TotalBytes, m.Chunks = ProtocolParts, m.Parts[0].TotalBytes, m.Parts[0].Chunks
+		m.Protocol, m.Subject, m.TotalBytes, m.Chunks = proto, m.Parts[0].Subject, m.Parts[0].TotalBytes, m.Parts[0].Chunks
 		m.HeaderBytes, m.Tensors = m.Parts[0].HeaderBytes, m.Parts[0].Tensors
 	}
 	if p.cfg.Signer != nil {
@@ -544,7 +560,7 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 		if err != nil {
 			return Manifest{}, err
 		}
-		if subj := PartSubject(model, version, i); subjects[subj] > 0 {
+		if subj := storedSubject(m.Protocol, model, version, i); subjects[subj] > 0 {
 			return Manifest{}, fmt.Errorf("subject %s already holds %d chunks (an earlier attempt?): publish a newer version", subj, subjects[subj])
 		}
 	}
@@ -572,7 +588,15 @@ func (p *Publisher) publish(ctx context.Context, version uint64, src io.ReaderAt
 			return Manifest{}, err
 		}
 	} else {
-		if err := p.sendParts(ctx, log, version, parts, m.Parts); err != nil {
+		if m.Protocol == ProtocolLive {
+			if err := p.sendLive(ctx, log, kv, m, parts); err != nil {
+				return Manifest{}, err
+			}
+			if p.afterLive != nil {
+				p.afterLive(version)
+			}
+		}
+		if err := p.sendParts(ctx, log, m.Protocol, version, parts, m.Parts); err != nil {
 			return Manifest{}, err
 		}
 		sum = m.Parts[0].ChunkTableSHA256
@@ -641,20 +665,26 @@ func (p *Publisher) purgeOtherParts(ctx context.Context, from int, version, prev
 // sendParts publishes the parts at once, each over its connection, and
 // fills in their chunk tables' digests. The first to fail stops the
 // others.
-func (p *Publisher) sendParts(ctx context.Context, log *zap.Logger, version uint64, parts []*partSource, out []Part) error {
+func (p *Publisher) sendParts(ctx context.Context, log *zap.Logger, proto int, version uint64, parts []*partSource, out []Part) error {
 	pctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	errs := make([]error, len(parts))
 	var wg sync.WaitGroup
 	for i, ps := range parts {
 		wg.Go(func() {
-			sum, _, err := p.sendPart(pctx, log.With(zap.Int("part", i)), ProtocolParts, i, version, ps, ps.size)
-			if err != nil {
+			sum, _, err := p.sendPart(pctx, log.With(zap.Int("part", i)), proto, i, version, ps, ps.size)
+			switch {
+			case err != nil:
 				errs[i] = fmt.Errorf("part %d: %w", i, err)
 				cancel()
-				return
+			case out[i].ChunkTableSHA256 != "" && out[i].ChunkTableSHA256 != sum:
+				// Sent live already: the stream must hold what the seal
+				// promised.
+				errs[i] = fmt.Errorf("part %d: its chunk table's digest was %s sent live and %s stored: the source changed while it was published", i, out[i].ChunkTableSHA256, sum)
+				cancel()
+			default:
+				out[i].ChunkTableSHA256 = sum
 			}
-			out[i].ChunkTableSHA256 = sum
 		})
 	}
 	wg.Wait()
@@ -664,6 +694,94 @@ func (p *Publisher) sendParts(ctx context.Context, log *zap.Logger, version uint
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// sendLive sends the parts of version m (protocol 4) live, all at once,
+// fills in m's parts' chunk table digests and writes the seal: m as its
+// manifest will be, stamped now. Workers that received every chunk commit
+// on it. A live pass that fails (but for ctx) is logged and leaves the
+// version unsealed: the stored pass that follows is then all there is,
+// and workers wait for the manifest.
+func (p *Publisher) sendLive(ctx context.Context, log *zap.Logger, kv jetstream.KeyValue, m Manifest, parts []*partSource) error {
+	start := time.Now()
+	sums := make([]string, len(parts))
+	errs := make([]error, len(parts))
+	var wg sync.WaitGroup
+	for i, ps := range parts {
+		wg.Go(func() {
+			sums[i], errs[i] = p.sendPartLive(ctx, i, m.Version, ps, ps.size)
+			if errs[i] != nil {
+				errs[i] = fmt.Errorf("part %d: %w", i, errs[i])
+			}
+		})
+	}
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := errors.Join(errs...); err != nil {
+		log.Warn("refit: live pass failed; the version goes to the streams unsealed", zap.Error(err))
+		return nil
+	}
+	for i, sum := range sums {
+		m.Parts[i].ChunkTableSHA256 = sum // m.Parts is the caller's: the stored pass checks against them
+	}
+	seal := m
+	seal.Parts = slices.Clone(m.Parts)
+	seal.ChunkTableSHA256, seal.PublishedAt = sums[0], time.Now().UTC()
+	if err := p.put(ctx, kv, KeySealed, seal); err != nil {
+		return err
+	}
+	var bytes int64
+	for _, pt := range m.Parts {
+		bytes += pt.TotalBytes
+	}
+	log.Info("refit: sealed", zap.Duration("live_pass", time.Since(start)),
+		zap.Float64("mib_per_s", float64(bytes)/(1<<20)/max(time.Since(start).Seconds(), 1e-9)))
+	return nil
+}
+
+// sendPartLive publishes part of a live-first version over core NATS on
+// its live subject, every chunk once, in order, and returns the digest of
+// its chunk table once the server has them all (a flush). Nothing is
+// acknowledged or resent: a worker that misses a chunk reads the rest of
+// the part from its stream once the stored pass has put it there.
+func (p *Publisher) sendPartLive(ctx context.Context, part int, version uint64, src io.ReaderAt, size int64) (string, error) {
+	pc := p.conns[part]
+	subject := LiveSubject(p.cfg.Model, version, part)
+	chunkBytes := int64(p.cfg.ChunkBytes)
+	nChunks := int((size + chunkBytes - 1) / chunkBytes)
+	var buf []byte
+	if k := len(pc.free); k > 0 && int64(cap(pc.free[k-1])) >= chunkBytes {
+		buf = pc.free[k-1][:chunkBytes] // back to the pool as it is: it is never taken from it
+	} else {
+		buf = make([]byte, chunkBytes)
+		defer func() { pc.free = append(pc.free, buf) }()
+	}
+	table := NewChunkTable()
+	for seq := range nChunks {
+		if err := ctx.Err(); err != nil {
+			return "", err
+		}
+		off := int64(seq) * chunkBytes
+		b := buf[:min(chunkBytes, size-off)]
+		if err := readFull(src, b, off); err != nil {
+			return "", fmt.Errorf("read chunk %d: %w", seq, err)
+		}
+		crc := CRC32C(b)
+		h := Chunk{Protocol: ProtocolLive, Version: version, Seq: seq, Offset: off, Total: size, Chunks: nChunks, CRC: crc}.Header()
+		// The client copies b into its buffer before it returns.
+		if err := pc.nc.PublishMsg(&nats.Msg{Subject: subject, Header: h, Data: b}); err != nil {
+			return "", fmt.Errorf("chunk %d of %d: %w", seq, nChunks, err)
+		}
+		table.Add(off, len(b), crc)
+	}
+	fctx, cancel := context.WithTimeout(ctx, p.cfg.PublishTimeout)
+	defer cancel()
+	if err := pc.nc.FlushWithContext(fctx); err != nil {
+		return "", fmt.Errorf("flush: %w", err)
+	}
+	return table.Sum(), nil
 }
 
 // partJS is the JetStream of part i's connection: its server's, with
@@ -680,7 +798,7 @@ func (p *Publisher) partJS(i int) jetstream.JetStream {
 func (p *Publisher) ensurePartStream(ctx context.Context, i int) (jetstream.Stream, error) {
 	js := p.partJS(i)
 	want := p.streamConfig()
-	want.Name, want.Subjects = PartStreamName(p.cfg.Model, i), []string{PartStreamSubjects(p.cfg.Model, i)}
+	want.Name, want.Subjects = PartStreamName(p.cfg.Model, i), []string{PartStreamSubjects(p.cfg.Model, i), PartStoredSubjects(p.cfg.Model, i)}
 	want.Description = fmt.Sprintf("refit versions of model %s, part %d (PROTOCOL.md)", p.cfg.Model, i)
 	var stream jetstream.Stream
 	err := p.retry(ctx, "look up stream "+want.Name, func(ctx context.Context) (err error) {
@@ -828,7 +946,7 @@ func (p *Publisher) streamConfig() jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name:        StreamName(model),
 		Description: "refit versions of model " + model + " (PROTOCOL.md)",
-		Subjects:    []string{StreamSubjects(model)},
+		Subjects:    []string{StreamSubjects(model), PartStoredSubjects(model, 0)},
 		Retention:   jetstream.LimitsPolicy,
 		Discard:     jetstream.DiscardOld,
 		Storage:     p.cfg.Storage,
@@ -977,7 +1095,7 @@ func (p *Publisher) nextVersion(ctx context.Context) (uint64, error) {
 		if err != nil {
 			return err
 		}
-		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(StreamSubjects(model)))
+		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(partSubjectsFilter(model, 0)))
 		if err != nil {
 			return err
 		}
@@ -1016,7 +1134,7 @@ func (p *Publisher) nextVersion(ctx context.Context) (uint64, error) {
 		}
 	}
 	for subj, n := range subjects {
-		if v, ok := versionOfSubject(model, subj); ok && n > 0 && v > highest {
+		if v, ok := versionOfStoredSubject(model, 0, subj); ok && n > 0 && v > highest {
 			highest = v
 		}
 	}
@@ -1067,7 +1185,7 @@ func (p *Publisher) previousSigned(ctx context.Context, kv jetstream.KeyValue) (
 func (p *Publisher) subjects(ctx context.Context, stream jetstream.Stream, part int) (map[string]uint64, error) {
 	var subjects map[string]uint64
 	err := p.retry(ctx, "list the stream's subjects", func(ctx context.Context) error {
-		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(PartStreamSubjects(p.cfg.Model, part)))
+		info, err := stream.Info(ctx, jetstream.WithSubjectFilter(partSubjectsFilter(p.cfg.Model, part)))
 		if err != nil {
 			return err
 		}
@@ -1096,12 +1214,10 @@ func (p *Publisher) purgeOld(ctx context.Context, stream jetstream.Stream, part 
 	if err != nil {
 		return err
 	}
-	prefix := PartSubject(p.cfg.Model, 0, part)
-	prefix = prefix[:len(prefix)-1]
 	var old []string
 	for subj := range subjects {
-		v, err := strconv.ParseUint(strings.TrimPrefix(subj, prefix), 10, 64)
-		if err == nil && v < version && v != prev {
+		v, ok := versionOfStoredSubject(p.cfg.Model, part, subj)
+		if ok && v < version && v != prev {
 			old = append(old, subj)
 		}
 	}
@@ -1218,7 +1334,7 @@ func (p *Publisher) sendChunks(ctx context.Context, log *zap.Logger, version uin
 func (p *Publisher) sendPart(ctx context.Context, log *zap.Logger, proto, part int, version uint64, src io.ReaderAt, size int64) (tableSum, streamSum string, err error) {
 	model := p.cfg.Model
 	pc := p.conns[part]
-	subject := PartSubject(model, version, part)
+	subject := storedSubject(proto, model, version, part)
 	chunkBytes := int64(p.cfg.ChunkBytes)
 	nChunks := int((size + chunkBytes - 1) / chunkBytes)
 	chunkLen := func(seq int) int { return int(min(chunkBytes, size-int64(seq)*chunkBytes)) }

@@ -136,6 +136,9 @@ type Receiver struct {
 	partConns map[int]partStreamConn
 
 	received   atomic.Int64  // bytes of the version being received
+	// sealed is the newest live-first version whose seal the version
+	// watch has seen: its live pass is over (chunkFeed.nextLive).
+	sealed atomic.Uint64
 	reports    atomic.Int64  // statuses reported so far
 	chunkDelay time.Duration // tests: a slow worker
 	// liveHook, when set (by tests), sees every live chunk of the version
@@ -1437,6 +1440,15 @@ func (vw *versionWatch) note(ctx context.Context, e jetstream.KeyValueEntry) err
 			return nil
 		}
 		a = m.Announce
+	case KeySealed:
+		// Not complete in the stream yet, but enough to commit on once
+		// every chunk is in.
+		if m, err := r.parseManifest(e.Value()); err == nil && m.Version == vw.v && m.Protocol == ProtocolLive &&
+			r.authManifest(m) == nil && vw.manifest == nil {
+			vw.manifest = &m
+			r.sealed.Store(m.Version)
+		}
+		return nil
 	default:
 		return nil
 	}
@@ -1511,6 +1523,13 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw 
 		return true
 	}
 	for {
+		// A live-first version's seal, its manifest before its chunks are
+		// stored, will do as well.
+		if e, err := kv.Get(ctx, KeySealed); err == nil {
+			if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && m.Protocol == ProtocolLive && accepted(m) {
+				return m, nil
+			}
+		}
 		e, err := kv.Get(ctx, KeyManifest)
 		if err == nil {
 			m, perr := ParseManifest(e.Value())
@@ -1566,8 +1585,9 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw 
 			}
 			// The usual case: the manifest of this version, in hand (one
 			// round trip less at the end of every version).
-			if e.Key() == KeyManifest {
-				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && accepted(m) {
+			if e.Key() == KeyManifest || e.Key() == KeySealed {
+				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && accepted(m) &&
+					(e.Key() == KeyManifest || m.Protocol == ProtocolLive) {
 					return m, nil
 				}
 			}

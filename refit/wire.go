@@ -34,11 +34,25 @@ const Protocol1 = 1
 // "Parts"): what a publisher speaks for a version of more than one part.
 const ProtocolParts = 3
 
+// ProtocolLive is protocol 3 sent live first (PROTOCOL.md, "Live
+// first"): each part's chunks go out over core NATS on its live subject
+// (LiveSubject), which no stream stores, and the version is sealed (key
+// KeySealed) once they are all out, so that workers that received them
+// commit without waiting for the stream; then the publisher stores the
+// same chunks in the part's stream on its stored subject (StoredSubject)
+// and writes the manifest.
+const ProtocolLive = 4
+
 // MaxParts bounds the parts of a version.
 const MaxParts = 16
 
 // knownProtocol reports whether p is a protocol this package reads.
-func knownProtocol(p int) bool { return p == Protocol1 || p == ProtocolVersion || p == ProtocolParts }
+func knownProtocol(p int) bool {
+	return p == Protocol1 || p == ProtocolVersion || p == ProtocolParts || p == ProtocolLive
+}
+
+// inParts reports whether versions of protocol p come in parts.
+func inParts(p int) bool { return p == ProtocolParts || p == ProtocolLive }
 
 // NATS headers of a chunk.
 const (
@@ -99,6 +113,53 @@ func PartSubject(model string, v uint64, i int) string {
 	}
 	return "refit." + model + ".p" + strconv.Itoa(i) + ".v." + strconv.FormatUint(v, 10)
 }
+
+// Subjects of live-first versions (ProtocolLive). A part's chunks are
+// stored on its stored subject, refit.<model>.s.<N> for part 0 and
+// refit.<model>.p<i>.s.<N> for part i, which the part's stream also
+// captures (PartStoredSubjects) and no worker follows live; they go out
+// live first on the part's subject with ".live" appended, which no stream
+// captures and every worker's live subscription (PartLiveSubjects)
+// matches.
+func StoredSubject(model string, v uint64, i int) string {
+	if i == 0 {
+		return "refit." + model + ".s." + strconv.FormatUint(v, 10)
+	}
+	return "refit." + model + ".p" + strconv.Itoa(i) + ".s." + strconv.FormatUint(v, 10)
+}
+func PartStoredSubjects(model string, i int) string {
+	if i == 0 {
+		return "refit." + model + ".s.*"
+	}
+	return "refit." + model + ".p" + strconv.Itoa(i) + ".s.*"
+}
+func LiveSubject(model string, v uint64, i int) string { return PartSubject(model, v, i) + ".live" }
+
+// PartLiveSubjects is what a worker subscribes to for part i's live
+// chunks: the part's version subjects (chunks of protocols 1 to 3, live as
+// they are stored) and their live subjects (protocol 4).
+func PartLiveSubjects(model string, i int) string {
+	s := PartStreamSubjects(model, i)
+	return s[:len(s)-1] + ">"
+}
+
+// storedSubject is where a version of protocol proto stores part i.
+func storedSubject(proto int, model string, v uint64, i int) string {
+	if proto == ProtocolLive {
+		return StoredSubject(model, v, i)
+	}
+	return PartSubject(model, v, i)
+}
+
+// liveSubject is where the chunks of part i of a version of protocol
+// proto come live.
+func liveSubject(proto int, model string, v uint64, i int) string {
+	if proto == ProtocolLive {
+		return LiveSubject(model, v, i)
+	}
+	return PartSubject(model, v, i)
+}
+
 func PartMsgID(model string, v uint64, i, seq int) string {
 	if i == 0 {
 		return MsgID(model, v, seq)
@@ -110,6 +171,9 @@ func PartMsgID(model string, v uint64, i, seq int) string {
 const (
 	KeyAnnounce = "announce"
 	KeyManifest = "manifest"
+	// KeySealed holds the manifest of a live-first version once its chunks
+	// are all out live, before they are stored (ProtocolLive).
+	KeySealed = "sealed"
 )
 
 var crcTable = crc32.MakeTable(crc32.Castagnoli)
@@ -160,8 +224,10 @@ func ParseChunk(h nats.Header, payloadLen int) (Chunk, error) {
 		c.Protocol = ProtocolVersion
 	case "3":
 		c.Protocol = ProtocolParts
+	case "4":
+		c.Protocol = ProtocolLive
 	default:
-		return bad("protocol %q, want %d, %d or %d", p, Protocol1, ProtocolVersion, ProtocolParts)
+		return bad("protocol %q, want %d to %d", p, Protocol1, ProtocolLive)
 	}
 	if c.Version, err = strconv.ParseUint(h.Get(HeaderVersion), 10, 64); err != nil || c.Version == 0 {
 		return bad("version %q", h.Get(HeaderVersion))
@@ -298,7 +364,7 @@ func (m Manifest) Digest() string {
 func (a Announce) check(what string) error {
 	switch {
 	case !knownProtocol(a.Protocol):
-		return fmt.Errorf("%w: %s: protocol %d, want %d or %d", ErrProtocol, what, a.Protocol, Protocol1, ProtocolVersion)
+		return fmt.Errorf("%w: %s: protocol %d, want %d to %d", ErrProtocol, what, a.Protocol, Protocol1, ProtocolLive)
 	case !ValidModelID(a.Model):
 		return fmt.Errorf("%w: %s: model %q", ErrProtocol, what, a.Model)
 	case a.Version == 0:
@@ -307,8 +373,8 @@ func (a Announce) check(what string) error {
 		return fmt.Errorf("%w: %s: partial version %d on base %d", ErrProtocol, what, a.Version, a.Base)
 	case a.Full && a.Base != 0:
 		return fmt.Errorf("%w: %s: base %d in a full version: want 0 (or no base)", ErrProtocol, what, a.Base)
-	case a.Subject != VersionSubject(a.Model, a.Version):
-		return fmt.Errorf("%w: %s: subject %q, want %q", ErrProtocol, what, a.Subject, VersionSubject(a.Model, a.Version))
+	case a.Subject != storedSubject(a.Protocol, a.Model, a.Version, 0):
+		return fmt.Errorf("%w: %s: subject %q, want %q", ErrProtocol, what, a.Subject, storedSubject(a.Protocol, a.Model, a.Version, 0))
 	case a.TotalBytes <= 8 || a.TotalBytes > MaxStreamBytes:
 		return fmt.Errorf("%w: %s: total bytes %d", ErrProtocol, what, a.TotalBytes)
 	case a.ChunkBytes <= 0 || a.ChunkBytes > MaxChunkBytes:
@@ -317,16 +383,16 @@ func (a Announce) check(what string) error {
 		return fmt.Errorf("%w: %s: %d chunks of %d bytes for %d bytes", ErrProtocol, what, a.Chunks, a.ChunkBytes, a.TotalBytes)
 	case a.HeaderSHA256 != "" && !isSHA256Hex(a.HeaderSHA256):
 		return fmt.Errorf("%w: %s: header_sha256 %q: want 64 lowercase hex digits", ErrProtocol, what, a.HeaderSHA256)
-	case a.Protocol != ProtocolParts && a.Parts != nil:
-		return fmt.Errorf("%w: %s: protocol %d with parts: parts are protocol %d", ErrProtocol, what, a.Protocol, ProtocolParts)
-	case a.Protocol == ProtocolParts && (len(a.Parts) < 2 || len(a.Parts) > MaxParts):
+	case !inParts(a.Protocol) && a.Parts != nil:
+		return fmt.Errorf("%w: %s: protocol %d with parts: parts are protocol %d or %d", ErrProtocol, what, a.Protocol, ProtocolParts, ProtocolLive)
+	case inParts(a.Protocol) && (len(a.Parts) < 2 || len(a.Parts) > MaxParts):
 		return fmt.Errorf("%w: %s: protocol %d with %d parts: want 2 to %d", ErrProtocol, what, a.Protocol, len(a.Parts), MaxParts)
 	}
 	var sum int64
 	for i, pt := range a.Parts {
 		switch {
-		case pt.Subject != PartSubject(a.Model, a.Version, i):
-			return fmt.Errorf("%w: %s: part %d: subject %q, want %q", ErrProtocol, what, i, pt.Subject, PartSubject(a.Model, a.Version, i))
+		case pt.Subject != storedSubject(a.Protocol, a.Model, a.Version, i):
+			return fmt.Errorf("%w: %s: part %d: subject %q, want %q", ErrProtocol, what, i, pt.Subject, storedSubject(a.Protocol, a.Model, a.Version, i))
 		case pt.TotalBytes <= 8 || pt.TotalBytes > MaxStreamBytes:
 			return fmt.Errorf("%w: %s: part %d: total bytes %d", ErrProtocol, what, i, pt.TotalBytes)
 		case int64(pt.Chunks) != (pt.TotalBytes+int64(a.ChunkBytes)-1)/int64(a.ChunkBytes):
@@ -427,7 +493,7 @@ func ParseManifest(b []byte) (Manifest, error) {
 	if m.StreamSHA256 != "" && !isSHA256Hex(m.StreamSHA256) {
 		return m, fmt.Errorf("%w: manifest: stream_sha256 %q: want 64 lowercase hex digits", ErrProtocol, m.StreamSHA256)
 	}
-	if m.Protocol == ProtocolParts && m.StreamSHA256 != "" {
+	if inParts(m.Protocol) && m.StreamSHA256 != "" {
 		return m, fmt.Errorf("%w: manifest: protocol %d carries stream_sha256: parts are not signed", ErrProtocol, m.Protocol)
 	}
 	for i, pt := range m.Parts {
@@ -514,7 +580,7 @@ func ParseStatus(b []byte) (Status, error) {
 	}
 	switch {
 	case !knownProtocol(s.Protocol):
-		return s, fmt.Errorf("%w: status: protocol %d, want %d or %d", ErrProtocol, s.Protocol, Protocol1, ProtocolVersion)
+		return s, fmt.Errorf("%w: status: protocol %d, want %d to %d", ErrProtocol, s.Protocol, Protocol1, ProtocolLive)
 	case s.State != StateApplied && s.State != StateRejected && s.State != StateNeedsFull:
 		return s, fmt.Errorf("%w: status: state %q", ErrProtocol, s.State)
 	case s.Worker == "" || s.Version == 0:

@@ -86,7 +86,7 @@ func TestParseChunkRejects(t *testing.T) {
 		want             string
 	}{
 		{"no protocol", HeaderProtocol, "<none>", 4000, "protocol"},
-		{"protocol 4", HeaderProtocol, "4", 4000, "protocol"},
+		{"protocol 5", HeaderProtocol, "5", 4000, "protocol"},
 		{"protocol 02", HeaderProtocol, "02", 4000, "protocol"},
 		{"no version", HeaderVersion, "<none>", 4000, "version"},
 		{"version 0", HeaderVersion, "0", 4000, "version"},
@@ -137,7 +137,7 @@ func TestParseAnnounceRejects(t *testing.T) {
 	tests := []struct{ name, from, to, want string }{
 		{"not json", `{"protocol"`, `{"protocol"x`, "announce"},
 		{"protocol 0", `"protocol":2`, `"protocol":0`, "protocol 0"},
-		{"protocol 4", `"protocol":2`, `"protocol":4`, "protocol 4"},
+		{"protocol 5", `"protocol":2`, `"protocol":5`, "protocol 5"},
 		{"bad model", `"model":"m-1"`, `"model":"m.1"`, "model"},
 		{"version 0", `"version":7`, `"version":0`, "version 0"},
 		{"negative version", `"version":7`, `"version":-7`, "announce"},
@@ -192,7 +192,7 @@ func TestParseManifestRejects(t *testing.T) {
 		{"protocol 1 with both", wtManifest1, `"sha256"`, `"chunk_table_sha256":"` + wtSHA + `","sha256"`, "protocol 1 carries chunk_table_sha256"},
 		{"bad time", wtManifest, `2026-12-02T16:00:00Z`, `yesterday`, "manifest"},
 		{"announce fields", wtManifest, `"chunks":3`, `"chunks":4`, "manifest"},
-		{"protocol", wtManifest, `"protocol":2`, `"protocol":4`, "protocol 4"},
+		{"protocol", wtManifest, `"protocol":2`, `"protocol":5`, "protocol 5"},
 	}
 	m, err := ParseManifest([]byte(wtManifest))
 	if err != nil {
@@ -259,7 +259,7 @@ func TestParseStatusRejects(t *testing.T) {
 	}
 	tests := []struct{ name, from, to, want string }{
 		{"not json", `}]}`, `}]`, "status"},
-		{"protocol", `"protocol":1`, `"protocol":4`, "protocol 4"},
+		{"protocol", `"protocol":1`, `"protocol":5`, "protocol 5"},
 		{"state", `"applied"`, `"done"`, "state"},
 		{"empty state", `"applied"`, `""`, "state"},
 		{"layers not a list", `"layers":[`, `"layers":{"x":`, "status"},

@@ -324,6 +324,7 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	profile := fs.Int("profile-seconds", 0, "transfer: write a CPU profile of the worker over this many seconds from the first version's start into --logs (0: none)")
 	logDir := fs.String("logs", "", "transfer: keep the worker's and publishers' output in this `directory`")
 	inProcess := fs.Bool("servers-in-process", false, "transfer: run the --servers servers embedded in this process, not as processes of their own")
+	liveFirst := fs.Bool("live-first", false, "transfer: publish versions of parts live first (publish --live-first)")
 	profilePub := fs.Bool("profile-publishers", false, "transfer: write a CPU profile of each publish process into --logs (publish --cpu-profile)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -332,7 +333,7 @@ func runBenchRefit(ctx context.Context, args []string, stdout, stderr io.Writer)
 	case "requantize":
 	case "transfer":
 		c := transferConfig{preset: *preset, layers: *layers, device: *device, recipe: *recipe, natsURL: *natsURL,
-			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts, servers: *servers, liveParts: *liveParts, profileSeconds: *profile, profilePublishers: *profilePub, serversInProcess: *inProcess}
+			storage: *storage, streamMax: *streamMax, coreBytes: *coreBytes, timeout: *timeout, seed: *seed, logDir: *logDir, parts: *parts, servers: *servers, liveParts: *liveParts, profileSeconds: *profile, profilePublishers: *profilePub, serversInProcess: *inProcess, liveFirst: *liveFirst}
 		if c.liveParts < 0 {
 			c.liveParts = max(c.parts, 1)
 		}

@@ -34,7 +34,7 @@ type transferConfig struct {
 	deltas                                            []float64
 	streamMax, coreBytes                              int64
 	timeout                                           time.Duration
-	profilePublishers, serversInProcess               bool
+	profilePublishers, serversInProcess, liveFirst    bool
 }
 
 // transferResult is one version of the run.
@@ -547,6 +547,9 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 		args = append(args, "--stream-max-bytes", strconv.FormatInt(c.streamMax, 10))
 	}
 	args = append(args, "--parts", strconv.Itoa(max(c.parts, 1)))
+	if c.liveFirst {
+		args = append(args, "--live-first")
+	}
 	if len(c.partServers) > 0 {
 		args = append(args, "--part-servers", strings.Join(c.partServers, ","))
 	}

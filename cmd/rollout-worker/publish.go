@@ -96,6 +96,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	parts := partsFlag{auto: true}
 	fs.Var(&parts, "parts", "split the version into this many parts, published at once over a NATS connection each (refit/PROTOCOL.md, \"Parts\"; workers follow up to serve --refit-live-parts of them live from the start); auto: one a 2 GiB of the version, at most one a four cores, at least one a server, at most 16 (refit.AutoParts)")
 	partServers := fs.String("part-servers", "", "comma-separated NATS server `URLs` that carry parts 1 and on (part i on the ((i-1) mod n)th; part 0 and the announcements stay on --nats-url), so that a version's bytes cross several servers; workers need the same list (serve --refit-part-servers)")
+	liveFirst := fs.Bool("live-first", false, "send a version of parts live first (refit/PROTOCOL.md, \"Live first\"; protocol 4): every part over core NATS, then the seal on which workers that received it all commit, then the same chunks into the streams and the manifest; workers must follow every part live from their start (serve --refit-live-parts at least --parts)")
 	streamMax := fs.Int64("stream-max-bytes", 0, "cap the stream at this many bytes, the oldest chunks dropped first (0: keep the newest two versions whole)")
 	cpuProfile := fs.String("cpu-profile", "", "write a CPU profile of the whole command (Go's pprof format) to this `file`")
 	verbose := fs.Bool("v", false, "log progress (retries and warnings are always logged)")
@@ -128,6 +129,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--part-servers with --sign-key: signed versions come in one part")
 	case *partServers != "" && !parts.auto && parts.n < 2:
 		return usageErrorf("--part-servers with --parts %d: the part servers carry parts 1 and on", parts.n)
+	case *liveFirst && *signKey != "":
+		return usageErrorf("--live-first with --sign-key: signed versions come in one part")
 	case *streamMax != 0 && *streamMax < *inflight:
 		return usageErrorf("--stream-max-bytes %d: want 0 or at least --max-inflight-bytes (%d)", *streamMax, *inflight)
 	case baseVersion.next:
@@ -136,7 +139,7 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--base-version needs --base")
 	}
 	cfg := refit.PublisherConfig{Model: *model, MaxInflightBytes: *inflight, ChunkBytes: *chunkBytes, MaxStreamBytes: *streamMax, Parts: parts.n,
-		PartServers: splitList(*partServers)}
+		PartServers: splitList(*partServers), LiveFirst: *liveFirst}
 	switch *storage {
 	case "file":
 		cfg.Storage = jetstream.FileStorage
