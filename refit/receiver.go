@@ -135,10 +135,10 @@ type Receiver struct {
 	partMu    sync.Mutex
 	partConns map[int]partStreamConn
 
-	received   atomic.Int64  // bytes of the version being received
+	received atomic.Int64 // bytes of the version being received
 	// sealed is the newest live-first version whose seal the version
 	// watch has seen: its live pass is over (chunkFeed.nextLive).
-	sealed atomic.Uint64
+	sealed     atomic.Uint64
 	reports    atomic.Int64  // statuses reported so far
 	chunkDelay time.Duration // tests: a slow worker
 	// liveHook, when set (by tests), sees every live chunk of the version
