@@ -1,9 +1,11 @@
 package refit
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
@@ -224,6 +226,28 @@ type chunkFeed struct {
 	fromNet int // chunks taken live
 	// lastLive is when the feed started or last read a live message.
 	lastLive time.Time
+	// unreported is the live bytes taken since the last progress report.
+	unreported int
+}
+
+// report tells the publisher of a live-first version how far the part got
+// live (flowGate), every FlowReportBytes and at its last chunk. A report
+// that cannot be sent only leaves the live pass unpaced by this worker.
+func (f *chunkFeed) report(c Chunk, n int) {
+	if f.a.Protocol != ProtocolLive || f.r.reportBytes < 0 {
+		return
+	}
+	if f.unreported += n; f.unreported < cmp.Or(f.r.reportBytes, FlowReportBytes) && c.Seq != c.Chunks-1 {
+		return
+	}
+	f.unreported = 0
+	b, err := json.Marshal(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Next: c.Seq + 1})
+	if err == nil {
+		err = f.live.nc.Publish(FlowSubject(f.r.cfg.Model), b)
+	}
+	if err != nil {
+		f.log.Debug("refit: progress report not sent", zap.Error(err))
+	}
 }
 
 // newFeed prepares the feed of part of version a (a's subject, bytes and
@@ -288,6 +312,7 @@ func (f *chunkFeed) next(ctx context.Context, want expect) (feedChunk, error) {
 		}
 		if why == "" {
 			f.fromNet++
+			f.report(c, len(data))
 			return feedChunk{Chunk: c, data: data}, nil
 		}
 		f.log.Info("refit: fetching the rest of the version from the stream", zap.Int("from_chunk", want.seq),

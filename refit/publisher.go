@@ -96,6 +96,13 @@ type PublisherConfig struct {
 	// what the servers store. Publish still returns once the manifest is
 	// written. Versions of one part are not affected.
 	LiveFirst bool
+	// FlowWindow is how far, in bytes, a part's live pass may run ahead of
+	// the slowest worker reporting its progress on it (default
+	// DefaultFlowWindow; at least one chunk); FlowTimeout how long such a
+	// worker may stand still before the pass goes on without it (default
+	// DefaultFlowTimeout). LiveFirst only.
+	FlowWindow  int64
+	FlowTimeout time.Duration
 	// PublishTimeout bounds the wait for one acknowledgement and one
 	// JetStream API call (default DefaultPublishTimeout); after it the
 	// operation is retried.
@@ -129,8 +136,11 @@ type Publisher struct {
 	// status other than applied"): a partial version is refused while a
 	// worker's status on the previous version was not applied.
 	statusSub *nats.Subscription
-	statusMu  sync.Mutex
-	outcomes  map[uint64]map[string]Status
+	// flow paces live passes by the workers' progress reports (flowSub).
+	flow     *flowGate
+	flowSub  *nats.Subscription
+	statusMu sync.Mutex
+	outcomes map[uint64]map[string]Status
 
 	// onInflight, when set (by tests), sees the unacknowledged chunk bytes
 	// after every chunk is published.
@@ -205,6 +215,14 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 		cfg.PublishTimeout = DefaultPublishTimeout
 	}
 	switch {
+	case cfg.FlowWindow < 0 || cfg.FlowWindow > 0 && cfg.FlowWindow < int64(cfg.ChunkBytes):
+		return fail("flow window %d: want 0 (the default) or at least one chunk of %d bytes", cfg.FlowWindow, cfg.ChunkBytes)
+	case cfg.FlowTimeout < 0:
+		return fail("flow timeout %v", cfg.FlowTimeout)
+	}
+	cfg.FlowWindow = cmp.Or(cfg.FlowWindow, DefaultFlowWindow)
+	cfg.FlowTimeout = cmp.Or(cfg.FlowTimeout, DefaultFlowTimeout)
+	switch {
 	case cfg.Parts < 0 || cfg.Parts > MaxParts:
 		return fail("parts %d: want 0 to %d", cfg.Parts, MaxParts)
 	case cfg.Parts > 1 && cfg.Signer != nil:
@@ -249,6 +267,14 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 	if p.statusSub, err = nc.Subscribe(StatusSubject(cfg.Model), p.noteStatus); err != nil {
 		p.closeConns()
 		return fail("subscribe to %s: %v", StatusSubject(cfg.Model), err)
+	}
+	if cfg.LiveFirst {
+		p.flow = newFlowGate()
+		if p.flowSub, err = nc.Subscribe(FlowSubject(cfg.Model), p.flow.note); err != nil {
+			p.statusSub.Unsubscribe()
+			p.closeConns()
+			return fail("subscribe to %s: %v", FlowSubject(cfg.Model), err)
+		}
 	}
 	return p, nil
 }
@@ -302,8 +328,13 @@ func (p *Publisher) expectStatuses(version uint64) {
 // closing the connection does as much for the statuses.
 func (p *Publisher) Close() error {
 	p.closeConns()
-	if err := p.statusSub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrBadSubscription) && !errors.Is(err, nats.ErrConnectionClosed) {
-		return fmt.Errorf("refit: publisher of model %s: %w", p.cfg.Model, err)
+	for _, sub := range []*nats.Subscription{p.statusSub, p.flowSub} {
+		if sub == nil {
+			continue
+		}
+		if err := sub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrBadSubscription) && !errors.Is(err, nats.ErrConnectionClosed) {
+			return fmt.Errorf("refit: publisher of model %s: %w", p.cfg.Model, err)
+		}
 	}
 	return nil
 }
@@ -704,6 +735,7 @@ func (p *Publisher) sendParts(ctx context.Context, log *zap.Logger, proto int, v
 // and workers wait for the manifest.
 func (p *Publisher) sendLive(ctx context.Context, log *zap.Logger, kv jetstream.KeyValue, m Manifest, parts []*partSource) error {
 	start := time.Now()
+	p.flow.start(m.Version)
 	sums := make([]string, len(parts))
 	errs := make([]error, len(parts))
 	var wg sync.WaitGroup
@@ -722,6 +754,11 @@ func (p *Publisher) sendLive(ctx context.Context, log *zap.Logger, kv jetstream.
 	if err := errors.Join(errs...); err != nil {
 		log.Warn("refit: live pass failed; the version goes to the streams unsealed", zap.Error(err))
 		return nil
+	}
+	if left := p.flow.left(); len(left) > 0 {
+		slices.Sort(left)
+		log.Info("refit: the live pass went on without workers that stopped reporting (they read the rest from the streams)",
+			zap.Strings("worker_parts", left))
 	}
 	for i, sum := range sums {
 		m.Parts[i].ChunkTableSHA256 = sum // m.Parts is the caller's: the stored pass checks against them
@@ -759,8 +796,10 @@ func (p *Publisher) sendPartLive(ctx context.Context, part int, version uint64, 
 		defer func() { pc.free = append(pc.free, buf) }()
 	}
 	table := NewChunkTable()
+	window := int(max(p.cfg.FlowWindow/chunkBytes, 1))
+	first := time.Now()
 	for seq := range nChunks {
-		if err := ctx.Err(); err != nil {
+		if err := p.flow.wait(ctx, part, seq, window, p.cfg.FlowTimeout, first); err != nil {
 			return "", err
 		}
 		off := int64(seq) * chunkBytes

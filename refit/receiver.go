@@ -141,6 +141,9 @@ type Receiver struct {
 	sealed     atomic.Uint64
 	reports    atomic.Int64  // statuses reported so far
 	chunkDelay time.Duration // tests: a slow worker
+	// reportBytes, when set (by tests), replaces FlowReportBytes;
+	// negative: no reports.
+	reportBytes int
 	// liveHook, when set (by tests), sees every live chunk of the version
 	// being received before it is parsed and checked: it may change it (as
 	// the wire might) or drop it (as a slow or reconnecting worker misses
@@ -831,7 +834,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 		return fmt.Errorf("version %d: watch the bucket: %w", a.Version, err)
 	}
 	defer mw.Stop()
-	vw := &versionWatch{r: r, kv: kv, updates: mw.Updates(), v: a.Version}
+	vw := &versionWatch{r: r, kv: kv, updates: mw.Updates(), v: a.Version, sealable: a.Protocol == ProtocolLive}
 	r.received.Store(0)
 	parts := a.PartList()
 	res := make([]partRecv, len(parts))
@@ -1411,6 +1414,8 @@ type versionWatch struct {
 	// manifest when the watch delivered it (and it is accepted).
 	complete bool
 	manifest *Manifest
+	// sealable says v is live first: its seal does as its manifest.
+	sealable bool
 }
 
 // note handles an entry of the watch: it returns an error when v is
@@ -1525,9 +1530,11 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw 
 	for {
 		// A live-first version's seal, its manifest before its chunks are
 		// stored, will do as well.
-		if e, err := kv.Get(ctx, KeySealed); err == nil {
-			if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && m.Protocol == ProtocolLive && accepted(m) {
-				return m, nil
+		if vw.sealable {
+			if e, err := kv.Get(ctx, KeySealed); err == nil {
+				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && m.Protocol == ProtocolLive && accepted(m) {
+					return m, nil
+				}
 			}
 		}
 		e, err := kv.Get(ctx, KeyManifest)
@@ -1562,6 +1569,15 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw 
 				if old, ok := r.oldManifest(ctx, kv, v); ok {
 					return old, nil
 				}
+				// A newer version completed while this one has no manifest:
+				// this one's publisher stopped (the watch may not have
+				// delivered the newer announcement yet).
+				if err := vw.supersededBy(ctx, m.Version); err != nil {
+					return m, err
+				}
+				if vw.manifest != nil {
+					return *vw.manifest, nil
+				}
 				return m, fmt.Errorf("version %d: the manifest moved on to version %d without it", v, m.Version)
 			}
 		} else if !errors.Is(err, jetstream.ErrKeyNotFound) && ctx.Err() == nil {
@@ -1585,7 +1601,7 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw 
 			}
 			// The usual case: the manifest of this version, in hand (one
 			// round trip less at the end of every version).
-			if e.Key() == KeyManifest || e.Key() == KeySealed {
+			if e.Key() == KeyManifest || e.Key() == KeySealed && vw.sealable {
 				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && accepted(m) &&
 					(e.Key() == KeyManifest || m.Protocol == ProtocolLive) {
 					return m, nil

@@ -1,0 +1,172 @@
+package refit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// Flow control of a live-first version's live pass (PROTOCOL.md, "Live
+// first"). Core NATS does not slow a publisher for a subscriber that
+// reads its socket but falls behind in handling what it read: the client
+// queues, then drops, and a worker that drops a live chunk of a
+// live-first version waits for the stored pass. So workers report how far
+// they got, part by part, and the publisher keeps each part's live pass
+// within a window of the slowest worker that keeps reporting.
+
+// FlowSubject is the core-NATS subject of workers' live progress reports.
+func FlowSubject(model string) string { return "refit." + model + ".flow" }
+
+// FlowReportBytes is how many bytes of a part's live chunks a worker takes
+// between two progress reports (and it reports the part's last chunk).
+const FlowReportBytes = 8 << 20
+
+// DefaultFlowWindow is how far, in bytes, a part's live pass may run ahead
+// of the slowest worker reporting on it: well under a worker's live
+// pending limit (DefaultLivePendingBytes), so that what is in flight
+// never overflows it.
+const DefaultFlowWindow = 96 << 20
+
+// DefaultFlowTimeout is how long a worker's reports on a part may stand
+// still, while the live pass waits for it, before the pass goes on
+// without it (it then reads the rest from the stream), and how long a
+// live pass waits for the first report on a part before it goes on
+// unpaced (no worker follows it live).
+const DefaultFlowTimeout = time.Second
+
+// FlowReport is a worker's progress on a part of a live-first version:
+// Next is the next chunk it needs (every chunk before it taken).
+type FlowReport struct {
+	Worker  string `json:"worker"`
+	Version uint64 `json:"version"`
+	Part    int    `json:"part"`
+	Next    int    `json:"next"`
+}
+
+// flowKey is a worker's part.
+type flowKey struct {
+	worker string
+	part   int
+}
+
+// flowMark is where a worker's part stands, and since when.
+type flowMark struct {
+	next  int
+	since time.Time
+}
+
+// flowGate paces the live pass of the version in hand by the reports of
+// the workers on it. The status subscription's goroutine feeds it (note);
+// each part's sender asks it before each chunk (wait).
+type flowGate struct {
+	mu      sync.Mutex
+	version uint64
+	marks   map[flowKey]flowMark
+	dropped map[flowKey]bool // workers the pass went on without
+	changed chan struct{}    // closed, and replaced, at each report
+}
+
+func newFlowGate() *flowGate {
+	return &flowGate{marks: map[flowKey]flowMark{}, dropped: map[flowKey]bool{}, changed: make(chan struct{})}
+}
+
+// start forgets the reports of earlier versions.
+func (g *flowGate) start(version uint64) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.version = version
+	clear(g.marks)
+	clear(g.dropped)
+}
+
+// note records a report; it runs on the subscription's goroutine.
+func (g *flowGate) note(msg *nats.Msg) {
+	var r FlowReport
+	if err := json.Unmarshal(msg.Data, &r); err != nil || r.Worker == "" || r.Part < 0 || r.Part >= MaxParts {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	k := flowKey{r.Worker, r.Part}
+	if r.Version != g.version || g.dropped[k] {
+		return
+	}
+	if m, ok := g.marks[k]; !ok || r.Next > m.next {
+		g.marks[k] = flowMark{next: r.Next, since: time.Now()}
+		close(g.changed)
+		g.changed = make(chan struct{})
+	}
+}
+
+// wait returns once chunk seq of part may go out: no worker reporting on
+// the part is more than window chunks behind it, but those that did not
+// advance for timeout while it waited, which the pass leaves behind.
+// Before any report on the part it lets the first window out, then waits
+// up to timeout (from first, the pass's start) for one.
+func (g *flowGate) wait(ctx context.Context, part, seq, window int, timeout time.Duration, first time.Time) error {
+	began := time.Now()
+	for {
+		g.mu.Lock()
+		now := time.Now()
+		behind, any := false, false
+		var soonest time.Time
+		for k, m := range g.marks {
+			if k.part != part {
+				continue
+			}
+			any = true
+			if seq-m.next < window {
+				continue
+			}
+			since := m.since
+			if since.Before(began) {
+				since = began
+			}
+			if now.Sub(since) >= timeout {
+				delete(g.marks, k)
+				g.dropped[k] = true
+				continue
+			}
+			behind = true
+			if end := since.Add(timeout); soonest.IsZero() || end.Before(soonest) {
+				soonest = end
+			}
+		}
+		if !any && seq >= window {
+			// Nobody has reported on this part yet.
+			if end := first.Add(timeout); now.Before(end) {
+				behind, soonest = true, end
+			}
+		}
+		changed := g.changed
+		g.mu.Unlock()
+		if !behind {
+			return nil
+		}
+		t := time.NewTimer(time.Until(soonest))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-changed:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
+// left returns the workers the live pass went on without, as
+// "worker/part" strings.
+func (g *flowGate) left() []string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var out []string
+	for k := range g.dropped {
+		out = append(out, fmt.Sprintf("%s/%d", k.worker, k.part))
+	}
+	return out
+}

@@ -1,0 +1,139 @@
+package refit
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/rollout-worker/rollout-worker/moe"
+	"github.com/rollout-worker/rollout-worker/refit/refittest"
+)
+
+// TestFlowGate: a part's live pass lets out one window before any report,
+// then waits for one up to the timeout; it holds a window ahead of the
+// slowest worker reporting on the part, goes on without one whose reports
+// stand still for the timeout (and ignores it after), and ignores reports
+// on other versions and parts.
+func TestFlowGate(t *testing.T) {
+	const window, timeout = 4, 60 * time.Millisecond
+	report := func(g *flowGate, worker string, v uint64, part, next int) {
+		t.Helper()
+		b, err := json.Marshal(FlowReport{Worker: worker, Version: v, Part: part, Next: next})
+		if err != nil {
+			t.Fatal(err)
+		}
+		g.note(&nats.Msg{Data: b})
+	}
+	// waits reports how long wait took for chunk seq of part 0.
+	waits := func(g *flowGate, seq int, first time.Time) time.Duration {
+		t.Helper()
+		start := time.Now()
+		if err := g.wait(context.Background(), 0, seq, window, timeout, first); err != nil {
+			t.Fatal(err)
+		}
+		return time.Since(start)
+	}
+	quick, slow := func(d time.Duration) bool { return d < timeout/3 }, func(d time.Duration) bool { return d >= timeout*9/10 }
+
+	g := newFlowGate()
+	g.start(7)
+	now := time.Now()
+	if d := waits(g, window-1, now); !quick(d) {
+		t.Errorf("first window: waited %v", d)
+	}
+	if d := waits(g, window, now); !slow(d) {
+		t.Errorf("no report: waited %v, want the timeout", d)
+	}
+	// Unpaced from then on, until someone reports.
+	if d := waits(g, 100, now); !quick(d) {
+		t.Errorf("no report after the timeout: waited %v", d)
+	}
+
+	g.start(8)
+	report(g, "a", 8, 0, 10)
+	report(g, "b", 8, 0, 12)
+	report(g, "c", 8, 1, 0) // another part
+	report(g, "d", 7, 0, 0) // another version
+	if d := waits(g, 10+window-1, time.Now()); !quick(d) {
+		t.Errorf("within the window of the slowest: waited %v", d)
+	}
+	go func() {
+		time.Sleep(timeout / 2)
+		report(g, "a", 8, 0, 11)
+	}()
+	if d := waits(g, 10+window, time.Now()); quick(d) || slow(d) {
+		t.Errorf("a window ahead of a: waited %v, want until a's report", d)
+	}
+	// a stands still at 11: after the timeout the pass leaves it behind,
+	// b still paces it, and a's later reports are ignored.
+	if d := waits(g, 11+window, time.Now()); !slow(d) {
+		t.Errorf("a stalled: waited %v, want the timeout", d)
+	}
+	report(g, "a", 8, 0, 12)
+	if got := g.left(); !slices.Equal(got, []string{"a/0"}) {
+		t.Errorf("left behind %v, want [a/0]", got)
+	}
+	go func() {
+		time.Sleep(timeout / 2)
+		report(g, "b", 8, 0, 20)
+	}()
+	if d := waits(g, 12+window, time.Now()); quick(d) || slow(d) {
+		t.Errorf("b paces: waited %v, want until b's report", d)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := g.wait(ctx, 0, 20+window, window, time.Hour, time.Now()); err == nil {
+		t.Error("wait with a cancelled context returned nil")
+	}
+}
+
+// TestLiveFlowControl: a worker that takes live chunks slower than the
+// publisher sends them, with a pending limit a few chunks deep, still
+// takes every chunk live: the live pass waits for its reports. Without
+// them (a worker that does not report), the same worker falls behind, its
+// subscription drops chunks, and it reads the rest from the streams.
+func TestLiveFlowControl(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		reports bool
+	}{{"paced", true}, {"unpaced", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := refittest.StartServer(t)
+			const chunk = 4093
+			p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: chunk, Parts: 2,
+				LiveFirst: true, FlowWindow: 3 * chunk, FlowTimeout: 300 * time.Millisecond}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { p.Close() })
+			a := modelDir(t, 93)
+			w := startWorker(t, srv.URL(), a, "slow", moe.RecipePerToken, func(c *ReceiverConfig) {
+				c.LiveParts, c.LivePendingBytes = 2, 6*chunk
+			})
+			w.r.chunkDelay = 2 * time.Millisecond
+			w.r.reportBytes = 1 // every chunk
+			if !tc.reports {
+				w.r.reportBytes = -1
+			}
+			<-w.r.liveReady
+			b := perturbDir(t, a, 1, 0.3, nil)
+			stream := subset(t, b, nil)
+			if _, err := p.Publish(context.Background(), 1, bytes.NewReader(stream), int64(len(stream)), true); err != nil {
+				t.Fatal(err)
+			}
+			if st := w.waitStatus(t, 1); st.State != StateApplied {
+				t.Fatalf("%+v", st)
+			}
+			checkServes(t, tc.name, w, b, moe.RecipePerToken)
+			live, stored := w.r.liveChunks.Load(), w.r.storedChunks.Load()
+			if tc.reports && stored != 0 || !tc.reports && stored == 0 {
+				t.Errorf("%d chunks live, %d from the streams", live, stored)
+			}
+		})
+	}
+}
