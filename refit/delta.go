@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/bits"
+	"slices"
 	"sort"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
@@ -287,22 +288,31 @@ func appendDeltaRecord(dst, old, new []byte, pos []uint16) (out []byte, changed 
 	n := len(new) / 2
 	pos = appendChanged(pos[:0], old, new)
 	k := len(pos)
-	_, form := DeltaRecordSize(n, k)
-	dst = append(dst, byte(form), 0, 0, 0)
-	dst = binary.LittleEndian.AppendUint32(dst, uint32(k))
+	size, form := DeltaRecordSize(n, k)
+	at := len(dst)
+	dst = slices.Grow(dst, size)[:at+size]
+	rec := dst[at:]
+	le := binary.LittleEndian
+	rec[0], rec[1], rec[2], rec[3] = byte(form), 0, 0, 0
+	le.PutUint32(rec[4:], uint32(k))
+	vals := rec[deltaRecordHeader:]
 	if form == DeltaIndexList {
-		for _, e := range pos {
-			dst = binary.LittleEndian.AppendUint16(dst, e)
+		list := vals[:2*k]
+		for j, e := range pos {
+			le.PutUint16(list[2*j:], e)
 		}
+		vals = vals[2*k:]
 	} else {
-		at := len(dst)
-		dst = append(dst, make([]byte, bitmapBytes(n))...)
+		bm := vals[:bitmapBytes(n)]
+		clear(bm)
 		for _, e := range pos {
-			dst[at+int(e>>3)] |= 1 << (e & 7)
+			bm[e>>3] |= 1 << (e & 7)
 		}
+		vals = vals[len(bm):]
 	}
-	for _, e := range pos {
-		dst = append(dst, new[2*int(e)], new[2*int(e)+1])
+	vals = vals[:2*k]
+	for j, e := range pos {
+		le.PutUint16(vals[2*j:], le.Uint16(new[2*int(e):]))
 	}
 	return dst, k, pos
 }
@@ -343,12 +353,13 @@ func diff32(o, w []byte) (x0, x1, x2, x3 uint64) {
 	return le.Uint64(o) ^ le.Uint64(w), le.Uint64(o[8:]) ^ le.Uint64(w[8:]), le.Uint64(o[16:]) ^ le.Uint64(w[16:]), le.Uint64(o[24:]) ^ le.Uint64(w[24:])
 }
 
-// appendLanes appends i + l for each 16-bit lane l of x that is not zero.
+// appendLanes appends i + l for each 16-bit lane l of x that is not zero
+// (bit 15 of a lane of m is set exactly when the lane is not zero, as
+// countChanged finds it).
 func appendLanes(pos []uint16, i int, x uint64) []uint16 {
-	for x != 0 {
-		l := bits.TrailingZeros64(x) >> 4
-		pos = append(pos, uint16(i+l))
-		x &^= 0xffff << (16 * l)
+	const low, high = 0x7fff_7fff_7fff_7fff, 0x8000_8000_8000_8000
+	for m := (x&low + low | x) & high; m != 0; m &= m - 1 {
+		pos = append(pos, uint16(i+bits.TrailingZeros64(m)>>4))
 	}
 	return pos
 }
@@ -358,14 +369,12 @@ func appendLanes(pos []uint16, i int, x uint64) []uint16 {
 func countChanged(old, new []byte) int {
 	le := binary.LittleEndian
 	k, i := 0, 0
-	// A lane differs when any of its 16 bits does: fold each lane's bits
-	// into its low bit.
+	// A lane differs when any of its 16 bits does: adding 0x7fff to its
+	// low 15 bits carries into bit 15 exactly when one of them is set (and
+	// never into the next lane), and bit 15 itself is ORed in.
 	lanes := func(x uint64) int {
-		x |= x >> 8
-		x |= x >> 4
-		x |= x >> 2
-		x |= x >> 1
-		return bits.OnesCount64(x & 0x0001000100010001)
+		const low, high = 0x7fff_7fff_7fff_7fff, 0x8000_8000_8000_8000
+		return bits.OnesCount64((x&low + low | x) & high)
 	}
 	for ; i+32 <= len(new); i += 32 {
 		x0, x1, x2, x3 := diff32(old[i:i+32], new[i:i+32])
