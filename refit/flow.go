@@ -26,10 +26,13 @@ func FlowSubject(model string) string { return "refit." + model + ".flow" }
 const FlowReportBytes = 8 << 20
 
 // DefaultFlowWindow is how far, in bytes, a part's live pass may run ahead
-// of the slowest worker reporting on it: well under a worker's live
-// pending limit (DefaultLivePendingBytes), so that what is in flight
-// never overflows it.
-const DefaultFlowWindow = 96 << 20
+// of the slowest worker reporting on it. What is in flight may all wait in
+// one place: in the server, for a worker that does not read its socket
+// fast enough, where past the server's max_pending for a client (64 MiB
+// by default) the server cuts the worker off as a slow consumer, or in
+// the worker's client, past its live pending limit
+// (DefaultLivePendingBytes) dropped. So the window stays under both.
+const DefaultFlowWindow = 48 << 20
 
 // DefaultFlowTimeout is how long a worker's reports on a part may stand
 // still, while the live pass waits for it, before the pass goes on
