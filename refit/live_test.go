@@ -205,3 +205,73 @@ func subjectMatches(p, s string) bool {
 	}
 	return len(pt) == len(st)
 }
+
+// stopAfter is a source whose reads past limit bytes cancel a publish (its
+// publisher dies) and fail.
+type stopAfter struct {
+	src    *bytes.Reader
+	limit  int64
+	cancel context.CancelFunc
+}
+
+func (s *stopAfter) ReadAt(p []byte, off int64) (int, error) {
+	if off+int64(len(p)) > s.limit {
+		s.cancel()
+		return 0, context.Canceled
+	}
+	return s.src.ReadAt(p, off)
+}
+
+// TestLiveFirstDies: a live-first version whose publisher dies in its
+// live pass (no seal, nothing stored) gives way at once to the next version
+// a restarted publisher announces: the worker rejects it as superseded,
+// well within chunk_timeout, and applies the next one.
+func TestLiveFirstDies(t *testing.T) {
+	const chunkTimeout = 20 * time.Second
+	srv := refittest.StartServer(t)
+	a, b, c := modelDir(t, 94), modelDir(t, 95), modelDir(t, 96)
+	statuses := watchStatuses(t, srv.URL())
+	w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(cfg *ReceiverConfig) {
+		cfg.LiveParts, cfg.ChunkTimeout = 3, chunkTimeout
+	})
+	<-w.r.liveReady
+	cfg := PublisherConfig{Model: testModel, ChunkBytes: 4093, Parts: 3, LiveFirst: true}
+	dying, err := NewPublisher(refittest.Connect(t, srv.URL()), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dying.Close() })
+	stream := subset(t, b, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	src := &stopAfter{src: bytes.NewReader(stream), limit: int64(len(stream)) / 2, cancel: cancel}
+	if _, err := dying.Publish(ctx, 1, src, int64(len(stream)), true); err == nil {
+		t.Fatal("a publish whose source fails halfway succeeded")
+	}
+	for deadline := time.Now().Add(10 * time.Second); w.r.receivedBytes() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the worker received nothing of the dying version")
+		}
+	}
+
+	start := time.Now()
+	p, err := NewPublisher(refittest.Connect(t, srv.URL()), cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	next, err := p.NextVersion(context.Background())
+	if err != nil || next != 2 {
+		t.Fatalf("next version %d, %v; want 2", next, err)
+	}
+	publish(t, p, 2, subset(t, c, nil), true)
+	if st := statuses.wait(t, "w", 2); st.State != StateApplied {
+		t.Fatalf("version 2: %+v", st)
+	}
+	if took := time.Since(start); took > chunkTimeout/4 {
+		t.Fatalf("version 2 applied %v after it was published, chunk_timeout is %v", took, chunkTimeout)
+	}
+	if dead, _ := statuses.find("w", 1); dead.State != StateRejected || !strings.Contains(dead.Reason, "superseded by version 2") {
+		t.Fatalf("version 1: %+v, want rejected as superseded by version 2", dead)
+	}
+	residentEquals(t, "the version after a dead live-first one", w.m, c)
+}
