@@ -558,13 +558,7 @@ func versionOfLiveSubject(model string, part int, subject string) (uint64, bool)
 // versionOfPartSubject parses the version of a subject of part of model's
 // versions (PartSubject).
 func versionOfPartSubject(model string, part int, subject string) (uint64, bool) {
-	prefix := PartSubject(model, 0, part)
-	rest, ok := strings.CutPrefix(subject, prefix[:len(prefix)-1])
-	if !ok {
-		return 0, false
-	}
-	v, err := strconv.ParseUint(rest, 10, 64)
-	return v, err == nil
+	return versionAfter(PartSubject(model, 0, part), subject)
 }
 
 // versionOfStoredSubject parses the version of a subject that part's
@@ -574,8 +568,13 @@ func versionOfStoredSubject(model string, part int, subject string) (uint64, boo
 	if v, ok := versionOfPartSubject(model, part, subject); ok {
 		return v, true
 	}
-	prefix := StoredSubject(model, 0, part)
-	rest, ok := strings.CutPrefix(subject, prefix[:len(prefix)-1])
+	return versionAfter(StoredSubject(model, 0, part), subject)
+}
+
+// versionAfter parses the version of subject as a subject of the form of
+// zero, a subject of version 0 (its last token the version).
+func versionAfter(zero, subject string) (uint64, bool) {
+	rest, ok := strings.CutPrefix(subject, zero[:len(zero)-1])
 	if !ok {
 		return 0, false
 	}

@@ -131,6 +131,8 @@ func runPublish(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErrorf("--part-servers with --parts %d: the part servers carry parts 1 and on", parts.n)
 	case *liveFirst && *signKey != "":
 		return usageErrorf("--live-first with --sign-key: signed versions come in one part")
+	case *liveFirst && !parts.auto && parts.n < 2:
+		return usageErrorf("--live-first with --parts %d: versions in parts are sent live first, a version of one part is not", parts.n)
 	case *streamMax != 0 && *streamMax < *inflight:
 		return usageErrorf("--stream-max-bytes %d: want 0 or at least --max-inflight-bytes (%d)", *streamMax, *inflight)
 	case baseVersion.next:

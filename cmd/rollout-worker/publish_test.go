@@ -357,6 +357,8 @@ func TestPublishCommandErrors(t *testing.T) {
 			[]string{"--part-servers with --parts 1"}},
 		{"bad part server", []string{"--model-id", "m", "--version", "1", "--from", dir, "--only", "norm", "--part-servers", "nats://"}, 1,
 			[]string{"want a server URL"}},
+		{"live first, one part", []string{"--model-id", "m", "--version", "1", "--from", dir, "--parts", "1", "--live-first"}, 2,
+			[]string{"--live-first with --parts 1"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -701,5 +703,44 @@ func TestPublishCommandPartServers(t *testing.T) {
 		case !s.want && !errors.Is(err, jetstream.ErrStreamNotFound):
 			t.Errorf("%s on the main server: %v, want not found", name, err)
 		}
+	}
+}
+
+// TestPublishCommandLiveFirst: publish --live-first sends a version of
+// parts live first (protocol 4): sealed, then stored on the stored
+// subjects, the manifest last.
+func TestPublishCommandLiveFirst(t *testing.T) {
+	srv := refittest.StartServer(t)
+	dir, _ := pubtModel(t)
+	code, stdout, stderr := pubtRun(t, "publish", "--nats-url", srv.URL(), "--model-id", "tiny", "--version", "1",
+		"--from", filepath.Join(dir, "model.safetensors"), "--parts", "2", "--live-first")
+	if code != 0 {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	js, err := jetstream.New(refittest.Connect(t, srv.URL()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := js.KeyValue(context.Background(), refit.BucketName("tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{refit.KeySealed, refit.KeyManifest} {
+		e, err := kv.Get(context.Background(), key)
+		if err != nil {
+			t.Fatalf("%s: %v", key, err)
+		}
+		m, err := refit.ParseManifest(e.Value())
+		if err != nil || m.Protocol != refit.ProtocolLive || len(m.Parts) != 2 || m.Subject != refit.StoredSubject("tiny", 1, 0) {
+			t.Fatalf("%s: %+v, %v; want protocol %d in 2 parts on %s", key, m, err, refit.ProtocolLive, refit.StoredSubject("tiny", 1, 0))
+		}
+	}
+	st, err := js.Stream(context.Background(), refit.PartStreamName("tiny", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := st.Info(context.Background(), jetstream.WithSubjectFilter(refit.StoredSubject("tiny", 1, 1)))
+	if err != nil || info.State.Subjects[refit.StoredSubject("tiny", 1, 1)] == 0 {
+		t.Fatalf("part 1's stored subject: %+v, %v", info.State.Subjects, err)
 	}
 }
