@@ -45,6 +45,7 @@ type transferResult struct {
 	prepare      time.Duration // publish started -> announced (opening, the delta's sizing pass)
 	transfer     time.Duration // announced -> the worker's status (committed)
 	publisherRSS int64         // bytes, 0 if unknown
+	cores        string        // cores busy over the transfer: publisher/servers/worker (cores)
 }
 
 // runTransferBench publishes a synthetic full version and deltas to a
@@ -65,6 +66,7 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 		return fmt.Errorf("bench refit: %w", err)
 	}
 	url, where := c.natsURL, "server at "+redactURL(c.natsURL)
+	cpu := &cpuGroups{}
 	if url == "" {
 		// --servers 0: one server embedded here; N: N servers, processes of
 		// their own unless --servers-in-process.
@@ -77,6 +79,7 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 				}
 				defer srv.stop()
 				urls = append(urls, srv.url)
+				cpu.servers = append(cpu.servers, srv.cmd.Process.Pid)
 				continue
 			}
 			srv, err := natsembed.Start(natsembed.Config{})
@@ -85,6 +88,7 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			}
 			defer srv.Shutdown()
 			urls = append(urls, srv.URL())
+			cpu.servers = []int{os.Getpid()} // and this process's own small share
 		}
 		url, c.partServers = urls[0], urls[1:]
 		switch {
@@ -144,6 +148,7 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 	if err != nil {
 		return err
 	}
+	cpu.worker = worker.cmd.Process.Pid
 	defer func() {
 		if worker != nil {
 			worker.stop()
@@ -152,8 +157,8 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 
 	// Rows go out as versions complete: a run cut short keeps what it
 	// measured.
-	fmt.Fprintf(stdout, "\n%-8s %-10s %10s %9s %11s %7s %8s %9s %8s %10s %9s\n", "version", "kind", "stream MB", "prepare s",
-		"pub->commit s", "GB/s", "vs core", "commit ms", "copy ms", "requant ms", "pub RSS MiB")
+	fmt.Fprintf(stdout, "\n%-8s %-10s %10s %9s %11s %7s %8s %9s %8s %10s %11s %15s\n", "version", "kind", "stream MB", "prepare s",
+		"pub->commit s", "GB/s", "vs core", "commit ms", "copy ms", "requant ms", "pub RSS MiB", "cores p/s/w")
 	var results []transferResult
 	var steps []float64
 	prev := full
@@ -169,7 +174,7 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			prof = make(chan error, 1)
 			go func() { prof <- worker.profile(ctx, c.profileSeconds, filepath.Join(logDir, "worker-cpu.pprof")) }()
 		}
-		r, err := publishTimed(ctx, self, c, url, model, next, prev, i > 0, nc, logDir)
+		r, err := publishTimed(ctx, self, c, url, model, next, prev, i > 0, nc, logDir, cpu)
 		if prof != nil {
 			if perr := <-prof; perr != nil {
 				fmt.Fprintf(stdout, "(no worker profile: %v)\n", perr)
@@ -186,9 +191,9 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			return fmt.Errorf("bench refit: version %d (%s): worker answered %s: %s", r.version, kind, r.status.State, r.status.Reason)
 		}
 		rate := float64(r.status.Bytes) / r.transfer.Seconds()
-		fmt.Fprintf(stdout, "%-8d %-10s %10.3f %9.2f %11.3f %7.3f %8.2f %9.1f %8.1f %10.1f %9s\n", r.version, r.kind,
+		fmt.Fprintf(stdout, "%-8d %-10s %10.3f %9.2f %11.3f %7.3f %8.2f %9.1f %8.1f %10.1f %11s %15s\n", r.version, r.kind,
 			float64(r.status.Bytes)/1e6, r.prepare.Seconds(), r.transfer.Seconds(), rate/1e9, rate/coreRate,
-			r.status.PhasesMS["commit"], r.status.PhasesMS["copy"], r.status.PhasesMS["requantize"], mib(r.publisherRSS))
+			r.status.PhasesMS["commit"], r.status.PhasesMS["copy"], r.status.PhasesMS["requantize"], mib(r.publisherRSS), r.cores)
 		prev = next
 	}
 	workerRSS, werr := worker.stop()
@@ -506,17 +511,18 @@ func (w *benchWorker) stop() (int64, error) {
 // publishTimed runs `publish` for one version and times it by the
 // announcement and the worker's status, both seen on core NATS.
 func publishTimed(ctx context.Context, self string, c transferConfig, url, model string, next, base refit.SyntheticSpec,
-	delta bool, nc *nats.Conn, logDir string) (transferResult, error) {
+	delta bool, nc *nats.Conn, logDir string, cpu *cpuGroups) (transferResult, error) {
 	var res transferResult
 	type seen struct {
 		at   time.Time
 		data []byte
+		cpu  cpuSnap
 	}
-	announced := make(chan time.Time, 4)
+	announced := make(chan cpuSnap, 4)
 	statuses := make(chan seen, 16)
 	as, err := nc.Subscribe("$KV."+refit.BucketName(model)+".announce", func(*nats.Msg) {
 		select {
-		case announced <- time.Now():
+		case announced <- cpu.snap():
 		default:
 		}
 	})
@@ -526,7 +532,7 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	defer as.Unsubscribe()
 	ss, err := nc.Subscribe(refit.StatusSubject(model), func(m *nats.Msg) {
 		select {
-		case statuses <- seen{time.Now(), m.Data}:
+		case statuses <- seen{time.Now(), m.Data, cpu.snap()}:
 		default:
 		}
 	})
@@ -563,6 +569,7 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	start := time.Now()
 	runErr := cmd.Start()
 	if runErr == nil {
+		cpu.setPublisher(cmd.Process.Pid)
 		rss := watchRSS(cmd.Process.Pid)
 		runErr = cmd.Wait()
 		res.publisherRSS = rss.Stop()
@@ -573,9 +580,9 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 	if runErr != nil {
 		return res, fmt.Errorf("bench refit: publish %s: %w\n%s", next, runErr, out.String())
 	}
-	var at time.Time
+	var ann cpuSnap
 	select {
-	case at = <-announced:
+	case ann = <-announced:
 	default:
 		return res, errors.New("bench refit: the version's announcement was not seen")
 	}
@@ -590,7 +597,8 @@ func publishTimed(ctx context.Context, self string, c transferConfig, url, model
 				continue
 			}
 			res.status, res.version = st, st.Version
-			res.prepare, res.transfer = at.Sub(start), sn.at.Sub(at)
+			res.prepare, res.transfer = ann.at.Sub(start), sn.at.Sub(ann.at)
+			res.cores = cores(ann, sn.cpu)
 			return res, nil
 		case <-timeout:
 			return res, errors.New("bench refit: publish returned, but the worker's status was not seen")

@@ -5,6 +5,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
 	"regexp"
 	"strconv"
 	"strings"
@@ -28,7 +29,7 @@ func TestBenchRefitTransfer(t *testing.T) {
 		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", err, out.String(), errOut.String())
 	}
 	t.Logf("\n%s", out.String())
-	row := regexp.MustCompile(`(?m)^(\d+)\s+(full|delta 5%|delta 20%)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+(\d+|-)$`)
+	row := regexp.MustCompile(`(?m)^(\d+)\s+(full|delta 5%|delta 20%)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+(\d+|-)\s+([\d.]+/[\d.]+/[\d.]+|-)$`)
 	rows := row.FindAllStringSubmatch(out.String(), -1)
 	if len(rows) != 3 {
 		t.Fatalf("want rows for the full version and two deltas, got %d", len(rows))
@@ -44,6 +45,9 @@ func TestBenchRefitTransfer(t *testing.T) {
 		}
 		if r[9] == "-" {
 			t.Errorf("%s: no publisher RSS", r[2])
+		}
+		if _, ok := processCPU(os.Getpid()); ok && r[10] == "-" {
+			t.Errorf("%s: no cores busy, where process CPU times can be read", r[2])
 		}
 	}
 	full, _ := strconv.ParseFloat(rows[0][3], 64)

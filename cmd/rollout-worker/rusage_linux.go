@@ -64,3 +64,29 @@ func (w *rssWatch) Stop() int64 {
 	<-w.done
 	return w.peak.Load()
 }
+
+// processCPU returns the CPU time (user and system) process pid has used
+// so far, from /proc/PID/stat; false for a process that cannot be read.
+func processCPU(pid int) (time.Duration, bool) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, false
+	}
+	// The command name, in parentheses, may hold spaces: fields count from
+	// the last ')'. utime and stime are fields 14 and 15, in clock ticks
+	// (USER_HZ, 100 a second on Linux).
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, false
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 13 {
+		return 0, false
+	}
+	u, err1 := strconv.ParseInt(string(f[11]), 10, 64)
+	s, err2 := strconv.ParseInt(string(f[12]), 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, false
+	}
+	return time.Duration(u+s) * 10 * time.Millisecond, true
+}
