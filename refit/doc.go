@@ -6,7 +6,10 @@
 // BF16 expert stacks or into staging buffers, validates the version as a
 // whole, commits it at the engine's step boundary (staged copies, in-place
 // requantization of the touched experts, version bump) and reports per-layer
-// timings.
+// timings. A version may come in parts, over connections (and servers)
+// of their own, and a version in parts may go out live first: over core
+// NATS, paced by the workers' progress reports (flowGate), sealed, and
+// only then stored, so that workers commit at what core NATS carries.
 //
 // A Receiver's Run owns it; it needs a backend that implements
 // kernels.Stager (bytes written from its goroutine while the engine's loop
