@@ -353,12 +353,18 @@ func diff32(o, w []byte) (x0, x1, x2, x3 uint64) {
 	return le.Uint64(o) ^ le.Uint64(w), le.Uint64(o[8:]) ^ le.Uint64(w[8:]), le.Uint64(o[16:]) ^ le.Uint64(w[16:]), le.Uint64(o[24:]) ^ le.Uint64(w[24:])
 }
 
-// appendLanes appends i + l for each 16-bit lane l of x that is not zero
-// (bit 15 of a lane of m is set exactly when the lane is not zero, as
-// countChanged finds it).
-func appendLanes(pos []uint16, i int, x uint64) []uint16 {
+// changedLanes returns bit 15 of each 16-bit lane of x that is not zero:
+// adding 0x7fff to a lane's low 15 bits carries into bit 15 exactly when
+// one of them is set (and never into the next lane), and bit 15 itself is
+// ORed in.
+func changedLanes(x uint64) uint64 {
 	const low, high = 0x7fff_7fff_7fff_7fff, 0x8000_8000_8000_8000
-	for m := (x&low + low | x) & high; m != 0; m &= m - 1 {
+	return (x&low + low | x) & high
+}
+
+// appendLanes appends i + l for each 16-bit lane l of x that is not zero.
+func appendLanes(pos []uint16, i int, x uint64) []uint16 {
+	for m := changedLanes(x); m != 0; m &= m - 1 {
 		pos = append(pos, uint16(i+bits.TrailingZeros64(m)>>4))
 	}
 	return pos
@@ -369,13 +375,7 @@ func appendLanes(pos []uint16, i int, x uint64) []uint16 {
 func countChanged(old, new []byte) int {
 	le := binary.LittleEndian
 	k, i := 0, 0
-	// A lane differs when any of its 16 bits does: adding 0x7fff to its
-	// low 15 bits carries into bit 15 exactly when one of them is set (and
-	// never into the next lane), and bit 15 itself is ORed in.
-	lanes := func(x uint64) int {
-		const low, high = 0x7fff_7fff_7fff_7fff, 0x8000_8000_8000_8000
-		return bits.OnesCount64((x&low + low | x) & high)
-	}
+	lanes := func(x uint64) int { return bits.OnesCount64(changedLanes(x)) }
 	for ; i+32 <= len(new); i += 32 {
 		x0, x1, x2, x3 := diff32(old[i:i+32], new[i:i+32])
 		if x0|x1|x2|x3 == 0 {

@@ -558,7 +558,7 @@ func versionOfLiveSubject(model string, part int, subject string) (uint64, bool)
 // versionOfPartSubject parses the version of a subject of part of model's
 // versions (PartSubject).
 func versionOfPartSubject(model string, part int, subject string) (uint64, bool) {
-	return versionAfter(PartSubject(model, 0, part), subject)
+	return versionAfter(partPrefix(model, part)+"v.", subject)
 }
 
 // versionOfStoredSubject parses the version of a subject that part's
@@ -568,27 +568,17 @@ func versionOfStoredSubject(model string, part int, subject string) (uint64, boo
 	if v, ok := versionOfPartSubject(model, part, subject); ok {
 		return v, true
 	}
-	return versionAfter(StoredSubject(model, 0, part), subject)
+	return versionAfter(partPrefix(model, part)+"s.", subject)
 }
 
-// versionAfter parses the version of subject as a subject of the form of
-// zero, a subject of version 0 (its last token the version).
-func versionAfter(zero, subject string) (uint64, bool) {
-	rest, ok := strings.CutPrefix(subject, zero[:len(zero)-1])
+// versionAfter parses the version that follows prefix in subject.
+func versionAfter(prefix, subject string) (uint64, bool) {
+	rest, ok := strings.CutPrefix(subject, prefix)
 	if !ok {
 		return 0, false
 	}
 	v, err := strconv.ParseUint(rest, 10, 64)
 	return v, err == nil
-}
-
-// partSubjectsFilter matches every subject of part's stream: its version
-// subjects and its stored subjects.
-func partSubjectsFilter(model string, part int) string {
-	if part == 0 {
-		return "refit." + model + ".*.*"
-	}
-	return "refit." + model + ".p" + strconv.Itoa(part) + ".*.*"
 }
 
 // digester computes the SHA-256 of a protocol-1 version on its own

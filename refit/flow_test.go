@@ -61,11 +61,17 @@ func TestFlowGate(t *testing.T) {
 	if d := waits(g, 10+window-1, time.Now()); !quick(d) {
 		t.Errorf("within the window of the slowest: waited %v", d)
 	}
-	go func() {
-		time.Sleep(timeout / 2)
-		report(g, "a", 8, 0, 11)
-	}()
-	if d := waits(g, 10+window, time.Now()); quick(d) || slow(d) {
+	// waitsFor reports how long chunk seq waited while worker reports next
+	// half a timeout in.
+	waitsFor := func(seq int, worker string, next int) time.Duration {
+		t.Helper()
+		go func() {
+			time.Sleep(timeout / 2)
+			report(g, worker, 8, 0, next)
+		}()
+		return waits(g, seq, time.Now())
+	}
+	if d := waitsFor(10+window, "a", 11); quick(d) || slow(d) {
 		t.Errorf("a window ahead of a: waited %v, want until a's report", d)
 	}
 	// a stands still at 11: after the timeout the pass leaves it behind,
@@ -77,11 +83,7 @@ func TestFlowGate(t *testing.T) {
 	if got := g.left(); !slices.Equal(got, []string{"a/0"}) {
 		t.Errorf("left behind %v, want [a/0]", got)
 	}
-	go func() {
-		time.Sleep(timeout / 2)
-		report(g, "b", 8, 0, 20)
-	}()
-	if d := waits(g, 12+window, time.Now()); quick(d) || slow(d) {
+	if d := waitsFor(12+window, "b", 20); quick(d) || slow(d) {
 		t.Errorf("b paces: waited %v, want until b's report", d)
 	}
 

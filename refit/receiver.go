@@ -1448,8 +1448,7 @@ func (vw *versionWatch) note(ctx context.Context, e jetstream.KeyValueEntry) err
 	case KeySealed:
 		// Not complete in the stream yet, but enough to commit on once
 		// every chunk is in.
-		if m, err := r.parseManifest(e.Value()); err == nil && m.Version == vw.v && m.Protocol == ProtocolLive &&
-			r.authManifest(m) == nil && vw.manifest == nil {
+		if m, err := r.parseManifest(e.Value()); err == nil && vw.sealOf(m) && r.authManifest(m) == nil && vw.manifest == nil {
 			vw.manifest = &m
 			r.sealed.Store(m.Version)
 		}
@@ -1461,6 +1460,12 @@ func (vw *versionWatch) note(ctx context.Context, e jetstream.KeyValueEntry) err
 		return nil
 	}
 	return vw.supersededBy(ctx, a.Version)
+}
+
+// sealOf reports whether m, the bucket's seal, is v's and may stand for
+// its manifest: v is live first.
+func (vw *versionWatch) sealOf(m Manifest) bool {
+	return vw.sealable && m.Version == vw.v && m.Protocol == ProtocolLive
 }
 
 // supersededBy returns the error that ends v, newer having come, unless
@@ -1532,7 +1537,7 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw 
 		// stored, will do as well.
 		if vw.sealable {
 			if e, err := kv.Get(ctx, KeySealed); err == nil {
-				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && m.Protocol == ProtocolLive && accepted(m) {
+				if m, err := ParseManifest(e.Value()); err == nil && vw.sealOf(m) && accepted(m) {
 					return m, nil
 				}
 			}
@@ -1601,14 +1606,16 @@ func (r *Receiver) awaitManifest(ctx context.Context, kv jetstream.KeyValue, vw 
 			}
 			// The usual case: the manifest of this version, in hand (one
 			// round trip less at the end of every version).
-			if e.Key() == KeyManifest || e.Key() == KeySealed && vw.sealable {
-				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && accepted(m) &&
-					(e.Key() == KeyManifest || m.Protocol == ProtocolLive) {
+			if e.Key() == KeyManifest {
+				if m, err := ParseManifest(e.Value()); err == nil && m.Version == v && accepted(m) {
 					return m, nil
 				}
 			}
 			if err := vw.note(ctx, e); err != nil {
 				return Manifest{}, err
+			}
+			if vw.manifest != nil {
+				return *vw.manifest, nil // its seal (versionWatch.note)
 			}
 		case <-poll.C:
 		}

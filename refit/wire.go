@@ -101,17 +101,18 @@ func PartStreamName(model string, i int) string {
 	}
 	return StreamName(model) + "_P" + strconv.Itoa(i)
 }
-func PartStreamSubjects(model string, i int) string {
-	if i == 0 {
-		return StreamSubjects(model)
-	}
-	return "refit." + model + ".p" + strconv.Itoa(i) + ".v.*"
-}
+func PartStreamSubjects(model string, i int) string { return partPrefix(model, i) + "v.*" }
 func PartSubject(model string, v uint64, i int) string {
+	return partPrefix(model, i) + "v." + strconv.FormatUint(v, 10)
+}
+
+// partPrefix is what every subject of part i starts with: "refit.<model>."
+// for part 0, "refit.<model>.p<i>." for part i >= 1.
+func partPrefix(model string, i int) string {
 	if i == 0 {
-		return VersionSubject(model, v)
+		return "refit." + model + "."
 	}
-	return "refit." + model + ".p" + strconv.Itoa(i) + ".v." + strconv.FormatUint(v, 10)
+	return "refit." + model + ".p" + strconv.Itoa(i) + "."
 }
 
 // Subjects of live-first versions (ProtocolLive). A part's chunks are
@@ -122,26 +123,19 @@ func PartSubject(model string, v uint64, i int) string {
 // captures and every worker's live subscription (PartLiveSubjects)
 // matches.
 func StoredSubject(model string, v uint64, i int) string {
-	if i == 0 {
-		return "refit." + model + ".s." + strconv.FormatUint(v, 10)
-	}
-	return "refit." + model + ".p" + strconv.Itoa(i) + ".s." + strconv.FormatUint(v, 10)
+	return partPrefix(model, i) + "s." + strconv.FormatUint(v, 10)
 }
-func PartStoredSubjects(model string, i int) string {
-	if i == 0 {
-		return "refit." + model + ".s.*"
-	}
-	return "refit." + model + ".p" + strconv.Itoa(i) + ".s.*"
-}
+func PartStoredSubjects(model string, i int) string    { return partPrefix(model, i) + "s.*" }
 func LiveSubject(model string, v uint64, i int) string { return PartSubject(model, v, i) + ".live" }
 
 // PartLiveSubjects is what a worker subscribes to for part i's live
 // chunks: the part's version subjects (chunks of protocols 1 to 3, live as
 // they are stored) and their live subjects (protocol 4).
-func PartLiveSubjects(model string, i int) string {
-	s := PartStreamSubjects(model, i)
-	return s[:len(s)-1] + ">"
-}
+func PartLiveSubjects(model string, i int) string { return partPrefix(model, i) + "v.>" }
+
+// partSubjectsFilter matches every subject of part i's stream: its
+// version subjects and its stored subjects.
+func partSubjectsFilter(model string, i int) string { return partPrefix(model, i) + "*.*" }
 
 // storedSubject is where a version of protocol proto stores part i.
 func storedSubject(proto int, model string, v uint64, i int) string {
