@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"hash/fnv"
@@ -12,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/internal/stfile"
@@ -227,29 +229,50 @@ func CheckpointTensors(cfg Config) []TensorShape {
 	return out
 }
 
-// randomData draws a tensor's BF16 bytes from (seed, name).
+// randomData draws a tensor's BF16 bytes from (seed, name): for std > 0
+// normal values of that deviation, each the standard normal quantile of a
+// 16-bit draw (normQuantiles) times std, four to a 64-bit draw of a PCG
+// keyed by the seed and the tensor's name; for std = 0 ones. A 61 GB model
+// draws in about 1.5 ns an element, on all cores in a few seconds.
 func randomData(seed uint64, s randomSpec) []byte {
 	n := 1
 	for _, d := range s.shape {
 		n *= d
 	}
-	vals := make([]float32, n)
-	if s.std == 0 {
-		for i := range vals {
-			vals[i] = 1
-		}
-	} else {
-		h := fnv.New64a()
-		h.Write([]byte(s.name))
-		r := rand.New(rand.NewPCG(seed, h.Sum64()))
-		for i := range vals {
-			vals[i] = float32(r.NormFloat64() * s.std)
-		}
-	}
 	out := make([]byte, 2*n)
-	bf16.Encode(out, vals)
+	le := binary.LittleEndian
+	if s.std == 0 {
+		for i := 0; i < n; i++ {
+			le.PutUint16(out[2*i:], 0x3f80) // 1.0
+		}
+		return out
+	}
+	h := fnv.New64a()
+	h.Write([]byte(s.name))
+	r := rand.NewPCG(seed, h.Sum64())
+	q, std := normQuantiles(), float32(s.std)
+	val := func(u uint64) uint64 { return uint64(bf16.FromFloat32(q[u&0xffff] * std)) }
+	i := 0
+	for ; i+4 <= n; i += 4 {
+		u := r.Uint64()
+		le.PutUint64(out[2*i:], val(u)|val(u>>16)<<16|val(u>>32)<<32|val(u>>48)<<48)
+	}
+	for u := r.Uint64(); i < n; i, u = i+1, u>>16 {
+		le.PutUint16(out[2*i:], uint16(val(u)))
+	}
 	return out
 }
+
+// normQuantiles is the table randomData draws from: entry u is the
+// standard normal quantile at (u + 0.5) / 65536, so entries are symmetric
+// and the tails end at about 4.3.
+var normQuantiles = sync.OnceValue(func() *[1 << 16]float32 {
+	var t [1 << 16]float32
+	for u := range t {
+		t[u] = float32(math.Sqrt2 * math.Erfinv(2*(float64(u)+0.5)/(1<<16)-1))
+	}
+	return &t
+})
 
 // splitExpertName splits a per-expert tensor name into the layer's experts
 // prefix, the expert and the projection, to regroup it into fused tensors.

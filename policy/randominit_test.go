@@ -3,9 +3,12 @@ package policy
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
+	"math"
 	"testing"
 
+	"github.com/rollout-worker/rollout-worker/internal/bf16"
 	"github.com/rollout-worker/rollout-worker/moe"
 )
 
@@ -116,5 +119,64 @@ func TestPresetLayers(t *testing.T) {
 	r, _ := Preset("qwen3-30b-a3b-relu2")
 	if r.Activation != moe.ReLU2 || c.Activation != moe.SwiGLU {
 		t.Fatalf("activations %s / %s, want swiglu / relu2", c.Activation, r.Activation)
+	}
+}
+
+// TestRandomData checks the random tensors' values: ones for norm weights;
+// for matrices, the same bytes for the same (seed, name) and others for
+// another seed or name, a mean near 0 and a deviation near std, tails at
+// most the table's last quantile (about 4.3 std), and every length, the
+// ones that do not fill a 64-bit draw included.
+func TestRandomData(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		shape []int
+		std   float64
+	}{
+		{"norm.weight", []int{7}, 0},
+		{"a.weight", []int{256, 512}, 1},
+		{"b.weight", []int{3, 333}, 0.05},
+		{"c.weight", []int{1}, 0.5},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := randomSpec{tc.name, tc.shape, tc.std}
+			data := randomData(9, s)
+			n := 1
+			for _, d := range tc.shape {
+				n *= d
+			}
+			if len(data) != 2*n {
+				t.Fatalf("%d bytes for %d elements", len(data), n)
+			}
+			if !bytes.Equal(data, randomData(9, s)) {
+				t.Fatal("two draws of the same seed and name differ")
+			}
+			var sum, sq, worst float64
+			for i := range n {
+				v := float64(bf16.ToFloat32(binary.LittleEndian.Uint16(data[2*i:])))
+				if tc.std == 0 && v != 1 {
+					t.Fatalf("element %d = %v, want 1", i, v)
+				}
+				sum += v
+				sq += v * v
+				worst = max(worst, math.Abs(v))
+			}
+			if tc.std == 0 {
+				return
+			}
+			if n > 1 && (bytes.Equal(data, randomData(10, s)) || bytes.Equal(data, randomData(9, randomSpec{tc.name + "x", tc.shape, tc.std}))) {
+				t.Error("another seed or name draws the same bytes")
+			}
+			if worst > 4.4*tc.std {
+				t.Errorf("largest |value| %v, more than 4.4 std (%v)", worst, tc.std)
+			}
+			if n < 1000 {
+				return
+			}
+			mean, dev := sum/float64(n), math.Sqrt(sq/float64(n)-sum*sum/float64(n)/float64(n))
+			if math.Abs(mean) > 5*tc.std/math.Sqrt(float64(n)) || math.Abs(dev/tc.std-1) > 0.01 {
+				t.Errorf("mean %v, deviation %v over %d elements; want about 0 and %v", mean, dev, n, tc.std)
+			}
+		})
 	}
 }
