@@ -38,7 +38,10 @@ type Backend interface {
 
 	// Gemm computes dst[M,N] = a[M,K] * w[N,K]^T with BF16 operands and
 	// FP32 accumulation in a fixed order per output element (so it is batch
-	// invariant); dst is F32 or BF16 (rounded to nearest-even).
+	// invariant); dst is F32 or BF16 (rounded to nearest-even). w is a
+	// weight: a backend may start reading it while the op enqueued just
+	// before still runs, so that op must not write it (copies and ops two
+	// or more places back may).
 	Gemm(dst, a, w *Buffer) error
 	// Route turns router logits into top-k expert ids and weights.
 	Route(args RouteArgs) error

@@ -87,17 +87,27 @@ const gemmWideM = 32
 // same bits.
 const gemmNarrow8M = 8
 
-// planDenseTile picks the dense GEMM's tiled kernel for an m x n output on
-// sms multiprocessors, and whether to take it (ok) rather than a narrow
+// gemmNarrow8ShortK: up to this K, gemm_narrow8 is gemm_narrow8_short, which
+// keeps a warp's 4 double slices (32 k each, 16 warps) in flight in fewer
+// registers, two blocks a multiprocessor; the same bits.
+const gemmNarrow8ShortK = 4 * 32 * 16
+
+// planDenseTile picks the dense GEMM's tiled kernel for an m x n x k GEMM
+// on sms multiprocessors, and whether to take it (ok) rather than a narrow
 // one. A tiled block walks the whole K in turn, a stage of loads after
 // another, so it pays only where the grid holds many blocks: 64 x 128
-// tiles from two blocks a multiprocessor, 64 x 64 ones from about one. The
-// choice changes no bit of the output (src/gemm_dense.cu), so it may
-// follow m. Measured on an H100 (TestDenseGemmPaths, graph-timed): the
-// 151936 x 2048 LM head at one row in 225 us against 355 us narrow; q
-// (4096 x 2048) at 256 rows in 27.6 us against 55.2 us; o (2048 x 4096) at
-// 128 rows 34.5 us tiled, 23.8 us narrow.
-func planDenseTile(m, n, sms int) (k denseTileKernel, ok bool) {
+// tiles from two blocks a multiprocessor, 64 x 64 ones from about one;
+// never for the few rows gemm_narrow8_short takes (m <= 8, k <= 2048),
+// which streams even the LM head faster. The choice changes no bit of the
+// output (src/gemm_dense.cu), so it may follow m. Measured on an H100
+// (TestDenseGemmPaths, graph-timed): the 151936 x 2048 LM head at one row
+// 197 us narrow against 226 us tiled, at 8 rows 206 against 233; q (4096 x
+// 2048) at 256 rows 27.1 us tiled against 54.7 us narrow; o (2048 x 4096)
+// at 128 rows 34.5 us tiled, 23.2 us narrow.
+func planDenseTile(m, n, k, sms int) (t denseTileKernel, ok bool) {
+	if m <= gemmNarrow8M && k <= gemmNarrow8ShortK {
+		return denseSmall, false
+	}
 	blocks := func(k denseTileKernel) int { return ((m + k.bm - 1) / k.bm) * ((n + k.bn - 1) / k.bn) }
 	if blocks(denseWide) >= 2*sms {
 		return denseWide, true
@@ -232,7 +242,7 @@ func (be *Backend) gemm(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.B
 		if dst[0].DType() == kernels.F32 {
 			out = outF32
 		}
-		t, tile := planDenseTile(m, n, be.info.SMs)
+		t, tile := planDenseTile(m, n, k, be.info.SMs)
 		if tileOK && (path == gemmForceTile || path == gemmAuto && tile) {
 			if be.denseTile != (denseTileKernel{}) {
 				t = be.denseTile
@@ -248,6 +258,9 @@ func (be *Backend) gemm(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.B
 			kern := kGemmNarrow
 			if m <= gemmNarrow8M {
 				kern = be.narrow8
+				if kern == kGemmNarrow8 && k <= gemmNarrow8ShortK {
+					kern = kGemmNarrow8Short
+				}
 			}
 			return be.launch(kern, drv.Dim3{X: (m + 15) / 16, Y: (n + 7) / 8}, drv.Dim3{X: 512}, 0,
 				ptr(a), denseSegs(dst, w), int32(m), int32(k), out)

@@ -17,7 +17,8 @@ import (
 // and shorter K: more than one round of loads a warp in every narrow
 // kernel; partials of unequal length; partials of no slice) on the first M
 // rows of one matrix, for M from 1 to 160: every dense kernel (gemm_narrow8
-// up to 8 rows, gemm_narrow, which tests also force there, up to 31,
+// up to 8 rows, gemm_narrow8_short there for K <= 2048, gemm_narrow, which
+// tests also force there, up to 31,
 // gemm_narrow_wide from 32, and each gemm_dense_tile variant wherever K
 // allows it) must give each row the bits gemm_narrow_wide gives it at
 // M = 160, in FP32 and in BF16.
@@ -26,7 +27,7 @@ func TestNarrowGemmRows(t *testing.T) {
 	defer func(k plainKernel, d denseTileKernel) { be.narrow8, be.denseTile = k, d }(be.narrow8, be.denseTile)
 	r := rand.New(rand.NewPCG(61, 62))
 	const N, maxM = 256, 160
-	for _, K := range []int{7168, 7168 + 3584 + 8, 7168 + 3584 + 32, 224} {
+	for _, K := range []int{7168, 7168 + 3584 + 8, 7168 + 3584 + 32, 2048, 224} {
 		x := make([]byte, maxM*K*2)
 		for i := 0; i < maxM*K; i++ {
 			v := bf16.FromFloat32(float32(r.NormFloat64()) * float32(1+i/K%5))
@@ -76,7 +77,11 @@ func TestNarrowGemmRows(t *testing.T) {
 				var kerns []kern
 				switch {
 				case m <= gemmNarrow8M:
-					kerns = []kern{{"gemm_narrow8", kGemmNarrow8, denseTileKernel{}}, {"gemm_narrow", kGemmNarrow, denseTileKernel{}}}
+					few := "gemm_narrow8"
+					if K <= gemmNarrow8ShortK {
+						few = "gemm_narrow8_short" // what the host picks for kGemmNarrow8 there
+					}
+					kerns = []kern{{few, kGemmNarrow8, denseTileKernel{}}, {"gemm_narrow", kGemmNarrow, denseTileKernel{}}}
 				case m < gemmWideM:
 					kerns = []kern{{"gemm_narrow", kGemmNarrow8, denseTileKernel{}}}
 				default:
@@ -209,27 +214,30 @@ func TestDenseGemmPaths(t *testing.T) {
 func TestPlanDenseTile(t *testing.T) {
 	const sms = 132
 	for _, tc := range []struct {
-		name string
-		m, n int
-		want denseTileKernel
-		ok   bool
+		name    string
+		m, n, k int
+		want    denseTileKernel
+		ok      bool
 	}{
-		{"lm head, 1 row", 1, 151936, denseWide, true},
-		{"lm head, 256 rows", 256, 151936, denseWide, true},
-		{"q, 64 rows", 64, 4096, denseSmall, false},
-		{"q, 128 rows", 128, 4096, denseSmall, true},
-		{"q, 256 rows", 256, 4096, denseSmall, true},
-		{"q, 2048 rows", 2048, 4096, denseWide, true},
-		{"o, 128 rows", 128, 2048, denseSmall, false},
-		{"o, 256 rows", 256, 2048, denseSmall, true},
-		{"k/v, 256 rows", 256, 512, denseSmall, false},
-		{"k/v, 2048 rows", 2048, 512, denseSmall, true},
-		{"router, 2048 rows", 2048, 128, denseSmall, false},
+		{"lm head, 1 row", 1, 151936, 2048, denseSmall, false},
+		{"lm head, 8 rows", 8, 151936, 2048, denseSmall, false},
+		{"lm head, 16 rows", 16, 151936, 2048, denseWide, true},
+		{"lm head, 256 rows", 256, 151936, 2048, denseWide, true},
+		{"a 7168-wide lm head, 1 row", 1, 129280, 7168, denseWide, true},
+		{"q, 64 rows", 64, 4096, 2048, denseSmall, false},
+		{"q, 128 rows", 128, 4096, 2048, denseSmall, true},
+		{"q, 256 rows", 256, 4096, 2048, denseSmall, true},
+		{"q, 2048 rows", 2048, 4096, 2048, denseWide, true},
+		{"o, 128 rows", 128, 2048, 4096, denseSmall, false},
+		{"o, 256 rows", 256, 2048, 4096, denseSmall, true},
+		{"k/v, 256 rows", 256, 512, 2048, denseSmall, false},
+		{"k/v, 2048 rows", 2048, 512, 2048, denseSmall, true},
+		{"router, 2048 rows", 2048, 128, 2048, denseSmall, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, ok := planDenseTile(tc.m, tc.n, sms)
+			got, ok := planDenseTile(tc.m, tc.n, tc.k, sms)
 			if ok != tc.ok || ok && got != tc.want {
-				t.Fatalf("planDenseTile(%d, %d, %d) = %+v, %v; want %+v, %v", tc.m, tc.n, sms, got, ok, tc.want, tc.ok)
+				t.Fatalf("planDenseTile(%d, %d, %d, %d) = %+v, %v; want %+v, %v", tc.m, tc.n, tc.k, sms, got, ok, tc.want, tc.ok)
 			}
 		})
 	}

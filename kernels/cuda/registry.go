@@ -54,6 +54,7 @@ const (
 	kGroupedGemm
 	kGemmNarrow
 	kGemmNarrow8
+	kGemmNarrow8Short
 	kGemmNarrowWide
 	kEmbed
 	kRMSNorm
@@ -398,6 +399,7 @@ func kernelRegistry() []kernelSpec {
 		plain(kGroupedGemm, "grouped_gemm", "gemm_generic.cu", gemmThreads, 0, false),
 		plain(kGemmNarrow, "gemm_narrow", "gemm_dense.cu", 512, 0, true),
 		plain(kGemmNarrow8, "gemm_narrow8", "gemm_dense.cu", 512, 0, true),
+		plain(kGemmNarrow8Short, "gemm_narrow8_short", "gemm_dense.cu", 512, 0, true),
 		plain(kGemmNarrowWide, "gemm_narrow_wide", "gemm_dense.cu", 512, gemmWideSmem, true),
 		plain(kEmbed, "model_embed", "model.cu", copyThreads, 0, true),
 		perLaunch(plain(kRMSNorm, "model_rmsnorm", "model.cu", 0, 0, true), normMaxThreads),

@@ -1,7 +1,8 @@
 // Compile unit: the model's dense GEMMs (q/k/v/o, the router, the LM head):
-// gemm_narrow, gemm_narrow8 and gemm_narrow_wide stream the weights for few
-// rows; gemm_dense_tile stages tiles in shared memory for many. All of them
-// add the products of an output in one order, decided by K alone.
+// gemm_narrow, gemm_narrow8, gemm_narrow8_short and gemm_narrow_wide stream
+// the weights for few rows; gemm_dense_tile stages tiles in shared memory for
+// many. All of them add the products of an output in one order, decided by K
+// alone.
 #include "numerics.cuh"
 #include "ptx.cuh"
 
@@ -106,19 +107,32 @@ __device__ __forceinline__ void gn_gemm(const bf16_t *A, const DenseSegs &segs, 
     // half) of the 32, the same way in gemm_narrow and gemm_narrow_wide.
     const bool vec = K % 8 == 0 && (reinterpret_cast<unsigned long long>(A) & 15) == 0 &&
                      (reinterpret_cast<unsigned long long>(W) & 15) == 0;
+    // The weights of the first round are loaded before the kernel waits
+    // for the one before it (pdl_wait): no kernel of a step writes them, so
+    // they are in flight while that kernel finishes. The activations, its
+    // output, come after the wait, and so does every store.
     constexpr int DU = UNROLL / 2 > 0 ? UNROLL / 2 : 1; // double slices per iteration
+    bool waited = false;
     for (int k = warp * 32; k < K; k += 32 * GN_WARPS * DU) {
         uint4 af[DU][MI][2], bf[DU][NJ];
 #pragma unroll
         for (int u = 0; u < DU; u++) { // all loads first: they fly together
             const int kk = k + u * 32 * GN_WARPS + 8 * t4;
 #pragma unroll
+            for (int j = 0; j < NJ; j++) bf[u][j] = gn_ld8(wr[j], kk, K, wok[j], vec);
+        }
+        if (!waited) {
+            pdl_enter();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < DU; u++) {
+            const int kk = k + u * 32 * GN_WARPS + 8 * t4;
+#pragma unroll
             for (int i = 0; i < MI; i++) {
                 af[u][i][0] = gn_ld8(ar[i][0], kk, K, rok[i][0], vec);
                 af[u][i][1] = H == 2 ? gn_ld8(ar[i][1], kk, K, rok[i][1], vec) : make_uint4(0, 0, 0, 0);
             }
-#pragma unroll
-            for (int j = 0; j < NJ; j++) bf[u][j] = gn_ld8(wr[j], kk, K, wok[j], vec);
         }
         // Then the double slices in k order; only those starting inside K,
         // so the chain is the same whatever UNROLL is.
@@ -135,6 +149,7 @@ __device__ __forceinline__ void gn_gemm(const bf16_t *A, const DenseSegs &segs, 
                         mma16816(acc[i][j], hi, bf[u][j].z, bf[u][j].w);
                     }
     }
+    if (!waited) pdl_enter(); // a warp with no slice (K < 32 * GN_WARPS)
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
@@ -157,7 +172,6 @@ __device__ __forceinline__ void gn_gemm(const bf16_t *A, const DenseSegs &segs, 
 
 __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
     __shared__ float part[GN_WARPS * 16 * 9];
-    pdl_enter();
     gn_gemm<1, 1, 8>(A, segs, M, K, outFmt, part);
 }
 
@@ -169,14 +183,24 @@ __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow(const bf16_t *A, De
 // spills.
 __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow8(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
     __shared__ float part[GN_WARPS * 16 * 9];
-    pdl_enter();
     gn_gemm<1, 1, 28, 1>(A, segs, M, K, outFmt, part);
+}
+
+// gemm_narrow8_short: gemm_narrow8 for K <= 2048 (q, k, v, the router and
+// the LM head of Qwen3-30B-A3B), where a warp has at most 4 double slices:
+// all of them in flight at once within 64 registers, so that two blocks
+// share a multiprocessor (gemm_narrow8 takes 128, one block). The same
+// bits. Measured on an H100 (TestDenseGemmPaths), with the weights loaded
+// before the wait: q (4096 x 2048) at one row 8.0 us, 13.2 before; the
+// 151936-row LM head 197 us, against 226 us for the tiled kernel.
+__global__ void __launch_bounds__(32 * GN_WARPS, 2) gemm_narrow8_short(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
+    __shared__ float part[GN_WARPS * 16 * 9];
+    gn_gemm<1, 1, 8, 1>(A, segs, M, K, outFmt, part);
 }
 
 // gemm_narrow_wide: dynamic shared memory GN_WARPS x 32 x 33 floats.
 __global__ void __launch_bounds__(32 * GN_WARPS) gemm_narrow_wide(const bf16_t *A, DenseSegs segs, int M, int K, int outFmt) {
     extern __shared__ float gn_part[];
-    pdl_enter();
     gn_gemm<2, 4, 2>(A, segs, M, K, outFmt, gn_part);
 }
 

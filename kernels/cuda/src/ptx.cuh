@@ -10,7 +10,8 @@ namespace rw {
 // kernels/cuda/registry.go). pdl_wait holds the calling thread until every
 // kernel before this one on the stream has finished and its writes are
 // visible (at once where the launch had no programmatic dependency): a
-// kernel touches global memory only after it.
+// kernel touches global memory only after it, but for what no kernel of the
+// chain before it writes (the narrow dense GEMMs' weights: gemm_dense.cu).
 // pdl_trigger lets the next such kernel on the stream launch its blocks
 // once every block of this one has triggered or exited; they run up to
 // their own pdl_wait, so what overlaps is the launch, the block start-up
