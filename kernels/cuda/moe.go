@@ -174,11 +174,15 @@ func gemmSegmentable(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.Buff
 // gemmPath picks the dense GEMM's kernel family: gemmAuto is the
 // production choice (tiled or narrow wherever its shape and alignment
 // allow); the others force one family, for tests that compare them.
+// gemmForceNarrow16 is the narrow family with 16 x 8 blocks at every row
+// count (gemm_narrow, gemm_narrow8 and its short form; never
+// gemm_narrow_wide's 32 x 32).
 type gemmPath int
 
 const (
 	gemmAuto gemmPath = iota
 	gemmForceNarrow
+	gemmForceNarrow16
 	gemmForceTile
 	gemmForceGeneric
 )
@@ -235,7 +239,7 @@ func (be *Backend) gemm(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.B
 		}
 		narrowOK = narrowOK && n <= gemmNarrowN
 		tileOK = tileOK && narrowOK
-		if path == gemmForceNarrow && !narrowOK || path == gemmForceTile && !tileOK {
+		if (path == gemmForceNarrow || path == gemmForceNarrow16) && !narrowOK || path == gemmForceTile && !tileOK {
 			return fmt.Errorf("cuda: gemm: the forced dense kernels cannot take %dx%d * %dx%d", m, k, n, k)
 		}
 		out := outBF16
@@ -251,7 +255,7 @@ func (be *Backend) gemm(dst []*kernels.Buffer, a *kernels.Buffer, w []*kernels.B
 				ptr(a), denseSegs(dst, w), int32(m), int32(k), out)
 		}
 		if narrowOK && path != gemmForceGeneric {
-			if m >= gemmWideM {
+			if m >= gemmWideM && path != gemmForceNarrow16 {
 				return be.launch(kGemmNarrowWide, drv.Dim3{X: (m + 31) / 32, Y: (n + 31) / 32}, drv.Dim3{X: 512}, gemmWideSmem,
 					ptr(a), denseSegs(dst, w), int32(m), int32(k), out)
 			}

@@ -18,10 +18,10 @@ import (
 // kernel; partials of unequal length; partials of no slice) on the first M
 // rows of one matrix, for M from 1 to 160: every dense kernel (gemm_narrow8
 // up to 8 rows, gemm_narrow8_short there for K <= 2048, gemm_narrow, which
-// tests also force there, up to 31,
-// gemm_narrow_wide from 32, and each gemm_dense_tile variant wherever K
-// allows it) must give each row the bits gemm_narrow_wide gives it at
-// M = 160, in FP32 and in BF16.
+// tests also force there, up to 31 and, forced, beyond; gemm_narrow_wide
+// from 32, and each gemm_dense_tile variant wherever K allows it) must give
+// each row the bits gemm_narrow_wide gives it at M = 160, in FP32 and in
+// BF16.
 func TestNarrowGemmRows(t *testing.T) {
 	be := gpu(t)
 	defer func(k plainKernel, d denseTileKernel) { be.narrow8, be.denseTile = k, d }(be.narrow8, be.denseTile)
@@ -48,13 +48,17 @@ func TestNarrowGemmRows(t *testing.T) {
 			name    string
 			narrow8 plainKernel
 			tile    denseTileKernel
+			path    gemmPath // 0: narrow forced, or tiled where tile is set
 		}
 		for _, dt := range []kernels.DType{kernels.F32, kernels.BF16} {
 			gemm := func(m int, k kern) []byte {
 				t.Helper()
 				be.narrow8, be.denseTile = k.narrow8, k.tile
 				path := gemmForceNarrow
-				if k.tile != (denseTileKernel{}) {
+				switch {
+				case k.path != gemmAuto:
+					path = k.path
+				case k.tile != (denseTileKernel{}):
 					path = gemmForceTile
 				}
 				a := moetest.Alloc(t, be, kernels.BF16, m, K)
@@ -81,15 +85,16 @@ func TestNarrowGemmRows(t *testing.T) {
 					if K <= gemmNarrow8ShortK {
 						few = "gemm_narrow8_short" // what the host picks for kGemmNarrow8 there
 					}
-					kerns = []kern{{few, kGemmNarrow8, denseTileKernel{}}, {"gemm_narrow", kGemmNarrow, denseTileKernel{}}}
+					kerns = []kern{{few, kGemmNarrow8, denseTileKernel{}, gemmAuto}, {"gemm_narrow", kGemmNarrow, denseTileKernel{}, gemmAuto}}
 				case m < gemmWideM:
-					kerns = []kern{{"gemm_narrow", kGemmNarrow8, denseTileKernel{}}}
+					kerns = []kern{{"gemm_narrow", kGemmNarrow8, denseTileKernel{}, gemmAuto}}
 				default:
-					kerns = []kern{{"gemm_narrow_wide", kGemmNarrow8, denseTileKernel{}}}
+					kerns = []kern{{"gemm_narrow_wide", kGemmNarrow8, denseTileKernel{}, gemmAuto},
+						{"gemm_narrow", kGemmNarrow8, denseTileKernel{}, gemmForceNarrow16}}
 				}
 				if K%32 == 0 {
 					for _, d := range denseTiles {
-						kerns = append(kerns, kern{fmt.Sprintf("gemm_dense_tile_%dx%d", d.bm, d.bn), kGemmNarrow8, d})
+						kerns = append(kerns, kern{fmt.Sprintf("gemm_dense_tile_%dx%d", d.bm, d.bn), kGemmNarrow8, d, gemmAuto})
 					}
 				}
 				for _, k := range kerns {
@@ -111,8 +116,9 @@ func TestNarrowGemmRows(t *testing.T) {
 // TestDenseGemmPaths times the dense GEMM kernels side by side on the
 // dense GEMMs of a Qwen3-30B-A3B decoder layer and its LM head, at decode
 // and prefill row counts, against the floor of docs/PERF.md (bytes at 4.3
-// TB/s, FLOPs at 790 TFLOP/s): what Gemm picks, the narrow kernels, each
-// variant of the tiled one and the generic tiled kernel. It checks only
+// TB/s, FLOPs at 790 TFLOP/s): what Gemm picks, the narrow kernels (as the
+// host picks them by rows, and with 16 x 8 blocks at every row count:
+// "narrow16"), each variant of the tiled one and the generic tiled kernel. It checks only
 // that they run; the figures are its output.
 func TestDenseGemmPaths(t *testing.T) {
 	be := gpu(t)
@@ -155,7 +161,7 @@ func TestDenseGemmPaths(t *testing.T) {
 	// L2 (the router's and k/v's do not quite).
 	const replays = 5
 	defer func(d denseTileKernel) { be.denseTile = d }(be.denseTile)
-	t.Logf("%-8s %5s %9s %9s %9s %10s %9s %9s %8s %8s", "gemm", "M", "floor us", "auto us", "narrow us", "tile64x128", "tile64", "generic", "auto/f", "nar/f")
+	t.Logf("%-8s %5s %9s %9s %9s %9s %10s %9s %9s %8s %8s", "gemm", "M", "floor us", "auto us", "narrow us", "narrow16", "tile64x128", "tile64", "generic", "auto/f", "nar/f")
 	for _, s := range shapes {
 		copies := (150<<20 + 2*s.n*s.k - 1) / (2 * s.n * s.k)
 		launches := min(80, max(10, copies))
@@ -172,7 +178,7 @@ func TestDenseGemmPaths(t *testing.T) {
 				path gemmPath
 				tile denseTileKernel
 			}
-			runs := []run{{path: gemmAuto}, {path: gemmForceNarrow}}
+			runs := []run{{path: gemmAuto}, {path: gemmForceNarrow}, {path: gemmForceNarrow16}}
 			for _, d := range denseTiles {
 				runs = append(runs, run{gemmForceTile, d})
 			}
@@ -192,8 +198,8 @@ func TestDenseGemmPaths(t *testing.T) {
 			bytes := float64(2*(m+s.n)*s.k + ob*m*s.n)
 			floor := max(bytes/4.3e12, 2*float64(m)*float64(s.n)*float64(s.k)/790e12)
 			us := func(d time.Duration) float64 { return float64(d) / 1e3 }
-			t.Logf("%-8s %5d %9.1f %9.1f %9.1f %10.1f %9.1f %9.1f %7.2fx %7.2fx", s.name, m, floor*1e6, us(d[0]), us(d[1]),
-				us(d[2]), us(d[3]), us(d[4]), d[0].Seconds()/floor, d[1].Seconds()/floor)
+			t.Logf("%-8s %5d %9.1f %9.1f %9.1f %9.1f %10.1f %9.1f %9.1f %7.2fx %7.2fx", s.name, m, floor*1e6, us(d[0]), us(d[1]),
+				us(d[2]), us(d[3]), us(d[4]), us(d[5]), d[0].Seconds()/floor, d[1].Seconds()/floor)
 			for _, b := range []*kernels.Buffer{a, out} {
 				if err := be.Free(b); err != nil {
 					t.Fatal(err)
