@@ -42,31 +42,24 @@ func TestNarrowGemmRows(t *testing.T) {
 		if err := be.Upload(w, 0, wb); err != nil {
 			t.Fatal(err)
 		}
-		// A kernel to compare: a narrow one (the path forced narrow, the
-		// few-row kernel set) or a tiled one.
+		// A kernel to compare: the path forced (narrow, narrow with 16 x
+		// 8 blocks, or tiled), the few-row kernel set and the tile.
 		type kern struct {
 			name    string
+			path    gemmPath
 			narrow8 plainKernel
 			tile    denseTileKernel
-			path    gemmPath // 0: narrow forced, or tiled where tile is set
 		}
 		for _, dt := range []kernels.DType{kernels.F32, kernels.BF16} {
 			gemm := func(m int, k kern) []byte {
 				t.Helper()
 				be.narrow8, be.denseTile = k.narrow8, k.tile
-				path := gemmForceNarrow
-				switch {
-				case k.path != gemmAuto:
-					path = k.path
-				case k.tile != (denseTileKernel{}):
-					path = gemmForceTile
-				}
 				a := moetest.Alloc(t, be, kernels.BF16, m, K)
 				if err := be.Upload(a, 0, x[:m*K*2]); err != nil {
 					t.Fatal(err)
 				}
 				out := moetest.Alloc(t, be, dt, m, N)
-				if err := be.gemm([]*kernels.Buffer{out}, a, []*kernels.Buffer{w}, path); err != nil {
+				if err := be.gemm([]*kernels.Buffer{out}, a, []*kernels.Buffer{w}, k.path); err != nil {
 					t.Fatal(err)
 				}
 				got := make([]byte, out.Size())
@@ -75,7 +68,7 @@ func TestNarrowGemmRows(t *testing.T) {
 				}
 				return got
 			}
-			want := gemm(maxM, kern{narrow8: kGemmNarrow8})
+			want := gemm(maxM, kern{path: gemmForceNarrow, narrow8: kGemmNarrow8})
 			row := len(want) / maxM
 			for _, m := range []int{1, 2, 5, 8, 9, 16, 17, 31, 32, 64, 65, 130} {
 				var kerns []kern
@@ -85,16 +78,16 @@ func TestNarrowGemmRows(t *testing.T) {
 					if K <= gemmNarrow8ShortK {
 						few = "gemm_narrow8_short" // what the host picks for kGemmNarrow8 there
 					}
-					kerns = []kern{{few, kGemmNarrow8, denseTileKernel{}, gemmAuto}, {"gemm_narrow", kGemmNarrow, denseTileKernel{}, gemmAuto}}
+					kerns = []kern{{few, gemmForceNarrow, kGemmNarrow8, denseTileKernel{}}, {"gemm_narrow", gemmForceNarrow, kGemmNarrow, denseTileKernel{}}}
 				case m < gemmWideM:
-					kerns = []kern{{"gemm_narrow", kGemmNarrow8, denseTileKernel{}, gemmAuto}}
+					kerns = []kern{{"gemm_narrow", gemmForceNarrow, kGemmNarrow8, denseTileKernel{}}}
 				default:
-					kerns = []kern{{"gemm_narrow_wide", kGemmNarrow8, denseTileKernel{}, gemmAuto},
-						{"gemm_narrow", kGemmNarrow8, denseTileKernel{}, gemmForceNarrow16}}
+					kerns = []kern{{"gemm_narrow_wide", gemmForceNarrow, kGemmNarrow8, denseTileKernel{}},
+						{"gemm_narrow", gemmForceNarrow16, kGemmNarrow8, denseTileKernel{}}}
 				}
 				if K%32 == 0 {
 					for _, d := range denseTiles {
-						kerns = append(kerns, kern{fmt.Sprintf("gemm_dense_tile_%dx%d", d.bm, d.bn), kGemmNarrow8, d, gemmAuto})
+						kerns = append(kerns, kern{fmt.Sprintf("gemm_dense_tile_%dx%d", d.bm, d.bn), gemmForceTile, kGemmNarrow8, d})
 					}
 				}
 				for _, k := range kerns {
