@@ -283,11 +283,20 @@ func (d *deltaDecoder) done() error {
 // appendDeltaRecord appends the record of a region, the smaller form, from
 // its elements in the base (old) and in the new version (both little-endian
 // BF16, the same length). changed is the number of elements that differ.
-// pos is scratch for their indices (returned, grown as needed).
-func appendDeltaRecord(dst, old, new []byte, pos []uint16) (out []byte, changed int, posOut []uint16) {
+// work is scratch for their bitmap and indices (returned, grown as needed).
+//
+// Neither pass branches on the data: the bitmap comes from 32-byte
+// compares folded into 16-bit masks, and the indices from the bitmap four
+// bits at a time by table, each group storing four candidates and moving
+// on by the number that changed. The changes of a trainer's step fall at
+// random, so a branch a change would mispredict about as often as not.
+func appendDeltaRecord(dst, old, new, work []byte) (out []byte, changed int, workOut []byte) {
 	n := len(new) / 2
-	pos = appendChanged(pos[:0], old, new)
-	k := len(pos)
+	nb := bitmapBytes(n)
+	work = slices.Grow(work[:0], nb+2*n+16)[:nb+2*n+16] // a group's candidates may run 8 bytes past the last index
+	bm, pos := work[:nb], work[nb:]
+	k := changedBitmap(bm, old, new)
+	changedIndices(pos, bm)
 	size, form := DeltaRecordSize(n, k)
 	at := len(dst)
 	dst = slices.Grow(dst, size)[:at+size]
@@ -297,53 +306,66 @@ func appendDeltaRecord(dst, old, new []byte, pos []uint16) (out []byte, changed 
 	le.PutUint32(rec[4:], uint32(k))
 	vals := rec[deltaRecordHeader:]
 	if form == DeltaIndexList {
-		list := vals[:2*k]
-		for j, e := range pos {
-			le.PutUint16(list[2*j:], e)
-		}
-		vals = vals[2*k:]
+		vals = vals[copy(vals, pos[:2*k]):]
 	} else {
-		bm := vals[:bitmapBytes(n)]
-		clear(bm)
-		for _, e := range pos {
-			bm[e>>3] |= 1 << (e & 7)
-		}
-		vals = vals[len(bm):]
+		vals = vals[copy(vals, bm):]
 	}
-	vals = vals[:2*k]
-	for j, e := range pos {
-		le.PutUint16(vals[2*j:], le.Uint16(new[2*int(e):]))
+	vals, pos = vals[:2*k], pos[:2*k]
+	for j := 0; j+1 < len(pos); j += 2 {
+		e := 2 * int(le.Uint16(pos[j:]))
+		vals[j], vals[j+1] = new[e], new[e+1]
 	}
-	return dst, k, pos
+	return dst, k, work
 }
 
-// appendChanged appends the indices of the BF16 elements that differ
-// between old and new (at most 65536 of them), in increasing order. Equal
-// bytes, most of a sparse delta's, cost one compare per 32: four 8-byte
-// words are XORed and ORed together before any lane is looked at.
-func appendChanged(pos []uint16, old, new []byte) []uint16 {
+// changedBitmap sets in bm (bitmapBytes of the region, the bitmap form's
+// layout: element e is bit e%8 of byte e/8) the BF16 elements that differ
+// between old and new, clears the rest, and returns how many differ. Where
+// the machine has vector compares (changedBitmapVector) they take the
+// elements in whole blocks of 32 and the portable loop the rest.
+func changedBitmap(bm, old, new []byte) int {
+	i, k := changedBitmapVector(bm, old, new)
+	return k + changedBitmapFrom(bm, old, new, i)
+}
+
+// changedBitmapFrom is changedBitmap from element i (a multiple of 16) on,
+// in portable Go.
+func changedBitmapFrom(bm, old, new []byte, i int) int {
 	n := len(new) / 2
 	le := binary.LittleEndian
-	i := 0
+	k := 0
 	for ; i+16 <= n; i += 16 {
-		x0, x1, x2, x3 := diff32(old[2*i:2*i+32], new[2*i:2*i+32])
-		if x0|x1|x2|x3 == 0 {
-			continue
-		}
-		pos = appendLanes(pos, i, x0)
-		pos = appendLanes(pos, i+4, x1)
-		pos = appendLanes(pos, i+8, x2)
-		pos = appendLanes(pos, i+12, x3)
+		m := blockMask(diff32(old[2*i:2*i+32], new[2*i:2*i+32]))
+		le.PutUint16(bm[i/8:], m)
+		k += bits.OnesCount16(m)
 	}
-	for ; i+4 <= n; i += 4 {
-		pos = appendLanes(pos, i, le.Uint64(old[2*i:])^le.Uint64(new[2*i:]))
-	}
+	clear(bm[i/8:])
 	for ; i < n; i++ {
 		if old[2*i] != new[2*i] || old[2*i+1] != new[2*i+1] {
-			pos = append(pos, uint16(i))
+			bm[i/8] |= 1 << (i % 8)
+			k++
 		}
 	}
-	return pos
+	return k
+}
+
+// changedIndices stores the index of every bit set in bm as a
+// little-endian uint16, in increasing order, from pos[0] on.
+func changedIndices(pos, bm []byte) {
+	le := binary.LittleEndian
+	k := 0
+	for w := 0; w+8 <= len(bm); w += 8 {
+		for m := le.Uint64(bm[w:]); m != 0; m &= m - 1 {
+			le.PutUint16(pos[k:], uint16(8*w+bits.TrailingZeros64(m)))
+			k += 2
+		}
+	}
+	if w := len(bm) &^ 7; w < len(bm) {
+		for m := uint64(le.Uint32(bm[w:])); m != 0; m &= m - 1 {
+			le.PutUint16(pos[k:], uint16(8*w+bits.TrailingZeros64(m)))
+			k += 2
+		}
+	}
 }
 
 // diff32 XORs 32 bytes of o and w as four little-endian 8-byte words.
@@ -362,29 +384,32 @@ func changedLanes(x uint64) uint64 {
 	return (x&low + low | x) & high
 }
 
-// appendLanes appends i + l for each 16-bit lane l of x that is not zero.
-func appendLanes(pos []uint16, i int, x uint64) []uint16 {
-	for m := changedLanes(x); m != 0; m &= m - 1 {
-		pos = append(pos, uint16(i+bits.TrailingZeros64(m)>>4))
-	}
-	return pos
+// blockMask folds the XORs of 16 elements (four words of four lanes) into
+// a 16-bit mask, bit 4j+q for lane q of word j. Lane q's bit of word j is
+// first moved to bit 16q+4j; multiplying by 2^(48-15q) for each q then
+// puts it at bit 48+4j+q. Every other product lands below bit 48 on a bit
+// no other one takes, or past bit 63, so nothing carries into the top 16.
+func blockMask(x0, x1, x2, x3 uint64) uint16 {
+	const gather = 1<<48 | 1<<33 | 1<<18 | 1<<3
+	l := changedLanes(x0)>>15 | changedLanes(x1)>>11 | changedLanes(x2)>>7 | changedLanes(x3)>>3
+	return uint16(l * gather >> 48)
 }
 
 // countChanged counts the BF16 elements that differ between old and new,
-// 32 bytes at a time (as appendChanged scans).
+// as changedBitmap finds them.
 func countChanged(old, new []byte) int {
-	le := binary.LittleEndian
-	k, i := 0, 0
-	lanes := func(x uint64) int { return bits.OnesCount64(changedLanes(x)) }
-	for ; i+32 <= len(new); i += 32 {
-		x0, x1, x2, x3 := diff32(old[i:i+32], new[i:i+32])
-		if x0|x1|x2|x3 == 0 {
-			continue
-		}
-		k += lanes(x0) + lanes(x1) + lanes(x2) + lanes(x3)
-	}
-	for ; i+8 <= len(new); i += 8 {
-		k += lanes(le.Uint64(old[i:]) ^ le.Uint64(new[i:]))
+	i, k := countChangedVector(old, new)
+	return k + countChangedFrom(old, new, i)
+}
+
+// countChangedFrom is countChanged from element i (a multiple of 16) on,
+// in portable Go, 32 bytes at a time as changedBitmapFrom scans, and as it
+// without a branch on the data: whether a block of a sparse delta changed
+// is a coin toss.
+func countChangedFrom(old, new []byte, i int) int {
+	k := 0
+	for i *= 2; i+32 <= len(new); i += 32 {
+		k += bits.OnesCount16(blockMask(diff32(old[i:i+32], new[i:i+32])))
 	}
 	for ; i+1 < len(new); i += 2 {
 		if old[i] != new[i] || old[i+1] != new[i+1] {

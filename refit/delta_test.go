@@ -42,11 +42,10 @@ func perturb(r *rand.Rand, old []byte, frac float64) []byte {
 
 // encodeDeltaTensor encodes the delta of a whole tensor, region by region.
 func encodeDeltaTensor(old, new []byte) []byte {
-	var out []byte
-	var pos []uint16
+	var out, work []byte
 	for at := 0; at < len(new); at += 2 * DeltaRegionElems {
 		end := min(len(new), at+2*DeltaRegionElems)
-		out, _, pos = appendDeltaRecord(out, old[at:end], new[at:end], pos)
+		out, _, work = appendDeltaRecord(out, old[at:end], new[at:end], work)
 	}
 	return out
 }
@@ -289,29 +288,37 @@ func FuzzDeltaTensor(f *testing.F) {
 	})
 }
 
-// BenchmarkDeltaEncode encodes one region's record from two 128 KiB
-// sides in memory (no reads), at the fractions of changed elements a
-// trainer's step leaves; MB/s is of one side's bytes.
+// BenchmarkDeltaEncode encodes a region's record from two 128 KiB sides in
+// memory (no reads), at the fractions of changed elements a trainer's step
+// leaves, cycling through 16 regions changed at different places, so a
+// branch predictor cannot learn one; MB/s is of one side's bytes.
 func BenchmarkDeltaEncode(b *testing.B) {
 	r := rand.New(rand.NewPCG(3, 4))
+	const regions = 16
 	old := make([]byte, 2*DeltaRegionElems)
 	for i := range old {
 		old[i] = byte(r.Uint32()) & 0xbf
 	}
 	for _, frac := range []float64{0.01, 0.05, 0.2} {
-		new := perturb(r, old, frac)
+		var news [regions][]byte
+		for i := range news {
+			news[i] = perturb(r, old, frac)
+		}
 		b.Run(fmt.Sprintf("changed=%g", frac), func(b *testing.B) {
-			b.SetBytes(int64(len(new)))
-			var rec []byte
-			var pos []uint16
+			b.SetBytes(int64(len(old)))
+			var rec, work []byte
+			i := 0
 			for b.Loop() {
-				rec, _, pos = appendDeltaRecord(rec[:0], old, new, pos)
+				rec, _, work = appendDeltaRecord(rec[:0], old, news[i%regions], work)
+				i++
 			}
 		})
 		b.Run(fmt.Sprintf("size/changed=%g", frac), func(b *testing.B) {
-			b.SetBytes(int64(len(new)))
+			b.SetBytes(int64(len(old)))
+			i := 0
 			for b.Loop() {
-				countChanged(old, new)
+				countChanged(old, news[i%regions])
+				i++
 			}
 		})
 	}
@@ -348,25 +355,61 @@ func BenchmarkDeltaDecode(b *testing.B) {
 	}
 }
 
-// TestCountChanged: the sizing pass's count of changed elements is the
-// encoder's, for every single changed bit of a lane in each place of a
-// 32-byte block and of the tail, and for random pairs of all densities
-// and lengths.
-func TestCountChanged(t *testing.T) {
-	count := func(old, new []byte) int { return len(appendChanged(nil, old, new)) }
-	old := make([]byte, 2*21)
-	for e := range 21 {
-		for bit := range 16 {
-			new := slices.Clone(old)
-			new[2*e+bit/8] ^= 1 << (bit % 8)
-			if got := countChanged(old, new); got != 1 {
-				t.Fatalf("element %d, bit %d changed: counted %d", e, bit, got)
+// TestChangedElements: the sizing pass's count, the encoder's bitmap and
+// its index list agree with an element-by-element scan, through the vector
+// compares and the portable loops, for every single changed bit of every
+// lane of 53 elements (a vector block, a portable one and a tail), and for
+// random pairs of all densities and lengths up to a whole region.
+func TestChangedElements(t *testing.T) {
+	check := func(t *testing.T, what string, old, new []byte) {
+		t.Helper()
+		n := len(new) / 2
+		var want []int
+		for e := range n {
+			if old[2*e] != new[2*e] || old[2*e+1] != new[2*e+1] {
+				want = append(want, e)
+			}
+		}
+		// Both the vector compares (where the machine has them) and the
+		// portable loops alone.
+		for _, path := range []struct {
+			name   string
+			bitmap func(bm, old, new []byte) int
+			count  func(old, new []byte) int
+		}{
+			{"", changedBitmap, countChanged},
+			{"portable ", func(bm, old, new []byte) int { return changedBitmapFrom(bm, old, new, 0) },
+				func(old, new []byte) int { return countChangedFrom(old, new, 0) }},
+		} {
+			bm := bytes.Repeat([]byte{0xff}, bitmapBytes(n)) // stale bits must go
+			k := path.bitmap(bm, old, new)
+			pos := make([]byte, 2*n+8)
+			changedIndices(pos, bm)
+			var got, set []int
+			for j := range k {
+				got = append(got, int(binary.LittleEndian.Uint16(pos[2*j:])))
+			}
+			for e := range 8 * len(bm) {
+				if bm[e/8]>>(e%8)&1 != 0 {
+					set = append(set, e)
+				}
+			}
+			if c := path.count(old, new); c != len(want) || k != len(want) || !slices.Equal(got, want) || !slices.Equal(set, want) {
+				t.Fatalf("%s%s: changed %v; counted %d, bitmap %d bits %v, indices %v", path.name, what, want, c, k, set, got)
 			}
 		}
 	}
+	old := make([]byte, 2*53)
+	for e := range 53 {
+		for bit := range 16 {
+			new := slices.Clone(old)
+			new[2*e+bit/8] ^= 1 << (bit % 8)
+			check(t, fmt.Sprintf("element %d, bit %d", e, bit), old, new)
+		}
+	}
 	r := rand.New(rand.NewPCG(7, 8))
-	for _, n := range []int{0, 1, 3, 4, 15, 16, 17, 33, 1000} {
-		for _, frac := range []float64{0, 0.01, 0.3, 1} {
+	for _, n := range []int{0, 1, 3, 4, 15, 16, 17, 33, 1000, DeltaRegionElems} {
+		for _, frac := range []float64{0, 0.01, 0.05, 0.3, 1} {
 			a := make([]byte, 2*n)
 			for i := range a {
 				a[i] = byte(r.Uint32())
@@ -377,9 +420,7 @@ func TestCountChanged(t *testing.T) {
 					b[2*e+r.IntN(2)] ^= byte(1 + r.IntN(255))
 				}
 			}
-			if got, want := countChanged(a, b), count(a, b); got != want {
-				t.Errorf("%d elements, %g changed: counted %d, the encoder finds %d", n, frac, got, want)
-			}
+			check(t, fmt.Sprintf("%d elements, %g changed", n, frac), a, b)
 		}
 	}
 }

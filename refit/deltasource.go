@@ -60,10 +60,9 @@ type DeltaStats struct {
 }
 
 // deltaScratch holds one region of each side, its encoded record and the
-// indices of its changed elements.
+// encoder's scratch.
 type deltaScratch struct {
-	old, new, rec []byte
-	pos           []uint16
+	old, new, rec, work []byte
 }
 
 // OpenDelta opens the checkpoint at path and the one at base (a directory
@@ -183,26 +182,29 @@ func (d *DeltaSource) size1(sc *deltaScratch, seg *deltaSeg) (changed int64, err
 	regions := deltaRegions(seg.elems)
 	seg.at = make([]int64, regions+1)
 	for r := range regions {
-		n := regionLen(seg.elems, r)
-		if err := d.region(sc, *seg, r); err != nil {
+		old, new, err := d.region(sc, *seg, r)
+		if err != nil {
 			return 0, err
 		}
-		k := countChanged(sc.old[:2*n], sc.new[:2*n])
-		size, _ := DeltaRecordSize(n, k)
+		k := countChanged(old, new)
+		size, _ := DeltaRecordSize(len(new)/2, k)
 		seg.at[r+1] = seg.at[r] + int64(size)
 		changed += int64(k)
 	}
 	return changed, nil
 }
 
-// region reads region r of seg's tensor from both checkpoints into sc.
-func (d *DeltaSource) region(sc *deltaScratch, seg deltaSeg, r int64) error {
+// region returns region r of seg's tensor in both checkpoints: in place
+// where a checkpoint lends its bytes (Source.viewTensor), else read into
+// sc.
+func (d *DeltaSource) region(sc *deltaScratch, seg deltaSeg, r int64) (old, new []byte, err error) {
 	n := regionLen(seg.elems, r)
 	off := 2 * r * DeltaRegionElems
-	if err := d.base.readTensor(seg.base, sc.old[:2*n], off); err != nil {
-		return err
+	if old, err = d.base.viewTensor(seg.base, sc.old[:2*n], off); err != nil {
+		return nil, nil, err
 	}
-	return d.next.readTensor(seg.next, sc.new[:2*n], off)
+	new, err = d.next.viewTensor(seg.next, sc.new[:2*n], off)
+	return old, new, err
 }
 
 // Size is the stream's length in bytes.
@@ -322,11 +324,11 @@ func (d *DeltaSource) job(sc *deltaScratch, j deltaJob) error {
 		clear(j.dst)
 		return nil
 	}
-	if err := d.region(sc, *seg, j.r); err != nil {
+	old, new, err := d.region(sc, *seg, j.r)
+	if err != nil {
 		return err
 	}
-	k := regionLen(seg.elems, j.r)
-	sc.rec, _, sc.pos = appendDeltaRecord(sc.rec[:0], sc.old[:2*k], sc.new[:2*k], sc.pos)
+	sc.rec, _, sc.work = appendDeltaRecord(sc.rec[:0], old, new, sc.work)
 	if int64(len(sc.rec)) != seg.at[j.r+1]-seg.at[j.r] {
 		return fmt.Errorf("refit: delta source: tensor %s: region %d encodes to %d bytes, %d when the delta was assembled: a checkpoint changed",
 			d.next.tensors[seg.next].name, j.r, len(sc.rec), seg.at[j.r+1]-seg.at[j.r])

@@ -52,20 +52,45 @@ type srcTensor struct {
 
 // readTensor reads tensor i's bytes from off into p.
 func (s *Source) readTensor(i int, p []byte, off int64) error {
+	_, err := s.tensorBytes(i, p, off, false)
+	return err
+}
+
+// viewTensor returns the len(p) bytes of tensor i at off: the checkpoint's
+// own memory where its reader lends it (a viewer; not to be written), else
+// p, read into.
+func (s *Source) viewTensor(i int, p []byte, off int64) ([]byte, error) {
+	return s.tensorBytes(i, p, off, true)
+}
+
+// viewer is a tensor reader that can lend its bytes in place: viewAt
+// returns the n bytes at off without copying them, or false when it
+// cannot (the caller then reads them).
+type viewer interface {
+	viewAt(n, off int64) ([]byte, bool)
+}
+
+// tensorBytes is readTensor, or viewTensor where view is set.
+func (s *Source) tensorBytes(i int, p []byte, off int64, view bool) ([]byte, error) {
 	if s.closed {
-		return fmt.Errorf("refit: source %s: read after close", s.path)
+		return nil, fmt.Errorf("refit: source %s: read after close", s.path)
 	}
 	t := s.tensors[i]
 	if off < 0 || off > t.size-int64(len(p)) {
-		return fmt.Errorf("refit: source %s: tensor %s: %d bytes at %d of %d", s.path, t.name, len(p), off, t.size)
+		return nil, fmt.Errorf("refit: source %s: tensor %s: %d bytes at %d of %d", s.path, t.name, len(p), off, t.size)
 	}
 	if len(p) == 0 {
-		return nil
+		return p, nil
+	}
+	if v, ok := t.r.(viewer); ok && view {
+		if b, ok := v.viewAt(int64(len(p)), t.off+off); ok {
+			return b, nil
+		}
 	}
 	if _, err := t.r.ReadAt(p, t.off+off); err != nil {
-		return fmt.Errorf("refit: source %s: tensor %s: %w", s.path, t.name, err)
+		return nil, fmt.Errorf("refit: source %s: tensor %s: %w", s.path, t.name, err)
 	}
-	return nil
+	return p, nil
 }
 
 // checkpointTensor is a tensor of a checkpoint file, and the file.

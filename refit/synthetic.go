@@ -180,6 +180,19 @@ type blockReader struct {
 	salt  int64
 }
 
+// viewAt lends the block's bytes where the n at off do not wrap around
+// its end.
+func (b *blockReader) viewAt(n, off int64) ([]byte, bool) {
+	if off < 0 || n > int64(len(b.block)) {
+		return nil, false
+	}
+	at := (b.salt + off) % int64(len(b.block))
+	if at+n > int64(len(b.block)) {
+		return nil, false
+	}
+	return b.block[at : at+n : at+n], true
+}
+
 func (b *blockReader) ReadAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, errors.New("refit: synthetic tensor: negative offset")
