@@ -234,14 +234,32 @@ type chunkFeed struct {
 // live (flowGate), every FlowReportBytes and at its last chunk. A report
 // that cannot be sent only leaves the live pass unpaced by this worker.
 func (f *chunkFeed) report(c Chunk, n int) {
-	if f.a.Protocol != ProtocolLive || f.r.reportBytes < 0 {
-		return
-	}
 	if f.unreported += n; f.unreported < cmp.Or(f.r.reportBytes, FlowReportBytes) && c.Seq != c.Chunks-1 {
 		return
 	}
 	f.unreported = 0
-	b, err := json.Marshal(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Next: c.Seq + 1})
+	f.sendReport(c.Seq + 1)
+}
+
+// follow reports, before any chunk, that this worker follows the part
+// live (next 0): the live pass then holds its window from the start. Left
+// to the first report after FlowReportBytes, a worker still planning the
+// version (its header, the staging) when the pass's wait for a first
+// report ran out saw the pass go on unpaced, run past the server's
+// max_pending for its connection and cut it off.
+func (f *chunkFeed) follow() {
+	if f.live != nil {
+		f.sendReport(0)
+	}
+}
+
+// sendReport sends a progress report: next is the next chunk the part
+// needs.
+func (f *chunkFeed) sendReport(next int) {
+	if f.a.Protocol != ProtocolLive || f.r.reportBytes < 0 {
+		return
+	}
+	b, err := json.Marshal(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Next: next})
 	if err == nil {
 		err = f.live.nc.Publish(FlowSubject(f.r.cfg.Model), b)
 	}

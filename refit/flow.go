@@ -23,7 +23,7 @@ func FlowSubject(model string) string { return "refit." + model + ".flow" }
 
 // FlowReportBytes is how many bytes of a part's live chunks a worker takes
 // between two progress reports (and it reports the part's last chunk).
-const FlowReportBytes = 8 << 20
+const FlowReportBytes = 4 << 20
 
 // DefaultFlowWindow is how far, in bytes, a part's live pass may run ahead
 // of the slowest worker reporting on it. What is in flight may all wait in
@@ -31,14 +31,23 @@ const FlowReportBytes = 8 << 20
 // fast enough, where past the server's max_pending for a client (64 MiB
 // by default) the server cuts the worker off as a slow consumer, or in
 // the worker's client, past its live pending limit
-// (DefaultLivePendingBytes) dropped. So the window stays under both.
-const DefaultFlowWindow = 48 << 20
+// (DefaultLivePendingBytes) dropped. The server counts a write to a
+// client as pending until the whole of it is written: for a worker that
+// reads slowly, what it is being sent still counts while the next window's
+// bytes queue behind it, so the server may count about twice the window
+// (and a report's worth more). A window of 48 MiB was cut off that way,
+// paced to the chunk. So the window, and the bytes between reports, stay
+// under half of max_pending.
+const DefaultFlowWindow = 24 << 20
 
-// DefaultFlowTimeout is how long a worker's reports on a part may stand
-// still, while the live pass waits for it, before the pass goes on
-// without it (it then reads the rest from the stream), and how long a
-// live pass waits for the first report on a part before it goes on
-// unpaced (no worker follows it live).
+// DefaultFlowTimeout is how long a worker may send no report at all, on
+// any part, while the live pass waits for it on one, before the pass goes
+// on without it there (it then reads the rest of that part from the
+// stream), and how long a live pass waits for the first report on a part
+// before it goes on unpaced (no worker follows it live). A worker still
+// reporting on its other parts is alive: one of its parts may stall for
+// longer (a busy worker's parts do not move evenly), and leaving it behind
+// would cost it that part's live chunks, so the pass waits for it.
 const DefaultFlowTimeout = time.Second
 
 // FlowReport is a worker's progress on a part of a live-first version:
@@ -69,12 +78,13 @@ type flowGate struct {
 	mu      sync.Mutex
 	version uint64
 	marks   map[flowKey]flowMark
-	dropped map[flowKey]bool // workers the pass went on without
-	changed chan struct{}    // closed, and replaced, at each report
+	heard   map[string]time.Time // each worker's latest report on the version, any part
+	dropped map[flowKey]bool     // workers the pass went on without
+	changed chan struct{}        // closed, and replaced, at each report that moves a mark
 }
 
 func newFlowGate() *flowGate {
-	return &flowGate{marks: map[flowKey]flowMark{}, dropped: map[flowKey]bool{}, changed: make(chan struct{})}
+	return &flowGate{marks: map[flowKey]flowMark{}, heard: map[string]time.Time{}, dropped: map[flowKey]bool{}, changed: make(chan struct{})}
 }
 
 // start forgets the reports of earlier versions.
@@ -83,6 +93,7 @@ func (g *flowGate) start(version uint64) {
 	defer g.mu.Unlock()
 	g.version = version
 	clear(g.marks)
+	clear(g.heard)
 	clear(g.dropped)
 }
 
@@ -95,21 +106,27 @@ func (g *flowGate) note(msg *nats.Msg) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	k := flowKey{r.Worker, r.Part}
-	if r.Version != g.version || g.dropped[k] {
+	if r.Version != g.version {
+		return
+	}
+	now := time.Now()
+	g.heard[r.Worker] = now
+	if g.dropped[k] {
 		return
 	}
 	if m, ok := g.marks[k]; !ok || r.Next > m.next {
-		g.marks[k] = flowMark{next: r.Next, since: time.Now()}
+		g.marks[k] = flowMark{next: r.Next, since: now}
 		close(g.changed)
 		g.changed = make(chan struct{})
 	}
 }
 
 // wait returns once chunk seq of part may go out: no worker reporting on
-// the part is more than window chunks behind it, but those that did not
-// advance for timeout while it waited, which the pass leaves behind.
-// Before any report on the part it lets the first window out, then waits
-// up to timeout (from first, the pass's start) for one.
+// the part is more than window chunks behind it, but those that sent no
+// report on any part for timeout while it waited, which the pass leaves
+// behind on this part. Before any report on the part it lets the first
+// window out, then waits up to timeout (from first, the pass's start) for
+// one.
 func (g *flowGate) wait(ctx context.Context, part, seq, window int, timeout time.Duration, first time.Time) error {
 	began := time.Now()
 	for {
@@ -126,6 +143,9 @@ func (g *flowGate) wait(ctx context.Context, part, seq, window int, timeout time
 				continue
 			}
 			since := m.since
+			if h := g.heard[k.worker]; since.Before(h) {
+				since = h
+			}
 			if since.Before(began) {
 				since = began
 			}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"maps"
 	"slices"
 	"testing"
 	"time"
@@ -15,9 +16,10 @@ import (
 
 // TestFlowGate: a part's live pass lets out one window before any report,
 // then waits for one up to the timeout; it holds a window ahead of the
-// slowest worker reporting on the part, goes on without one whose reports
-// stand still for the timeout (and ignores it after), and ignores reports
-// on other versions and parts.
+// slowest worker reporting on the part, goes on without one that sends no
+// report on any part for the timeout (and ignores it after), waits longer
+// for one still reporting on another part, and ignores reports on other
+// versions and parts.
 func TestFlowGate(t *testing.T) {
 	const window, timeout = 4, 60 * time.Millisecond
 	report := func(g *flowGate, worker string, v uint64, part, next int) {
@@ -86,6 +88,23 @@ func TestFlowGate(t *testing.T) {
 	if d := waitsFor(12+window, "b", 20); quick(d) || slow(d) {
 		t.Errorf("b paces: waited %v, want until b's report", d)
 	}
+	// b's part 0 stands still at 20 for two timeouts while b keeps
+	// reporting on part 1: b is alive, so the pass waits for it, until its
+	// part 0 moves.
+	go func() {
+		for i := 1; i <= 8; i++ {
+			time.Sleep(timeout / 4)
+			report(g, "b", 8, 1, i)
+		}
+		report(g, "b", 8, 0, 21)
+	}()
+	if d := waits(g, 20+window, time.Now()); d < 2*timeout || slices.Contains(g.left(), "b/0") {
+		t.Errorf("b slow on part 0, reporting on part 1: waited %v, left behind %v; want b's part 0 report, b kept", d, g.left())
+	}
+	// Silent on every part, b is left behind after the timeout.
+	if d := waits(g, 21+window, time.Now()); !slow(d) || !slices.Contains(g.left(), "b/0") {
+		t.Errorf("b silent: waited %v, left behind %v; want the timeout, b/0 left", d, g.left())
+	}
 
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -123,6 +142,24 @@ func TestLiveFlowControl(t *testing.T) {
 				w.r.reportBytes = -1
 			}
 			<-w.r.liveReady
+			// The reports as the publisher sees them, in order.
+			reports := make(chan FlowReport, 1<<16)
+			rc := refittest.Connect(t, srv.URL())
+			rs, err := rc.Subscribe(FlowSubject(testModel), func(m *nats.Msg) {
+				var r FlowReport
+				if json.Unmarshal(m.Data, &r) == nil {
+					reports <- r
+				}
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := rs.SetPendingLimits(-1, -1); err != nil {
+				t.Fatal(err)
+			}
+			if err := rc.Flush(); err != nil {
+				t.Fatal(err)
+			}
 			b := perturbDir(t, a, 1, 0.3, nil)
 			stream := subset(t, b, nil)
 			if _, err := p.Publish(context.Background(), 1, bytes.NewReader(stream), int64(len(stream)), true); err != nil {
@@ -135,6 +172,21 @@ func TestLiveFlowControl(t *testing.T) {
 			live, stored := w.r.liveChunks.Load(), w.r.storedChunks.Load()
 			if tc.reports && stored != 0 || !tc.reports && stored == 0 {
 				t.Errorf("%d chunks live, %d from the streams", live, stored)
+			}
+			if err := rs.Unsubscribe(); err != nil {
+				t.Fatal(err)
+			}
+			// A reporting worker says it follows each part before its
+			// first chunk (next 0), then moves on.
+			firsts := map[int]int{}
+			for len(reports) > 0 {
+				r := <-reports
+				if _, ok := firsts[r.Part]; !ok {
+					firsts[r.Part] = r.Next
+				}
+			}
+			if want := map[int]int{0: 0, 1: 0}; tc.reports && !maps.Equal(firsts, want) || !tc.reports && len(firsts) > 0 {
+				t.Errorf("first report on each part: %v", firsts)
 			}
 		})
 	}

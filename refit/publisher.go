@@ -757,7 +757,7 @@ func (p *Publisher) sendLive(ctx context.Context, log *zap.Logger, kv jetstream.
 	}
 	if left := p.flow.left(); len(left) > 0 {
 		slices.Sort(left)
-		log.Info("refit: the live pass went on without workers that stopped reporting (they read the rest from the streams)",
+		log.Warn("refit: the live pass went on without workers that stopped reporting (they read the rest from the streams)",
 			zap.Strings("worker_parts", left))
 	}
 	for i, sum := range sums {

@@ -1136,6 +1136,7 @@ func (r *Receiver) closePartConns() {
 func (r *Receiver) receivePart(ctx context.Context, a Announce, part int, ls *liveSub, vw *versionWatch, pp *partsPlan, res *partRecv) (err error) {
 	feed := r.newFeed(a, part, ls)
 	feed.watch = vw
+	feed.follow()
 	defer func() {
 		feed.close()
 		res.fromNet, res.fromJS = feed.fromNet, feed.fromJS
