@@ -285,11 +285,11 @@ func (d *deltaDecoder) done() error {
 // BF16, the same length). changed is the number of elements that differ.
 // work is scratch for their bitmap and indices (returned, grown as needed).
 //
-// Neither pass branches on the data: the bitmap comes from 32-byte
-// compares folded into 16-bit masks, and the indices from the bitmap four
-// bits at a time by table, each group storing four candidates and moving
-// on by the number that changed. The changes of a trainer's step fall at
-// random, so a branch a change would mispredict about as often as not.
+// Finding the changes does not branch on the data: the bitmap comes from
+// whole blocks compared at once (changedBitmap), since the changes of a
+// trainer's step fall at random and a branch a block or a lane would
+// mispredict about as often as not. The indices are then listed from the
+// bitmap a 64-bit word at a time, a branch per change (changedIndices).
 func appendDeltaRecord(dst, old, new, work []byte) (out []byte, changed int, workOut []byte) {
 	n := len(new) / 2
 	nb := bitmapBytes(n)
