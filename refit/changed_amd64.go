@@ -9,9 +9,6 @@ import "golang.org/x/sys/cpu"
 //go:noescape
 func changedBitmapAVX2(bm, old, new []byte) int
 
-//go:noescape
-func countChangedAVX2(old, new []byte) int
-
 // changedBitmapVector fills bm for old and new's whole blocks of 32
 // elements where the machine has AVX2, and returns the elements done and
 // how many of them changed (0, 0 without AVX2).
@@ -25,16 +22,4 @@ func changedBitmapVector(bm, old, new []byte) (done, changed int) {
 	}
 	_ = bm[w/16-1] // the assembly writes this much
 	return w / 2, changedBitmapAVX2(bm, old[:w], new[:w])
-}
-
-// countChangedVector is changedBitmapVector's count, without the bitmap.
-func countChangedVector(old, new []byte) (done, changed int) {
-	if !cpu.X86.HasAVX2 {
-		return 0, 0
-	}
-	w := len(new) &^ 63
-	if w == 0 {
-		return 0, 0
-	}
-	return w / 2, countChangedAVX2(old[:w], new[:w])
 }

@@ -39,34 +39,3 @@ bitmapdone:
 	VZEROUPPER
 	MOVQ AX, ret+72(FP)
 	RET
-
-// func countChangedAVX2(old, new []byte) int
-// len(new) is a multiple of 64, old as long. The lanes need no order to
-// be counted: the packed masks go straight to VPMOVMSKB.
-TEXT ·countChangedAVX2(SB), NOSPLIT, $0-56
-	MOVQ old_base+0(FP), SI
-	MOVQ new_base+24(FP), DX
-	MOVQ new_len+32(FP), CX
-	XORQ AX, AX
-	SHRQ $6, CX
-	JZ   countdone
-
-countloop:
-	VMOVDQU   (SI), Y0
-	VMOVDQU   32(SI), Y1
-	VPCMPEQW  (DX), Y0, Y0
-	VPCMPEQW  32(DX), Y1, Y1
-	VPACKSSWB Y1, Y0, Y0
-	VPMOVMSKB Y0, BX
-	NOTL      BX
-	POPCNTL   BX, BX
-	ADDQ      BX, AX
-	ADDQ      $64, SI
-	ADDQ      $64, DX
-	DECQ      CX
-	JNZ       countloop
-
-countdone:
-	VZEROUPPER
-	MOVQ AX, ret+48(FP)
-	RET

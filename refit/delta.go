@@ -394,27 +394,3 @@ func blockMask(x0, x1, x2, x3 uint64) uint16 {
 	l := changedLanes(x0)>>15 | changedLanes(x1)>>11 | changedLanes(x2)>>7 | changedLanes(x3)>>3
 	return uint16(l * gather >> 48)
 }
-
-// countChanged counts the BF16 elements that differ between old and new,
-// as changedBitmap finds them.
-func countChanged(old, new []byte) int {
-	i, k := countChangedVector(old, new)
-	return k + countChangedFrom(old, new, i)
-}
-
-// countChangedFrom is countChanged from element i (a multiple of 16) on,
-// in portable Go, 32 bytes at a time as changedBitmapFrom scans, and as it
-// without a branch on the data: whether a block of a sparse delta changed
-// is a coin toss.
-func countChangedFrom(old, new []byte, i int) int {
-	k := 0
-	for i *= 2; i+32 <= len(new); i += 32 {
-		k += bits.OnesCount16(blockMask(diff32(old[i:i+32], new[i:i+32])))
-	}
-	for ; i+1 < len(new); i += 2 {
-		if old[i] != new[i] || old[i+1] != new[i+1] {
-			k++
-		}
-	}
-	return k
-}

@@ -186,7 +186,11 @@ func (d *DeltaSource) size1(sc *deltaScratch, seg *deltaSeg) (changed int64, err
 		if err != nil {
 			return 0, err
 		}
-		k := countChanged(old, new)
+		// The count of the bitmap the encoder builds; the bitmap itself is
+		// scratch here.
+		nb := bitmapBytes(len(new) / 2)
+		sc.work = slices.Grow(sc.work[:0], nb)[:nb]
+		k := changedBitmap(sc.work, old, new)
 		size, _ := DeltaRecordSize(len(new)/2, k)
 		seg.at[r+1] = seg.at[r] + int64(size)
 		changed += int64(k)
