@@ -242,11 +242,10 @@ func (f *chunkFeed) report(c Chunk, n int) {
 }
 
 // follow reports, before any chunk, that this worker follows the part
-// live (next 0): the live pass then holds its window from the start. Left
-// to the first report after FlowReportBytes, a worker still planning the
-// version (its header, the staging) when the pass's wait for a first
-// report ran out saw the pass go on unpaced, run past the server's
-// max_pending for its connection and cut it off.
+// live (next 0): the live pass then holds its window from the start.
+// Otherwise a worker still planning the version (its header, the staging)
+// when the pass's wait for a first report runs out would see the pass go
+// on unpaced, and could be cut off past the server's max_pending.
 func (f *chunkFeed) follow() {
 	if f.live != nil {
 		f.sendReport(0)

@@ -65,26 +65,20 @@ type flowKey struct {
 	part   int
 }
 
-// flowMark is where a worker's part stands, and since when.
-type flowMark struct {
-	next  int
-	since time.Time
-}
-
 // flowGate paces the live pass of the version in hand by the reports of
 // the workers on it. The status subscription's goroutine feeds it (note);
 // each part's sender asks it before each chunk (wait).
 type flowGate struct {
 	mu      sync.Mutex
 	version uint64
-	marks   map[flowKey]flowMark
+	marks   map[flowKey]int      // the next chunk each worker's part needs
 	heard   map[string]time.Time // each worker's latest report on the version, any part
 	dropped map[flowKey]bool     // workers the pass went on without
 	changed chan struct{}        // closed, and replaced, at each report that moves a mark
 }
 
 func newFlowGate() *flowGate {
-	return &flowGate{marks: map[flowKey]flowMark{}, heard: map[string]time.Time{}, dropped: map[flowKey]bool{}, changed: make(chan struct{})}
+	return &flowGate{marks: map[flowKey]int{}, heard: map[string]time.Time{}, dropped: map[flowKey]bool{}, changed: make(chan struct{})}
 }
 
 // start forgets the reports of earlier versions.
@@ -114,8 +108,8 @@ func (g *flowGate) note(msg *nats.Msg) {
 	if g.dropped[k] {
 		return
 	}
-	if m, ok := g.marks[k]; !ok || r.Next > m.next {
-		g.marks[k] = flowMark{next: r.Next, since: now}
+	if m, ok := g.marks[k]; !ok || r.Next > m {
+		g.marks[k] = r.Next
 		close(g.changed)
 		g.changed = make(chan struct{})
 	}
@@ -139,13 +133,10 @@ func (g *flowGate) wait(ctx context.Context, part, seq, window int, timeout time
 				continue
 			}
 			any = true
-			if seq-m.next < window {
+			if seq-m < window {
 				continue
 			}
-			since := m.since
-			if h := g.heard[k.worker]; since.Before(h) {
-				since = h
-			}
+			since := g.heard[k.worker] // every mark came with a report
 			if since.Before(began) {
 				since = began
 			}
