@@ -253,14 +253,16 @@ func (f *chunkFeed) follow() {
 }
 
 // sendReport sends a progress report: next is the next chunk the part
-// needs.
+// needs. Reports on every part go to the receiver's own server, where the
+// announcements are and the publisher listens, not to the part's server:
+// part servers need not be one cluster.
 func (f *chunkFeed) sendReport(next int) {
 	if f.a.Protocol != ProtocolLive || f.r.reportBytes < 0 {
 		return
 	}
 	b, err := json.Marshal(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Next: next})
 	if err == nil {
-		err = f.live.nc.Publish(FlowSubject(f.r.cfg.Model), b)
+		err = f.r.nc.Publish(FlowSubject(f.r.cfg.Model), b)
 	}
 	if err != nil {
 		f.log.Debug("refit: progress report not sent", zap.Error(err))

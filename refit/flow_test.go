@@ -117,24 +117,31 @@ func TestFlowGate(t *testing.T) {
 // publisher sends them, with a pending limit a few chunks deep, still
 // takes every chunk live: the live pass waits for its reports. Without
 // them (a worker that does not report), the same worker falls behind, its
-// subscription drops chunks, and it reads the rest from the streams.
+// subscription drops chunks, and it reads the rest from the streams. With
+// part 1 on a server of its own (not one cluster with the first), its
+// reports must still reach the publisher, which listens on the first.
 func TestLiveFlowControl(t *testing.T) {
 	for _, tc := range []struct {
-		name    string
-		reports bool
-	}{{"paced", true}, {"unpaced", false}} {
+		name       string
+		reports    bool
+		partServer bool // part 1 on a server of its own, not clustered with the first
+	}{{"paced", true, false}, {"unpaced", false, false}, {"paced, part server", true, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv := refittest.StartServer(t)
+			var servers []string
+			if tc.partServer {
+				servers = []string{refittest.StartServer(t).URL()}
+			}
 			const chunk = 4093
 			p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: chunk, Parts: 2,
-				LiveFirst: true, FlowWindow: 3 * chunk, FlowTimeout: 300 * time.Millisecond}, nil)
+				PartServers: servers, LiveFirst: true, FlowWindow: 3 * chunk, FlowTimeout: 300 * time.Millisecond}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { p.Close() })
 			a := modelDir(t, 93)
 			w := startWorker(t, srv.URL(), a, "slow", moe.RecipePerToken, func(c *ReceiverConfig) {
-				c.LiveParts, c.LivePendingBytes = 2, 6*chunk
+				c.LiveParts, c.LivePendingBytes, c.PartServers = 2, 6*chunk, servers
 			})
 			w.r.chunkDelay = 2 * time.Millisecond
 			w.r.reportBytes = 1 // every chunk
