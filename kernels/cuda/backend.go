@@ -89,6 +89,9 @@ type Backend struct {
 	// multiplies: 0 picks by the launch's size (streamFewBlocks), 1 or 2
 	// force it (tests compare them).
 	streamJ int
+	// streamM8Rows is the average rows per expert at or below which NVFP4
+	// streamed launches take 8-row tiles (streamPlan; tests force it).
+	streamM8Rows int
 	// narrow8 is the kernel for Gemms of at most gemmNarrow8M rows
 	// (kGemmNarrow8; tests force kGemmNarrow, which gives the same bits).
 	narrow8 plainKernel
@@ -164,7 +167,7 @@ func New(cfg Config, log *zap.Logger) (*Backend, error) {
 	}
 	be := &Backend{dev: dev, log: log, info: dev.Info(), staging: cfg.StagingBytes, kernels: make(map[any]loadedKernel),
 		fp4TileRows: defaultTileRows, fp4Tile8Rows: defaultTile8Rows, fp4WSRows: math.MaxInt32, fp4WS192Rows: math.MaxInt32, pdl: true,
-		narrow8: kGemmNarrow8, sampleWide: true}
+		streamM8Rows: defaultM8Rows, narrow8: kGemmNarrow8, sampleWide: true}
 	if be.hasWGMMA() {
 		be.fp4WSRows, be.fp4WS192Rows = defaultWSRows, defaultWS192Rows
 	}

@@ -357,7 +357,7 @@ const streamFewBlocks = 4
 // bit (src/gemm_stream.cu), so the choice keeps batch invariance.
 // TestStreamSmemFits bounds the shared memory.
 func (be *Backend) streamLaunch(fp4 bool, a kernels.GroupedGemmArgs, s kernels.GroupedGemmShape, args ...any) error {
-	l := streamPlan(fp4, a.Act, s, be.info.SMs, be.streamJ)
+	l := streamPlan(fp4, a.Act, s, be.info.SMs, be.streamJ, be.streamM8Rows)
 	return be.launch(l.kernel, l.grid, drv.Dim3{X: 256}, l.smem, scatterArgs(a, args)...)
 }
 
@@ -371,8 +371,11 @@ type streamLaunchPlan struct {
 
 // streamPlan picks the streamed kernel and its geometry for a GEMM of
 // shape s on a device of sms SMs; j forces the n8 tiles a warp of a
-// 16-row-tile kernel (0: by streamFewBlocks).
-func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sms, j int) streamLaunchPlan {
+// 16-row-tile kernel (0: by streamFewBlocks). An NVFP4 launch that would
+// take 16-row tiles of two n8 tiles a warp takes 8-row ones (the whole K
+// range of a tile's activations staged at once) where the experts average
+// at most m8Rows rows and a block's K range fits streamM8Chunks.
+func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sms, j, m8Rows int) streamLaunchPlan {
 	k := streamKernel{fp4: fp4, bm: 64, j: 2, swiglu: act == kernels.SwiGLU}
 	switch {
 	case s.R <= 8*s.E:
@@ -410,6 +413,18 @@ func streamPlan(fp4 bool, act kernels.Activation, s kernels.GroupedGemmShape, sm
 		// -> 2345 us. Same bits (src/gemm_stream.cu g5_gemm).
 		k.j, grid.Y = 4, (s.OutN+2*cols-1)/(2*cols)
 	}
+	if fp4 && k.bm == 16 && k.j == 2 && s.R <= m8Rows*s.E {
+		nchb := (s.Kp + 127) / 128
+		if k.ks2 {
+			nchb = (nchb + 1) / 2
+		}
+		if nchb <= streamM8Chunks {
+			// Same bits: each output row's MMAs and K order are those of
+			// the 16-row tile (src/gemm_stream.cu g5_tail, ROW 8).
+			k.bm, grid.X = 8, s.R/8+min(s.E, s.R)
+			return streamLaunchPlan{kernel: k, grid: grid, smem: streamM8Smem(k.j, nchb)}
+		}
+	}
 	return streamLaunchPlan{kernel: k, grid: grid, smem: streamSmem(fp4, k.bm, k.j)}
 }
 
@@ -421,6 +436,11 @@ func scatterArgs(a kernels.GroupedGemmArgs, args []any) []any {
 	}
 	return append(args, drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), drv.DevicePtr(0), int32(0), int32(0))
 }
+
+// defaultM8Rows is the average rows per expert at or below which the NVFP4
+// streamed GEMMs take 8-row tiles (streamPlan). Not yet measured against
+// the 16-row tiles (TestStreamedGemmDecode).
+const defaultM8Rows = 8
 
 // defaultTileRows is the average rows per expert above which the NVFP4
 // grouped GEMMs take the tiled kernel instead of the streamed one: where

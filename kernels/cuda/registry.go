@@ -84,8 +84,9 @@ type stagedKernel struct {
 	swiglu bool
 }
 
-// streamKernel is a streamed grouped GEMM: bm-row tiles (16, 32, 64), j n8
-// tiles a warp, NVFP4 or BF16 operands, K split over a cluster pair (ks2).
+// streamKernel is a streamed grouped GEMM: bm-row tiles (16, 32, 64; 8 for
+// the NVFP4 kernels that stage a tile's whole K range at once), j n8 tiles
+// a warp, NVFP4 or BF16 operands, K split over a cluster pair (ks2).
 type streamKernel struct {
 	fp4         bool
 	bm, j       int
@@ -211,6 +212,21 @@ func streamSmem(fp4 bool, bm, j int) int {
 	return bm/16*streamTileSmem + 8*j*32*ring
 }
 
+// Streamed NVFP4 kernels of 8-row tiles (gemm_stream.cu g5_gemm, M8): the
+// ring is streamDepthM8 chunks deep and the activation region holds the
+// block's whole K range, at most streamM8Chunks chunks of 2 KB, so that
+// three blocks fit an SM (TestStreamSmemFits).
+const (
+	streamDepthM8  = 4
+	streamM8Chunks = 18
+)
+
+// streamM8Smem is the dynamic shared memory of an 8-row kernel of j n8
+// tiles a warp whose blocks take nchb chunks of K each: g5_m8units.
+func streamM8Smem(j, nchb int) int {
+	return max(nchb*128, 2*256)*16 + 8*j*32*streamDepthM8*(16+2)
+}
+
 // stagedSmem is gemm_staged's: bm activation rows and the weight rows (64,
 // or 128 for SwiGLU) of g4LD BF16 elements.
 func stagedSmem(bm int, swiglu bool) int {
@@ -333,15 +349,15 @@ func (k streamKernel) name() string {
 }
 
 // streamVariants are the streamed kernels the host launches (streamPlan):
-// NVFP4 16-row tiles with one or two n8 tiles a warp (one only without
-// SwiGLU), 32-row tiles with four, 64-row tiles with two, each with and
-// without the K split; BF16 likewise with two n8 tiles a warp at every
-// tile size and no K split.
+// NVFP4 8-row tiles with two n8 tiles a warp, 16-row tiles with one or two
+// (one only without SwiGLU), 32-row tiles with four, 64-row tiles with
+// two, each with and without the K split; BF16 likewise with two n8 tiles
+// a warp at every tile size from 16 rows and no K split.
 func streamVariants() []streamKernel {
 	var ks []streamKernel
 	for _, ks2 := range []bool{false, true} {
-		for _, v := range []streamKernel{{bm: 16, j: 2}, {bm: 16, j: 1}, {bm: 16, j: 2, swiglu: true}, {bm: 32, j: 4},
-			{bm: 32, j: 4, swiglu: true}, {bm: 64, j: 2}, {bm: 64, j: 2, swiglu: true}} {
+		for _, v := range []streamKernel{{bm: 8, j: 2}, {bm: 8, j: 2, swiglu: true}, {bm: 16, j: 2}, {bm: 16, j: 1},
+			{bm: 16, j: 2, swiglu: true}, {bm: 32, j: 4}, {bm: 32, j: 4, swiglu: true}, {bm: 64, j: 2}, {bm: 64, j: 2, swiglu: true}} {
 			v.fp4, v.ks2 = true, ks2
 			ks = append(ks, v)
 		}
@@ -448,10 +464,14 @@ func kernelRegistry() []kernelSpec {
 		}
 	}
 	for _, v := range streamVariants() {
+		tile := fmt.Sprintf("%d, %d, %s, %s", v.bm/16, v.j, cppBool(v.swiglu), cppBool(v.fp4))
+		smem := streamSmem(v.fp4, v.bm, v.j)
+		if v.bm == 8 {
+			tile, smem = fmt.Sprintf("1, %d, %s, %s, true", v.j, cppBool(v.swiglu), cppBool(v.fp4)), smemPerLaunch
+		}
 		ks = append(ks, kernelSpec{key: v, name: v.name(), unit: "gemm_stream.cu",
-			expr: fmt.Sprintf("rw::%s<rw::StreamTile<%d, %d, %s, %s>>", ks2Entry("gemm_stream", v.ks2), v.bm/16, v.j,
-				cppBool(v.swiglu), cppBool(v.fp4)),
-			threads: 256, clusterZ: clusterOf(v.ks2), smem: streamSmem(v.fp4, v.bm, v.j), pdl: true})
+			expr:    fmt.Sprintf("rw::%s<rw::StreamTile<%s>>", ks2Entry("gemm_stream", v.ks2), tile),
+			threads: 256, clusterZ: clusterOf(v.ks2), smem: smem, pdl: true})
 	}
 	for _, ks2 := range []bool{false, true} {
 		for _, warps := range []int{16, 8} {

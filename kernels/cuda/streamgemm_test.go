@@ -244,6 +244,11 @@ func TestStreamSmemFits(t *testing.T) {
 	if got := 2 * (streamSmem(true, 32, 4) + static16 + reserved); got > perSM {
 		t.Errorf("NVFP4 32-row tile, four n8 tiles a warp: two blocks take %d bytes of shared memory, more than an SM's %d", got, perSM)
 	}
+	// The NVFP4 8-row kernels with the most chunks they stage: three
+	// blocks an SM (g5_minb).
+	if got := 3 * (streamM8Smem(2, streamM8Chunks) + static16 + reserved); got > perSM {
+		t.Errorf("NVFP4 8-row tile, %d chunks staged: three blocks take %d bytes of shared memory, more than an SM's %d", streamM8Chunks, got, perSM)
+	}
 }
 
 // TestGroupedGemmInvariance checks batch invariance across the NVFP4
@@ -264,9 +269,9 @@ func TestStreamSmemFits(t *testing.T) {
 // partly zero-filled; squared ReLU and SwiGLU.
 func TestGroupedGemmInvariance(t *testing.T) {
 	be := gpu(t)
-	defer func(tile, tile8, ws, ws192, j int) {
-		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ = tile, tile8, ws, ws192, j
-	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ)
+	defer func(tile, tile8, ws, ws192, j, m8 int) {
+		be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ, be.streamM8Rows = tile, tile8, ws, ws192, j, m8
+	}(be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ, be.streamM8Rows)
 	r := rand.New(rand.NewPCG(51, 52))
 	const E, N = 4, 256
 	// 2096: rows of half 16-byte units; 8256: a block's half of K (33
@@ -306,8 +311,8 @@ func TestGroupedGemmInvariance(t *testing.T) {
 			if act == kernels.SwiGLU {
 				outN = N / 2
 			}
-			run := func(perExpert, tileRows, tile8Rows, wsRows, ws192Rows, j int) [][]byte {
-				be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ = tileRows, tile8Rows, wsRows, ws192Rows, j
+			run := func(perExpert, tileRows, tile8Rows, wsRows, ws192Rows, j, m8 int) [][]byte {
+				be.fp4TileRows, be.fp4Tile8Rows, be.fp4WSRows, be.fp4WS192Rows, be.streamJ, be.streamM8Rows = tileRows, tile8Rows, wsRows, ws192Rows, j, m8
 				R := E * perExpert
 				offs, gather := make([]int32, E+1), make([]int32, R)
 				for e := range E {
@@ -332,29 +337,35 @@ func TestGroupedGemmInvariance(t *testing.T) {
 				return rows
 			}
 			never := math.MaxInt32
-			alone := run(1, never, 0, never, never, 0)
+			alone := run(1, never, 0, never, never, 0, 0)
 			type kase struct {
-				name                                 string
-				perExpert, tile, tile8, ws, ws192, j int
+				name                                     string
+				perExpert, tile, tile8, ws, ws192, j, m8 int
 			}
 			cases := []kase{
+				// 8-row tiles (two n8 tiles a warp forced: E = 4 launches few
+				// blocks) where a block's K range fits streamM8Chunks: K 2048,
+				// 2096, 2112 and 4096 (split).
+				{"streamed 8-row tiles, 1 row per expert", 1, never, 0, never, never, 2, 8},
+				{"streamed 8-row tiles, 5 rows per expert", 5, never, 0, never, never, 2, 8},
+				{"streamed 8-row tiles, 12 rows per expert (two tiles)", 12, never, 0, never, never, 2, 16},
 				// 1 row per expert: j = 1 by the launch's size (8 or 16 blocks), or forced.
-				{"streamed with two n8 tiles a warp, 1 row per expert", 1, never, 0, never, never, 2},
-				{"streamed with one n8 tile a warp, 1 row per expert", 1, never, 0, never, never, 1},
-				{"streamed, 3 rows per expert (8-row staging)", 3, never, 0, never, never, 0},
-				{"streamed, 12 rows per expert (32-row tiles, four n8 tiles a warp, one m16 tile)", 12, never, 0, never, never, 0},
-				{"streamed, 20 rows per expert (32-row tiles, four n8 tiles a warp)", 20, never, 0, never, never, 0},
-				{"streamed, 80 rows per expert", 80, never, 0, never, never, 0},
-				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, never, never, never, 0},
-				{"tiled, 1 row per expert", 1, 0, never, never, never, 0}, // 0: every batch tiled
-				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, never, never, 0},
+				{"streamed with two n8 tiles a warp, 1 row per expert", 1, never, 0, never, never, 2, 0},
+				{"streamed with one n8 tile a warp, 1 row per expert", 1, never, 0, never, never, 1, 0},
+				{"streamed, 3 rows per expert (8-row staging)", 3, never, 0, never, never, 0, 0},
+				{"streamed, 12 rows per expert (32-row tiles, four n8 tiles a warp, one m16 tile)", 12, never, 0, never, never, 0, 0},
+				{"streamed, 20 rows per expert (32-row tiles, four n8 tiles a warp)", 20, never, 0, never, never, 0, 0},
+				{"streamed, 80 rows per expert", 80, never, 0, never, never, 0, 0},
+				{"tiled with 16 warps, 160 rows per expert", 160, defaultTileRows, never, never, never, 0, 0},
+				{"tiled, 1 row per expert", 1, 0, never, never, never, 0, 0}, // 0: every batch tiled
+				{"tiled with 8 warps, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, never, never, 0, 0},
 			}
 			if be.hasWGMMA() {
 				cases = append(cases,
-					kase{"warp-specialised wgmma tile, 160 rows per expert (two tiles)", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, never, 0},
-					kase{"warp-specialised wgmma tile, 1 row per expert", 1, 0, 0, 0, never, 0},
-					kase{"warp-specialised wgmma 192-row tile, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, defaultWS192Rows, 0},
-					kase{"warp-specialised wgmma 192-row tile, 1 row per expert", 1, 0, 0, 0, 0, 0})
+					kase{"warp-specialised wgmma tile, 160 rows per expert (two tiles)", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, never, 0, 0},
+					kase{"warp-specialised wgmma tile, 1 row per expert", 1, 0, 0, 0, never, 0, 0},
+					kase{"warp-specialised wgmma 192-row tile, 160 rows per expert", 160, defaultTileRows, defaultTile8Rows, defaultWSRows, defaultWS192Rows, 0, 0},
+					kase{"warp-specialised wgmma 192-row tile, 1 row per expert", 1, 0, 0, 0, 0, 0, 0})
 			}
 			for _, c := range cases {
 				if c.tile == defaultTileRows && c.perExpert <= defaultTileRows || c.tile8 == defaultTile8Rows && c.perExpert <= defaultTile8Rows ||
@@ -362,7 +373,7 @@ func TestGroupedGemmInvariance(t *testing.T) {
 					t.Fatalf("%s: at or below the default thresholds (%d, %d, %d, %d): not the kernel named", c.name, defaultTileRows,
 						defaultTile8Rows, defaultWSRows, defaultWS192Rows)
 				}
-				got := run(c.perExpert, c.tile, c.tile8, c.ws, c.ws192, c.j)
+				got := run(c.perExpert, c.tile, c.tile8, c.ws, c.ws192, c.j, c.m8)
 				for e := range E {
 					if string(alone[e]) != string(got[e]) {
 						t.Errorf("K %d, %v, expert %d: the row's output differs between 1 row per expert (streamed) and %s", K, act, e, c.name)
@@ -376,8 +387,9 @@ func TestGroupedGemmInvariance(t *testing.T) {
 // TestStreamPlan checks, without a GPU, which streamed kernel and grid the
 // host picks at the DeepSeek-V3 MoE layer shapes (hidden 7168,
 // intermediate 2048, 256 experts, top-8) on an H200's 132 SMs: one n8 tile
-// a warp (_j1) only for the one-token layer's non-SwiGLU GEMMs, and that
-// every kernel it names is in the registry.
+// a warp (_j1) only for the one-token layer's non-SwiGLU GEMMs, 8-row
+// tiles where asked for and a block's K range fits, and that every kernel
+// it names is in the registry.
 func TestStreamPlan(t *testing.T) {
 	reg := kernelRegistry()
 	const H, I, E, K, sms = 7168, 2048, 256, 8, 132
@@ -396,23 +408,30 @@ func TestStreamPlan(t *testing.T) {
 		kern  string
 		grid  drv.Dim3
 		fewer bool // less shared memory than the kernel with two n8 tiles a warp
+		m8    int  // average rows per expert up to which 8-row tiles are asked for
 	}{
-		{"1 token NVFP4 FC1", true, kernels.ReLU2, fc1(1, I), 0, "gemm_fp4_stream_m16_ks2_j1", drv.Dim3{X: 8, Y: 32, Z: 2}, true},
-		{"1 token NVFP4 FC2", true, kernels.Identity, fc2(1), 0, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 8, Y: 112, Z: 1}, true},
-		{"1 token BF16 FC1", false, kernels.ReLU2, fc1(1, I), 0, "gemm_bf16_stream_m16_j1", drv.Dim3{X: 8, Y: 32, Z: 1}, true},
-		{"1 token BF16 FC2", false, kernels.Identity, fc2(1), 0, "gemm_bf16_stream_m16_j1", drv.Dim3{X: 8, Y: 112, Z: 1}, true},
-		{"1 token NVFP4 FC1 SwiGLU", true, kernels.SwiGLU, fc1(1, I), 0, "gemm_fp4_stream_m16_swiglu_ks2", drv.Dim3{X: 8, Y: 32, Z: 2}, false},
-		{"1 token NVFP4 FC1, two tiles forced", true, kernels.ReLU2, fc1(1, I), 2, "gemm_fp4_stream_m16_ks2", drv.Dim3{X: 8, Y: 16, Z: 2}, false},
-		{"8 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(8, I), 0, "gemm_fp4_stream_m16_ks2", drv.Dim3{X: 68, Y: 16, Z: 2}, false},
-		{"8 tokens BF16 FC1", false, kernels.ReLU2, fc1(8, I), 0, "gemm_bf16_stream_m16", drv.Dim3{X: 68, Y: 16, Z: 1}, false},
-		{"8 tokens NVFP4 FC2, one tile forced", true, kernels.Identity, fc2(8), 1, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 68, Y: 112, Z: 1}, true},
-		{"512 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(512, I), 0, "gemm_fp4_stream_m32_ks2_j4", drv.Dim3{X: 384, Y: 8, Z: 2}, false},
-		{"512 tokens NVFP4 FC1 SwiGLU", true, kernels.SwiGLU, fc1(512, I), 0, "gemm_fp4_stream_m32_swiglu_ks2_j4", drv.Dim3{X: 384, Y: 16, Z: 2}, false},
-		{"512 tokens NVFP4 FC2", true, kernels.Identity, fc2(512), 0, "gemm_fp4_stream_m32_j4", drv.Dim3{X: 384, Y: 28, Z: 1}, false},
-		{"512 tokens BF16 FC2", false, kernels.Identity, fc2(512), 0, "gemm_bf16_stream_m32", drv.Dim3{X: 384, Y: 56, Z: 1}, false},
+		{"1 token NVFP4 FC1", true, kernels.ReLU2, fc1(1, I), 0, "gemm_fp4_stream_m16_ks2_j1", drv.Dim3{X: 8, Y: 32, Z: 2}, true, 0},
+		{"1 token NVFP4 FC2", true, kernels.Identity, fc2(1), 0, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 8, Y: 112, Z: 1}, true, 0},
+		{"1 token BF16 FC1", false, kernels.ReLU2, fc1(1, I), 0, "gemm_bf16_stream_m16_j1", drv.Dim3{X: 8, Y: 32, Z: 1}, true, 0},
+		{"1 token BF16 FC2", false, kernels.Identity, fc2(1), 0, "gemm_bf16_stream_m16_j1", drv.Dim3{X: 8, Y: 112, Z: 1}, true, 0},
+		{"1 token NVFP4 FC1 SwiGLU", true, kernels.SwiGLU, fc1(1, I), 0, "gemm_fp4_stream_m16_swiglu_ks2", drv.Dim3{X: 8, Y: 32, Z: 2}, false, 0},
+		{"1 token NVFP4 FC1, two tiles forced", true, kernels.ReLU2, fc1(1, I), 2, "gemm_fp4_stream_m16_ks2", drv.Dim3{X: 8, Y: 16, Z: 2}, false, 0},
+		{"8 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(8, I), 0, "gemm_fp4_stream_m16_ks2", drv.Dim3{X: 68, Y: 16, Z: 2}, false, 0},
+		{"8 tokens BF16 FC1", false, kernels.ReLU2, fc1(8, I), 0, "gemm_bf16_stream_m16", drv.Dim3{X: 68, Y: 16, Z: 1}, false, 0},
+		{"8 tokens NVFP4 FC2, one tile forced", true, kernels.Identity, fc2(8), 1, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 68, Y: 112, Z: 1}, true, 0},
+		{"512 tokens NVFP4 FC1", true, kernels.ReLU2, fc1(512, I), 0, "gemm_fp4_stream_m32_ks2_j4", drv.Dim3{X: 384, Y: 8, Z: 2}, false, 0},
+		{"512 tokens NVFP4 FC1 SwiGLU", true, kernels.SwiGLU, fc1(512, I), 0, "gemm_fp4_stream_m32_swiglu_ks2_j4", drv.Dim3{X: 384, Y: 16, Z: 2}, false, 0},
+		{"512 tokens NVFP4 FC2", true, kernels.Identity, fc2(512), 0, "gemm_fp4_stream_m32_j4", drv.Dim3{X: 384, Y: 28, Z: 1}, false, 0},
+		{"512 tokens BF16 FC2", false, kernels.Identity, fc2(512), 0, "gemm_bf16_stream_m32", drv.Dim3{X: 384, Y: 56, Z: 1}, false, 0},
+		{"8 tokens NVFP4 FC2, 8-row tiles", true, kernels.Identity, fc2(8), 0, "gemm_fp4_stream_m8", drv.Dim3{X: 72, Y: 56, Z: 1}, false, 4},
+		{"8 tokens NVFP4 FC1 SwiGLU, K range too long for 8-row tiles", true, kernels.SwiGLU, fc1(8, I), 0, "gemm_fp4_stream_m16_swiglu_ks2", drv.Dim3{X: 68, Y: 32, Z: 2}, false, 4},
+		{"1 token NVFP4 FC2, few blocks: one n8 tile a warp", true, kernels.Identity, fc2(1), 0, "gemm_fp4_stream_m16_j1", drv.Dim3{X: 8, Y: 112, Z: 1}, true, 4},
+		{"64 tokens NVFP4 FC2, above the 8-row tiles' rows", true, kernels.Identity, fc2(64), 0, "gemm_fp4_stream_m16", drv.Dim3{X: 288, Y: 56, Z: 1}, false, 1},
+		{"Qwen3-30B-A3B, 64 tokens NVFP4 FC1 SwiGLU, 8-row tiles", true, kernels.SwiGLU, kernels.GroupedGemmShape{R: 512, E: 128, N: 1536, K: 2048, Kp: 2048, OutN: 768},
+			0, "gemm_fp4_stream_m8_swiglu", drv.Dim3{X: 192, Y: 12, Z: 1}, false, 4},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			p := streamPlan(c.fp4, c.act, c.s, sms, c.j)
+			p := streamPlan(c.fp4, c.act, c.s, sms, c.j, c.m8)
 			k := specOf(t, reg, p.kernel)
 			if k.name != c.kern || p.grid != c.grid {
 				t.Errorf("%s grid %+v, want %s grid %+v", k.name, p.grid, c.kern, c.grid)
@@ -420,7 +439,7 @@ func TestStreamPlan(t *testing.T) {
 			if err := k.check(archWGMMA, p.grid, drv.Dim3{X: 256}, p.smem, 227<<10); err != nil {
 				t.Error(err)
 			}
-			two := streamPlan(c.fp4, c.act, c.s, sms, 2)
+			two := streamPlan(c.fp4, c.act, c.s, sms, 2, c.m8)
 			if got := p.smem < two.smem; got != c.fewer {
 				t.Errorf("shared memory %d, with two tiles a warp %d: less = %v, want %v", p.smem, two.smem, got, c.fewer)
 			}
@@ -476,5 +495,105 @@ func TestTilePlan(t *testing.T) {
 				t.Error(err)
 			}
 		})
+	}
+}
+
+// TestStreamedGemmDecode times the streamed NVFP4 expert GEMMs with 16-row
+// tiles (staging activations chunk by chunk) and with 8-row tiles (staging
+// a tile's whole K range at once) side by side at the Qwen3-30B-A3B expert
+// shapes (hidden 2048, intermediate 768, SwiGLU, 128 experts, top-8) for
+// decode batches routed at random, and checks that both give the same bits.
+// The weights (214 MB for FC1) do not fit the L2.
+func TestStreamedGemmDecode(t *testing.T) {
+	be := gpu(t)
+	defer func(j, m8 int) { be.streamJ, be.streamM8Rows = j, m8 }(be.streamJ, be.streamM8Rows)
+	const E, H, I, topK, iters = 128, 2048, 768, 8, 50
+	r := rand.New(rand.NewPCG(61, 62))
+	up := func(data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
+		b := moetest.Alloc(t, be, dt, shape...)
+		if err := be.Upload(b, 0, data); err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	randFP4 := func(lead []int, k int, scales int) kernels.NVFP4 {
+		n := k
+		for _, d := range lead {
+			n *= d
+		}
+		packed, sf := make([]byte, n/2), make([]byte, n/16)
+		for i := range packed {
+			packed[i] = byte(r.Uint32())
+		}
+		for i := range sf {
+			sf[i] = byte(0x28 + r.IntN(0x20))
+		}
+		sc := make([]float32, scales)
+		for i := range sc {
+			sc[i] = float32(math.Ldexp(1+r.Float64(), -8))
+		}
+		return kernels.NVFP4{Packed: up(packed, kernels.U8, append(lead, k/2)...), Scales: up(sf, kernels.U8, append(lead, k/16)...),
+			Scale: up(kernels.Float32Bytes(sc), kernels.F32, scales)}
+	}
+	gemms := []struct {
+		name string
+		act  kernels.Activation
+		w    kernels.NVFP4
+		n, k int
+	}{
+		{"fc1", kernels.SwiGLU, randFP4([]int{E, 2 * I}, H, E), 2 * I, H},
+		{"fc2", kernels.Identity, randFP4([]int{E, H}, I, E), H, I},
+	}
+	for _, T := range []int{1, 8, 32, 64, 128} {
+		R := T * topK
+		byExpert := make([][]int32, E)
+		for tok := range T {
+			for _, e := range r.Perm(E)[:topK] {
+				byExpert[e] = append(byExpert[e], int32(tok))
+			}
+		}
+		offs, gather := make([]int32, E+1), make([]int32, 0, R)
+		most := 0
+		for e := range E {
+			gather = append(gather, byExpert[e]...)
+			offs[e+1] = offs[e] + int32(len(byExpert[e]))
+			most = max(most, len(byExpert[e]))
+		}
+		offsets, gath := up(kernels.Int32Bytes(offs), kernels.I32, E+1), up(kernels.Int32Bytes(gather), kernels.I32, R)
+		for _, g := range gemms {
+			A := randFP4([]int{T}, g.k, T)
+			outN := g.n
+			if g.act == kernels.SwiGLU {
+				outN /= 2
+			}
+			var outs [2][]byte
+			var times [2]float64
+			for v, m8 := range []int{0, 8} {
+				be.streamJ, be.streamM8Rows = 0, m8
+				out := moetest.Alloc(t, be, kernels.BF16, R, outN)
+				args := kernels.GroupedGemmArgs{A: kernels.Operand{Q: A}, Gather: gath, W: kernels.Operand{Q: g.w}, Offsets: offsets, Act: g.act, Out: out}
+				d, err := be.Time(iters, func() error { return be.GroupedGemm(args) })
+				if err != nil {
+					t.Fatal(err)
+				}
+				outs[v] = make([]byte, out.Size())
+				if err := be.Download(outs[v], out, 0); err != nil {
+					t.Fatal(err)
+				}
+				times[v] = d.Seconds()
+			}
+			hit := 0
+			for e := range E {
+				if offs[e+1] > offs[e] {
+					hit++
+				}
+			}
+			bytes := float64(hit*g.n*g.k) * (0.5 + 1.0/16)
+			t.Logf("%d tokens %s (%d experts hit, at most %d rows): 16-row tiles %.1f us (%.2f TB/s), 8-row tiles %.1f us (%.2f TB/s), 8-row / 16-row %.3f",
+				T, g.name, hit, most, times[0]*1e6, bytes/times[0]/1e12, times[1]*1e6, bytes/times[1]/1e12, times[1]/times[0])
+			if string(outs[0]) != string(outs[1]) {
+				t.Errorf("%d tokens %s: the 8-row tiles' output differs from the 16-row tiles'", T, g.name)
+			}
+		}
 	}
 }

@@ -38,9 +38,19 @@ namespace rw {
 // at 8-128 tokens 1-2% faster than three blocks of 7 chunks. The 32-row
 // kernels with four n8 tiles a warp (_j4) keep 4, the bytes in flight of
 // two tiles and 8 chunks, so that two blocks fit an SM.
-__host__ __device__ constexpr int g5_depth(bool FP4, int MI, int J) { return FP4 ? (MI == 1 ? 5 : J == 4 ? 4 : 8) : 4; }
+// The 8-row kernels (M8, below) keep 4, so that three blocks fit an SM with
+// the whole K range of activations staged (2 KB a chunk, up to 16 chunks).
+__host__ __device__ constexpr int g5_depth(bool FP4, int MI, int J, bool M8 = false) {
+    return M8 ? 4 : FP4 ? (MI == 1 ? 5 : J == 4 ? 4 : 8) : 4;
+}
 // g5_minb: blocks an SM the registers must allow.
-__host__ __device__ constexpr int g5_minb(bool FP4, int MI, int J) { return FP4 && MI == 1 ? 4 : FP4 && J == 4 ? 2 : 1; }
+__host__ __device__ constexpr int g5_minb(bool FP4, int MI, int J, bool M8 = false) {
+    return M8 ? 3 : FP4 && MI == 1 ? 4 : FP4 && J == 4 ? 2 : 1;
+}
+// g5_m8units: the activation region of an 8-row kernel, in 16-byte units:
+// nchb chunks of 128 units (8 rows x 128 K of BF16), at least the 8 KB the
+// K split's sums take (ks2_add).
+__host__ __device__ constexpr int g5_m8units(int nchb) { return nchb * 128 > 2 * 256 ? nchb * 128 : 2 * 256; }
 constexpr int G5_NW = 8; // warps per block
 __host__ __device__ constexpr int g5_wb(bool FP4) { return FP4 ? 16 : 64; } // bytes per lane, tile and chunk
 constexpr int G5_ROWCH = 32; // chunks of a one-row tile's K range staged at once: 256 B each in the 2 x 4 KB of a 16-row tile's buffers
@@ -189,19 +199,24 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> 
     }
 }
 
-// g5_rowstage fills aq with a one-row tile's A fragments for chunks cbeg ..
-// cend - 1, all at once: aq[cc * 16 + k * 4 + q4] holds, for the lanes of
-// t4 = q4, row 0's words of slices 2k and 2k + 1 of chunk cc as {lo(2k),
-// lo(2k + 1), hi(2k), hi(2k + 1)}: the words g5_astore gives row 0 (zeros
-// past K or for a missing row, a < 0). Both slices come from the same code
-// word and block scale, so a thread converts them together. The NVFP4
-// g5_tail's ROW path passes each 16-byte word to slice 2k's MMA as it is
-// and to slice 2k + 1's with its odd words in the even places (below).
-__device__ __forceinline__ void g5_rowstage(uint4 *aq, const void *A, const unsigned char *aSF, int K, int a, int cbeg, int cend,
-                                            const unsigned *lut, int tid, int nt) {
+// g5_rowstage fills aq with the A fragments of a tile of ROWS rows (1 or
+// 8; src: their A rows, -1 for a missing one) for chunks cbeg .. cend - 1,
+// all at once: aq[(cc * 4 + k) * 4 * ROWS + 4 * r + q4] holds, for the
+// lanes (g = r, t4 = q4), row r's words of slices 2k and 2k + 1 of chunk
+// cc as {lo(2k), lo(2k + 1), hi(2k), hi(2k + 1)}: the words g5_astore
+// gives row r (zeros past K or for a missing row). So a warp's LDS.128 of
+// slice pair k reads 16 (ROWS 1: every group the same) or 512 contiguous
+// bytes. Both slices come from the same code word and block scale, so a
+// thread converts them together. g5_tail's ROW paths pass each 16-byte
+// word to slice 2k's MMA as it is and to slice 2k + 1's with its odd words
+// in the even places (below).
+template <int ROWS>
+__device__ __forceinline__ void g5_rowstage(uint4 *aq, const void *A, const unsigned char *aSF, int K, const int *src, int cbeg,
+                                            int cend, const unsigned *lut, int tid, int nt) {
+    static_assert(ROWS == 1 || ROWS == 8, "a row or a tile of 8");
 #pragma unroll 2
-    for (int it = tid; it < (cend - cbeg) * 16; it += nt) {
-        const int c = cbeg + (it >> 4), k = (it >> 2) & 3, q4 = it & 3;
+    for (int it = tid; it < (cend - cbeg) * 16 * ROWS; it += nt) {
+        const int c = cbeg + it / (16 * ROWS), k = (it / (4 * ROWS)) & 3, q4 = it & 3, a = src[(it >> 2) & (ROWS - 1)];
         unsigned lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
         if (a >= 0 && c * G5_KC + 32 * q4 + 16 * (k >> 1) < K) {
             const int e = a * K + c * G5_KC + 32 * q4 + 8 * k;
@@ -218,16 +233,22 @@ __device__ __forceinline__ void g5_rowstage(uint4 *aq, const void *A, const unsi
 // the launch's MI m16 row tiles hold rows, and only those are staged and
 // multiplied. The shared memory keeps the launch's layout (MI). A row's
 // MMAs, K order and bits are the same whatever MA is.
-template <int MA, int H, int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS, bool ROW = false>
+// ROW 1 (a tile of one row) and 8 (a tile of at most 8 rows, the M8
+// kernels') stage the block's whole K range of activations at once
+// (g5_rowstage) instead of chunk by chunk; ROW 0 stages by chunk.
+template <int MA, int H, int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS, int ROW = 0>
 __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const void *W, const unsigned char *wSF, const float *wScale, int N, int act, bf16_t *out,
                                         int outN, float *sacc, const int *stok, const float *swt, const int *sslots, int sT, int sk,
                                         int expert, int row0, int row1, const int *s_src, const unsigned *lut) {
-    constexpr int NW = G5_NW, D = g5_depth(FP4, MI, J), WU = g5_wb(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
+    constexpr int NW = G5_NW, D = g5_depth(FP4, MI, J, ROW == 8), WU = g5_wb(FP4) / 16; // WU: 16-byte units per lane, tile, chunk
     static_assert(J == 2 || J == 4 || (J == 1 && !SWIGLU), "SwiGLU pairs gate tiles with their up tiles");
-    static_assert(!ROW || (MA == 1 && MI == 1 && FP4 && G5_ROWCH * 32 * 8 <= 2 * MI * 256 * 16),
-                  "ROW: an NVFP4 16-row tile, its K range in the activation buffers");
-    extern __shared__ __align__(16) uint4 g5_smem[]; // A: 2 x MI x 256 items; W: per warp D x J x WU x 32 units; NVFP4 scales: per warp D x J x 16 words
+    static_assert(ROW == 0 || ROW == 1 || ROW == 8, "ROW: by chunk, one row, or up to 8 rows");
+    static_assert(ROW != 1 || (MA == 1 && MI == 1 && FP4 && G5_ROWCH * 32 * 8 <= 2 * MI * 256 * 16),
+                  "ROW 1: an NVFP4 16-row tile, its K range in the activation buffers");
+    static_assert(ROW != 8 || (MA == 1 && MI == 1 && H == 1 && FP4), "ROW 8: an NVFP4 tile of up to 8 rows");
+    // A: 2 x MI x 256 items, or (ROW 8) g5_m8units of the block's chunks; W: per warp D x J x WU x 32 units; NVFP4 scales: per warp D x J x 16 words
+    extern __shared__ __align__(16) uint4 g5_smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
     // This warp's J n8 tiles of W rows: 8 J columns, or for SwiGLU 8 JC
@@ -238,6 +259,7 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     const int nch = (K + G5_KC - 1) / G5_KC, nfull = K / G5_KC, half = KS == 2 ? (nch + 1) / 2 : nch;
     const int rank = KS == 2 ? (int)blockIdx.z : 0;
     const int cbeg = rank * half, cend = min(nch, cbeg + half);
+    const int au = ROW == 8 ? g5_m8units(half) : 2 * MI * 256; // 16-byte units of activations
     using WT = typename G5Cond<FP4, unsigned char, bf16_t>::type;
     constexpr int WSTEP = FP4 ? G5_KC / 2 : G5_KC; // W elements per row and chunk
     // wrow is the W row of the lane's tile j; srow its block scales of chunk
@@ -262,8 +284,8 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
 
     // This lane's units: slot u, tile j, unit v at wsm[((u * J + j) * WU + v) * 32];
     // NVFP4 block scales: the lane pair's word of slot u, tile j at ssm[(u * J + j) * 16].
-    uint4 *wsm = g5_smem + 2 * MI * 256 + warp * (D * J * WU * 32) + lane;
-    unsigned *ssm = reinterpret_cast<unsigned *>(g5_smem + 2 * MI * 256 + NW * (D * J * WU * 32)) + warp * (D * J * 16) + (lane >> 1);
+    uint4 *wsm = g5_smem + au + warp * (D * J * WU * 32) + lane;
+    unsigned *ssm = reinterpret_cast<unsigned *>(g5_smem + au + NW * (D * J * WU * 32)) + warp * (D * J * 16) + (lane >> 1);
     // issue starts the copies of chunk c into ring slot u and moves the
     // weight pointers on to the next chunk.
     auto issue = [&](int u, int c) {
@@ -285,15 +307,16 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
     // H = 1: a warp whose row is missing (the same for its lanes) zeroes its
     // items of both buffers once and skips the staging; the others stage
     // every chunk, zeros included past K.
-    // ROW (a tile of one row, g5_gemm): the whole K range is staged here,
-    // once, and the chunk loop below meets no block barrier.
+    // ROW 1 and 8 (g5_gemm): the whole K range is staged here, once, and
+    // the chunk loop below meets no block barrier.
     const bool stage = !ROW && (H == 2 || ast.off[0][0] >= 0);
     // ROW: a lane's two slices 2k, 2k + 1 of a chunk are one 16-byte word
-    // (g5_rowstage's layout), and the four lanes of a group read 64
-    // contiguous bytes: 4 LDS.128 a chunk, one wavefront each.
-    const uint4 *aq = g5_smem + t4;
-    if constexpr (ROW) {
-        g5_rowstage(g5_smem, A, aSF, K, s_src[0], cbeg, cend, lut, tid, NT);
+    // (g5_rowstage's layout): 4 LDS.128 a chunk, each one wavefront (ROW
+    // 1: the four lanes of a group read 64 contiguous bytes, every group
+    // the same) or four (ROW 8: the warp reads 512 contiguous bytes).
+    const uint4 *aq = g5_smem + (ROW == 8 ? lane : t4);
+    if constexpr (ROW != 0) {
+        g5_rowstage<ROW>(g5_smem, A, aSF, K, s_src, cbeg, cend, lut, tid, NT);
     } else {
         if (!stage) {
             const int item = g5_item<NT, H>(tid, 0);
@@ -324,9 +347,9 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
         cp_async_wait<D - 1>(); // this lane's copies of chunk c have landed
         if (FP4 && V16) __syncwarp(); // and its even neighbour's scale word
         uint4 ar[ROW ? 4 : 1];
-        if constexpr (ROW) {
+        if constexpr (ROW != 0) {
 #pragma unroll
-            for (int k = 0; k < 4; k++) ar[k] = aq[(c - cbeg) * 16 + k * 4];
+            for (int k = 0; k < 4; k++) ar[k] = aq[((c - cbeg) * 4 + k) * 4 * ROW];
         }
         uint4 wv[J][WU];
 #pragma unroll
@@ -347,14 +370,16 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
 #pragma unroll
         for (int s = 0; s < 8; s++) {
             uint4 a[MA];
-            if constexpr (ROW) {
-                // Rows 0-7 of the m16 tile (a[i].x, .z) get row 0's words;
+            if constexpr (ROW != 0) {
+                // Rows 0-7 of the m16 tile (a[i].x, .z) get the staged
+                // words (ROW 1: row 0's in every group; ROW 8: row g's);
                 // rows 8-15 (.y, .w) get whatever is at hand: each output
-                // row's MMA reads only its own A row, so row 0's bits are
-                // those of a zero-padded tile, and rows 1-15 are never
-                // written (row1 = row0 + 1). Slice 2k takes the staged
-                // word as it is; slice 2k + 1 repeats its odd words, so
-                // the MMA's aligned register quad takes two moves at most.
+                // row's MMA reads only its own A row, so the staged rows'
+                // bits are those of a zero-padded tile, and the others
+                // are never written (ROW 1: row1 = row0 + 1; ROW 8: row1 <=
+                // row0 + 8). Slice 2k takes the staged word as it is; slice
+                // 2k + 1 repeats its odd words, so the MMA's aligned
+                // register quad takes two moves at most.
                 const uint4 &r = ar[s >> 1];
                 a[0] = s & 1 ? make_uint4(r.y, r.y, r.w, r.w) : r;
             } else {
@@ -431,12 +456,18 @@ __device__ __forceinline__ void g5_tail(int *err, const void *A, const unsigned 
 // columns: 2, or 1 (the _j1 kernels, not SwiGLU) so that a launch of few
 // tiles has twice the blocks: a column's MMAs, K order and bits are the
 // same whatever J is.
-template <int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS>
+// M8 (NVFP4, MI = 1): tiles of at most 8 rows, whose whole K range of
+// activations the block stages at once (g5_tail's ROW 8 path; the host
+// sizes the shared memory by K, g5_m8units): no block barrier between
+// chunks, so each warp runs through its own weight ring. For the few rows
+// an expert takes at decode batch sizes.
+template <int MI, int J, bool SWIGLU, bool FP4, bool V16, int KS, bool M8 = false>
 __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned char *aSF, const float *aScale, int K,
                                         const int *gather, int Ta, const void *W, const unsigned char *wSF, const float *wScale,
                                         int N, const int *offsets, int E, int R, int act, bf16_t *out, int outN, float *sacc,
                                         const int *stok, const float *swt, const int *sslots, int sT, int sk) {
-    constexpr int BM = 16 * MI;
+    static_assert(!M8 || (FP4 && MI == 1), "M8: NVFP4 tiles of 8 rows");
+    constexpr int BM = M8 ? 8 : 16 * MI;
     __shared__ int s_expert, s_row0, s_row1;
     __shared__ int s_src[GG_BM];
     __shared__ unsigned lut[256];
@@ -458,59 +489,65 @@ __device__ __forceinline__ void g5_gemm(int *err, const void *A, const unsigned 
     gg_sources(err, s_src, gather, row0, row1, Ta);
     __syncthreads();
 
-    // A partial tile runs with only its m16 tiles that hold rows.
-    const int ma = (row1 - row0 + 15) / 16;
-    if constexpr (MI == 1) {
-        // An NVFP4 tile of one row in the _j1 kernels (a token per expert:
-        // the one-token layer) whose block's K range fits the 8 KB of
-        // activation buffers as 256-byte chunks (G5_ROWCH): the ROW path of
-        // g5_tail. Not in the J = 2 kernels: with a ROW path ptxas spilled
-        // 48-64 bytes in each of them (64 registers for four blocks an SM)
-        // and they ran 0.7-8% slower at 8-128 tokens (measured on the H200).
-        if constexpr (FP4 && J == 1) {
-            const int nch = (K + G5_KC - 1) / G5_KC;
-            if (row1 - row0 == 1 && (KS == 2 ? (nch + 1) / 2 : nch) <= G5_ROWCH) {
-                g5_tail<1, 1, MI, J, SWIGLU, FP4, V16, KS, true>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
-                                                          sslots, sT, sk, expert, row0, row1, s_src, lut);
+    if constexpr (M8) {
+        g5_tail<1, 1, MI, J, SWIGLU, FP4, V16, KS, 8>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt, sslots,
+                                                      sT, sk, expert, row0, row1, s_src, lut);
+    } else {
+        // A partial tile runs with only its m16 tiles that hold rows.
+        const int ma = (row1 - row0 + 15) / 16;
+        if constexpr (MI == 1) {
+            // An NVFP4 tile of one row in the _j1 kernels (a token per expert:
+            // the one-token layer) whose block's K range fits the 8 KB of
+            // activation buffers as 256-byte chunks (G5_ROWCH): the ROW path of
+            // g5_tail. Not in the J = 2 kernels: with a ROW path ptxas spilled
+            // 48-64 bytes in each of them (64 registers for four blocks an SM)
+            // and they ran 0.7-8% slower at 8-128 tokens (measured on the H200).
+            if constexpr (FP4 && J == 1) {
+                const int nch = (K + G5_KC - 1) / G5_KC;
+                if (row1 - row0 == 1 && (KS == 2 ? (nch + 1) / 2 : nch) <= G5_ROWCH) {
+                    g5_tail<1, 1, MI, J, SWIGLU, FP4, V16, KS, 1>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
+                                                              sslots, sT, sk, expert, row0, row1, s_src, lut);
+                    return;
+                }
+            }
+            // A 16-row tile of at most 8 rows stages only rows 0-7 (G5AStage).
+            if (row1 - row0 <= 8) {
+                g5_tail<1, 1, MI, J, SWIGLU, FP4, V16, KS, 0>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
+                                                              sslots, sT, sk, expert, row0, row1, s_src, lut);
                 return;
             }
         }
-        // A 16-row tile of at most 8 rows stages only rows 0-7 (G5AStage).
-        if (row1 - row0 <= 8) {
-            g5_tail<1, 1, MI, J, SWIGLU, FP4, V16, KS, false>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
-                                                          sslots, sT, sk, expert, row0, row1, s_src, lut);
-            return;
+        if constexpr (MI >= 2) {
+            if (ma <= 1) {
+                g5_tail<1, 2, MI, J, SWIGLU, FP4, V16, KS, 0>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
+                                                              sslots, sT, sk, expert, row0, row1, s_src, lut);
+                return;
+            }
         }
-    }
-    if constexpr (MI >= 2) {
-        if (ma <= 1) {
-            g5_tail<1, 2, MI, J, SWIGLU, FP4, V16, KS, false>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
-                                                          sslots, sT, sk, expert, row0, row1, s_src, lut);
-            return;
+        if constexpr (MI >= 4) {
+            if (ma <= 2) {
+                g5_tail<2, 2, MI, J, SWIGLU, FP4, V16, KS, 0>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
+                                                              sslots, sT, sk, expert, row0, row1, s_src, lut);
+                return;
+            }
         }
+        g5_tail<MI, 2, MI, J, SWIGLU, FP4, V16, KS, 0>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
+                                                              sslots, sT, sk, expert, row0, row1, s_src, lut);
     }
-    if constexpr (MI >= 4) {
-        if (ma <= 2) {
-            g5_tail<2, 2, MI, J, SWIGLU, FP4, V16, KS, false>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
-                                                          sslots, sT, sk, expert, row0, row1, s_src, lut);
-            return;
-        }
-    }
-    g5_tail<MI, 2, MI, J, SWIGLU, FP4, V16, KS, false>(err, A, aSF, aScale, K, W, wSF, wScale, N, act, out, outN, sacc, stok, swt,
-                                                          sslots, sT, sk, expert, row0, row1, s_src, lut);
 }
 
 
 // The grouped GEMMs' kernel parameters, the same for every family
 // (streamed, tiled, warp-specialised): the host's launch arguments.
 // StreamTile is the streamed kernel's variant: MI m16 row tiles (16, 32 or
-// 64 rows), J n8 tiles a warp, SwiGLU pairing, NVFP4 or BF16 operands.
-template <int MI_, int J_, bool SWIGLU_, bool FP4_>
+// 64 rows), J n8 tiles a warp, SwiGLU pairing, NVFP4 or BF16 operands;
+// M8: NVFP4 tiles of 8 rows, MI = 1 (g5_gemm).
+template <int MI_, int J_, bool SWIGLU_, bool FP4_, bool M8_ = false>
 struct StreamTile {
     static constexpr int MI = MI_, J = J_;
-    static constexpr bool SWIGLU = SWIGLU_, FP4 = FP4_;
+    static constexpr bool SWIGLU = SWIGLU_, FP4 = FP4_, M8 = M8_;
     static constexpr int THREADS = 32 * G5_NW;
-    static constexpr int MINB = g5_minb(FP4, MI, J);
+    static constexpr int MINB = g5_minb(FP4, MI, J, M8);
 };
 
 // stream_body picks V16 at run time: whole 16-byte units per row (K % 64
@@ -524,9 +561,9 @@ __device__ __forceinline__ void stream_body(int *err, const void *A, const unsig
     const bool v16 = (T::FP4 ? K % 64 == 0 && (reinterpret_cast<unsigned long long>(wSF) & 3) == 0 : K % 8 == 0) &&
                      (reinterpret_cast<unsigned long long>(W) & 15) == 0;
     if (v16)
-        g5_gemm<T::MI, T::J, T::SWIGLU, T::FP4, true, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, swt, sslots, sT, sk);
+        g5_gemm<T::MI, T::J, T::SWIGLU, T::FP4, true, KS, T::M8>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, swt, sslots, sT, sk);
     else
-        g5_gemm<T::MI, T::J, T::SWIGLU, T::FP4, false, KS>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, swt, sslots, sT, sk);
+        g5_gemm<T::MI, T::J, T::SWIGLU, T::FP4, false, KS, T::M8>(err, A, aSF, aScale, K, gather, Ta, W, wSF, wScale, N, offsets, E, R, act, out, outN, sacc, stok, swt, sslots, sT, sk);
 }
 
 // gemm_stream<T> and gemm_stream_ks2<T> (K split over a cluster of two
