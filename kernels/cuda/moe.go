@@ -438,9 +438,11 @@ func scatterArgs(a kernels.GroupedGemmArgs, args []any) []any {
 }
 
 // defaultM8Rows is the average rows per expert at or below which the NVFP4
-// streamed GEMMs take 8-row tiles (streamPlan). Not yet measured against
-// the 16-row tiles (TestStreamedGemmDecode).
-const defaultM8Rows = 8
+// streamed GEMMs take 8-row tiles (streamPlan): above it more experts
+// than not would take two 8-row tiles, each reading all of the expert's
+// weights. Not yet measured against the 16-row tiles
+// (TestStreamedGemmDecode).
+const defaultM8Rows = 4
 
 // defaultTileRows is the average rows per expert above which the NVFP4
 // grouped GEMMs take the tiled kernel instead of the streamed one: where
