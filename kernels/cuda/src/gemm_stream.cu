@@ -214,18 +214,38 @@ template <int ROWS>
 __device__ __forceinline__ void g5_rowstage(uint4 *aq, const void *A, const unsigned char *aSF, int K, const int *src, int cbeg,
                                             int cend, const unsigned *lut, int tid, int nt) {
     static_assert(ROWS == 1 || ROWS == 8, "a row or a tile of 8");
-#pragma unroll 2
-    for (int it = tid; it < (cend - cbeg) * 16 * ROWS; it += nt) {
-        const int c = cbeg + it / (16 * ROWS), k = (it / (4 * ROWS)) & 3, q4 = it & 3, a = src[(it >> 2) & (ROWS - 1)];
-        unsigned lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
-        if (a >= 0 && c * G5_KC + 32 * q4 + 16 * (k >> 1) < K) {
-            const int e = a * K + c * G5_KC + 32 * q4 + 8 * k;
-            const unsigned q = __ldg(reinterpret_cast<const unsigned *>(static_cast<const unsigned char *>(A) + e / 2));
-            const unsigned sc = lut[__ldg(aSF + a * (K / 16) + c * (G5_KC / 16) + 2 * q4 + (k >> 1))];
-            g5_slice4(q, sc, 2 * k, lo0, hi0);
-            g5_slice4(q, sc, 2 * k + 1, lo1, hi1);
+    // ROWS 8 issues the loads of U items before it converts any, so that a
+    // thread waits on one round of loads per U items, not one per item.
+    constexpr int U = ROWS == 8 ? 4 : 1;
+    const int n = (cend - cbeg) * 16 * ROWS;
+#pragma unroll (ROWS == 8 ? 1 : 2)
+    for (int it0 = tid; it0 < n; it0 += U * nt) {
+        unsigned q[U], sb[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int it = it0 + u * nt, c = cbeg + it / (16 * ROWS), k = (it / (4 * ROWS)) & 3, q4 = it & 3;
+            const int a = it < n ? src[(it >> 2) & (ROWS - 1)] : -1;
+            ok[u] = a >= 0 && c * G5_KC + 32 * q4 + 16 * (k >> 1) < K;
+            q[u] = sb[u] = 0;
+            if (ok[u]) {
+                const int e = a * K + c * G5_KC + 32 * q4 + 8 * k;
+                q[u] = __ldg(reinterpret_cast<const unsigned *>(static_cast<const unsigned char *>(A) + e / 2));
+                sb[u] = __ldg(aSF + a * (K / 16) + c * (G5_KC / 16) + 2 * q4 + (k >> 1));
+            }
         }
-        aq[it] = make_uint4(lo0, lo1, hi0, hi1);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int it = it0 + u * nt, k = (it / (4 * ROWS)) & 3;
+            if (it >= n) break;
+            unsigned lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
+            if (ok[u]) {
+                const unsigned sc = lut[sb[u]];
+                g5_slice4(q[u], sc, 2 * k, lo0, hi0);
+                g5_slice4(q[u], sc, 2 * k + 1, lo1, hi1);
+            }
+            aq[it] = make_uint4(lo0, lo1, hi0, hi1);
+        }
     }
 }
 
