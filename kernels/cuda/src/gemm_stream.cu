@@ -218,7 +218,7 @@ __device__ __forceinline__ void g5_rowstage(uint4 *aq, const void *A, const unsi
     // thread waits on one round of loads per U items, not one per item.
     constexpr int U = ROWS == 8 ? 4 : 1;
     const int n = (cend - cbeg) * 16 * ROWS;
-#pragma unroll (ROWS == 8 ? 1 : 2)
+#pragma unroll 2
     for (int it0 = tid; it0 < n; it0 += U * nt) {
         unsigned q[U], sb[U];
         bool ok[U];
