@@ -86,7 +86,10 @@ func (be *Backend) launchOn(s *drv.Stream, key any, grid, block drv.Dim3, shared
 	if err := k.spec.check(be.info.Arch, grid, block, shared, be.info.SharedOptin); err != nil {
 		return err
 	}
-	if shared > 48<<10 {
+	// Past 48 KiB of shared memory a block needs the kernel's opt-in, and
+	// its static arrays (a few KiB) count too: opt in from 32 KiB of
+	// dynamic shared memory.
+	if shared > 32<<10 {
 		if err := k.fn.SetMaxDynamicShared(shared); err != nil {
 			return fmt.Errorf("cuda: launch %s: %w", k.spec.name, err)
 		}
