@@ -575,7 +575,7 @@ func TestLongPromptsChunked(t *testing.T) {
 // the samples equal those of an eager engine loaded with the new weights,
 // and nothing is recaptured.
 func TestGraphsAcrossWeightCommit(t *testing.T) {
-	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipePerTensor} {
+	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipePerTensor, moe.RecipeUnitScale} {
 		t.Run(string(recipe), func(t *testing.T) { testGraphsAcrossWeightCommit(t, recipe) })
 	}
 }
