@@ -39,7 +39,8 @@ namespace rw {
 // kernels with four n8 tiles a warp (_j4) keep 4, the bytes in flight of
 // two tiles and 8 chunks, so that two blocks fit an SM.
 // The 8-row kernels (M8, below) keep 4, so that three blocks fit an SM with
-// the whole K range of activations staged (2 KB a chunk, up to 16 chunks).
+// the whole K range of activations staged (2 KB a chunk, up to 18 chunks:
+// streamM8Chunks in kernels/cuda/registry.go).
 __host__ __device__ constexpr int g5_depth(bool FP4, int MI, int J, bool M8 = false) {
     return M8 ? 4 : FP4 ? (MI == 1 ? 5 : J == 4 ? 4 : 8) : 4;
 }
@@ -205,8 +206,8 @@ __device__ __forceinline__ void g5_astore(uint4 *buf, const G5AStage<MI, NT, H> 
 // lanes (g = r, t4 = q4), row r's words of slices 2k and 2k + 1 of chunk
 // cc as {lo(2k), lo(2k + 1), hi(2k), hi(2k + 1)}: the words g5_astore
 // gives row r (zeros past K or for a missing row). So a warp's LDS.128 of
-// slice pair k reads 16 (ROWS 1: every group the same) or 512 contiguous
-// bytes. Both slices come from the same code word and block scale, so a
+// slice pair k reads 64 contiguous bytes (ROWS 1: every group the same) or 512
+// (ROWS 8). Both slices come from the same code word and block scale, so a
 // thread converts them together. g5_tail's ROW paths pass each 16-byte
 // word to slice 2k's MMA as it is and to slice 2k + 1's with its odd words
 // in the even places (below).
