@@ -126,6 +126,28 @@ func testOpts(recipe moe.Recipe) policy.ModelOptions {
 	return policy.ModelOptions{Recipe: recipe, MaxTokens: 128, MaxSeqs: 16, MaxLogitRows: 128, KVPages: 256, PageSize: 8}
 }
 
+// loadModel loads the checkpoint in dir for recipe; per_tensor models get
+// the same fixed input scales every time (a deployment's calibrated ones,
+// which a refit does not change).
+func loadModel(t testing.TB, dir string, recipe moe.Recipe) *policy.Model {
+	t.Helper()
+	m, err := policy.LoadModel(testBackend(t), dir, testOpts(recipe))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if recipe == moe.RecipePerTensor {
+		scales := make([]policy.InputScales, m.Config().Layers)
+		for i := range scales {
+			scales[i] = policy.InputScales{FC1: 1.0 / 256, FC2: 1.0 / 512}
+		}
+		if err := m.SetInputScales(scales); err != nil {
+			m.Close()
+			t.Fatal(err)
+		}
+	}
+	return m
+}
+
 // worker is a model, its engine and its receiver, all running.
 type worker struct {
 	m      *policy.Model
@@ -149,10 +171,8 @@ var testBackend = func(t testing.TB) kernels.Backend {
 
 func startWorker(t testing.TB, url, dir, id string, recipe moe.Recipe, tune func(*ReceiverConfig)) *worker {
 	t.Helper()
-	m, err := policy.LoadModel(testBackend(t), dir, testOpts(recipe))
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := loadModel(t, dir, recipe)
+	var err error
 	w := &worker{m: m, e: policy.NewEngine(m, policy.EngineConfig{}), nc: refittest.Connect(t, url), done: make(chan error, 2)}
 	cfg := ReceiverConfig{Model: testModel, Worker: id, ChunkTimeout: 2 * time.Second}
 	if tune != nil {
@@ -235,10 +255,7 @@ func rollouts(t *testing.T, e *policy.Engine) ([]policy.Sample, [][]float32) {
 // fresh generates the same rollouts with a worker loaded from dir, no NATS.
 func fresh(t *testing.T, dir string, recipe moe.Recipe) ([]policy.Sample, [][]float32) {
 	t.Helper()
-	m, err := policy.LoadModel(testBackend(t), dir, testOpts(recipe))
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := loadModel(t, dir, recipe)
 	defer m.Close()
 	e := policy.NewEngine(m, policy.EngineConfig{})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -272,15 +289,16 @@ var experts = regexp.MustCompile(`\.mlp\.experts\.`)
 
 // TestRefitEquivalence: a worker refit from A to B produces bit for bit
 // the rollouts and scores of a fresh worker loaded with B: for a full
-// version, an experts-only partial version, and two refits in a row.
+// version, an experts-only partial version, and two refits in a row, with
+// every recipe.
 func TestRefitEquivalence(t *testing.T) {
 	a, b, c := modelDir(t, 1), modelDir(t, 2), modelDir(t, 3)
-	for _, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16} {
+	for i, recipe := range []moe.Recipe{moe.RecipePerToken, moe.RecipeBF16, moe.RecipePerTensor, moe.RecipeUnitScale} {
 		t.Run(string(recipe), func(t *testing.T) {
 			srv := refittest.StartServer(t)
 			p := newPublisher(t, srv.URL())
 			w := startWorker(t, srv.URL(), a, "w-"+string(recipe), recipe, nil)
-			base := map[moe.Recipe]uint64{moe.RecipePerToken: 0, moe.RecipeBF16: 10}[recipe]
+			base := uint64(10 * i)
 
 			publish(t, p, base+1, subset(t, b, nil), true) // full: A -> B
 			if st := w.waitStatus(t, base+1); st.State != StateApplied {
