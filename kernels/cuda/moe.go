@@ -440,9 +440,10 @@ func scatterArgs(a kernels.GroupedGemmArgs, args []any) []any {
 // defaultM8Rows is the average rows per expert at or below which the NVFP4
 // streamed GEMMs take 8-row tiles (streamPlan). Measured on an H100 at the
 // Qwen3-30B-A3B expert shapes (TestStreamedGemmDecode): 3-9% faster than
-// the 16-row tiles at 8 and 64 tokens (1 and 4 rows an expert), 16%
-// slower at 128 (8 rows), where many experts take two 8-row tiles, each
-// reading all of the expert's weights.
+// the 16-row tiles at 8 and 64 tokens (0.5 and 4 rows an expert on
+// average; at 32 tokens FC1 3% slower, FC2 5% faster), 16% slower at 128
+// (8 rows), where many experts take two 8-row tiles, each reading all of
+// the expert's weights.
 const defaultM8Rows = 4
 
 // defaultTileRows is the average rows per expert above which the NVFP4
