@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rollout-worker/rollout-worker/moe"
 	"github.com/rollout-worker/rollout-worker/refit/refittest"
 )
@@ -172,11 +173,20 @@ func TestLiveFlowControl(t *testing.T) {
 			if _, err := p.Publish(context.Background(), 1, bytes.NewReader(stream), int64(len(stream)), true); err != nil {
 				t.Fatal(err)
 			}
-			if st := w.waitStatus(t, 1); st.State != StateApplied {
+			st := w.waitStatus(t, 1)
+			if st.State != StateApplied || st.Chunks == nil {
 				t.Fatalf("%+v", st)
 			}
 			checkServes(t, tc.name, w, b, moe.RecipePerToken)
+			// The status says where the chunks came from, as the worker
+			// counted them.
 			live, stored := w.r.liveChunks.Load(), w.r.storedChunks.Load()
+			if int64(st.Chunks.Live) != live || int64(st.Chunks.Stream) != stored {
+				t.Errorf("status: chunks %+v, the worker took %d live and %d from the streams", *st.Chunks, live, stored)
+			}
+			if l, s := testutil.ToFloat64(w.r.metrics.chunks.WithLabelValues("live")), testutil.ToFloat64(w.r.metrics.chunks.WithLabelValues("stream")); l != float64(live) || s != float64(stored) {
+				t.Errorf("metrics: %v chunks live, %v from the streams; the worker took %d and %d", l, s, live, stored)
+			}
 			if tc.reports && stored != 0 || !tc.reports && stored == 0 {
 				t.Errorf("%d chunks live, %d from the streams", live, stored)
 			}

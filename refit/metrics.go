@@ -14,6 +14,7 @@ type metrics struct {
 	versions *prometheus.CounterVec   // by result: applied, rejected, needs_full
 	phase    *prometheus.HistogramVec // whole-version time per phase
 	layer    *prometheus.HistogramVec // per-layer time per phase
+	chunks   *prometheus.CounterVec   // applied versions' chunks by source: live, stream
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -27,11 +28,13 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Time of each refit phase for a whole version (receive, copy, requantize, commit).", Buckets: buckets}, []string{"phase"}),
 		layer: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "rollout_worker_refit_layer_seconds",
 			Help: "Time of each refit phase per decoder layer (receive, copy, requantize).", Buckets: buckets}, []string{"phase"}),
+		chunks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "rollout_worker_refit_chunks_total",
+			Help: "Chunks of applied versions by where they came from: live (core NATS) or stream (read back from a part's stream)."}, []string{"source"}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.version, m.versions, m.phase, m.layer} {
+	for _, c := range []prometheus.Collector{m.version, m.versions, m.phase, m.layer, m.chunks} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) {

@@ -628,17 +628,21 @@ func (r *Receiver) report(st Status, err error) {
 		st.State, st.Reason = StateRejected, err.Error()
 	}
 	if err != nil {
-		// As PROTOCOL.md ("Status") has it: bytes, phases and layers are
-		// an applied version's.
-		st.Bytes, st.PhasesMS, st.Layers = 0, nil, nil
+		// As PROTOCOL.md ("Status") has it: bytes, phases, layers and
+		// chunk sources are an applied version's.
+		st.Bytes, st.PhasesMS, st.Layers, st.Chunks = 0, nil, nil, nil
 	}
 	r.metrics.versions.WithLabelValues(st.State).Inc()
+	if st.Chunks != nil {
+		r.metrics.chunks.WithLabelValues("live").Add(float64(st.Chunks.Live))
+		r.metrics.chunks.WithLabelValues("stream").Add(float64(st.Chunks.Stream))
+	}
 	r.mu.Lock()
 	r.last = st
 	r.mu.Unlock()
 	r.reports.Add(1)
 	fields := []zap.Field{zap.Uint64("version", st.Version), zap.String("state", st.State), zap.Uint64("serving", r.current),
-		zap.Any("phases_ms", st.PhasesMS)}
+		zap.Any("phases_ms", st.PhasesMS), zap.Any("chunks", st.Chunks)}
 	if err != nil {
 		r.log.Warn("refit: version not applied", append(fields, zap.String("reason", st.Reason))...)
 	} else {
@@ -878,6 +882,7 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	}
 	r.liveChunks.Store(int64(fromNet))
 	r.storedChunks.Store(int64(fromJS))
+	st.Chunks = &ChunkSources{Live: fromNet, Stream: fromJS}
 	if m.Protocol != a.Protocol {
 		return fmt.Errorf("version %d: announced in protocol %d, the manifest is protocol %d", a.Version, a.Protocol, m.Protocol)
 	}

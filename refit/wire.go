@@ -564,6 +564,15 @@ type Status struct {
 	Bytes          int64              `json:"bytes"`
 	PhasesMS       map[string]float64 `json:"phases_ms,omitempty"`
 	Layers         []LayerTiming      `json:"layers,omitempty"`
+	Chunks         *ChunkSources      `json:"chunks,omitempty"`
+}
+
+// ChunkSources counts where an applied version's chunks came from: live
+// (core NATS, as published) or read back from the streams (a part that
+// fell behind, or was joined late).
+type ChunkSources struct {
+	Live   int `json:"live"`
+	Stream int `json:"stream"`
 }
 
 // ParseStatus decodes a status message.

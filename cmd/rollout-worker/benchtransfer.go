@@ -157,8 +157,8 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 
 	// Rows go out as versions complete: a run cut short keeps what it
 	// measured.
-	fmt.Fprintf(stdout, "\n%-8s %-10s %10s %9s %11s %7s %8s %9s %8s %10s %11s %15s\n", "version", "kind", "stream MB", "prepare s",
-		"pub->commit s", "GB/s", "vs core", "commit ms", "copy ms", "requant ms", "pub RSS MiB", "cores p/s/w")
+	fmt.Fprintf(stdout, "\n%-8s %-10s %10s %9s %11s %7s %8s %9s %8s %10s %11s %15s %13s\n", "version", "kind", "stream MB", "prepare s",
+		"pub->commit s", "GB/s", "vs core", "commit ms", "copy ms", "requant ms", "pub RSS MiB", "cores p/s/w", "from streams")
 	var results []transferResult
 	var steps []float64
 	prev := full
@@ -191,9 +191,15 @@ func runTransferBench(ctx context.Context, c transferConfig, stdout io.Writer) e
 			return fmt.Errorf("bench refit: version %d (%s): worker answered %s: %s", r.version, kind, r.status.State, r.status.Reason)
 		}
 		rate := float64(r.status.Bytes) / r.transfer.Seconds()
-		fmt.Fprintf(stdout, "%-8d %-10s %10.3f %9.2f %11.3f %7.3f %8.2f %9.1f %8.1f %10.1f %11s %15s\n", r.version, r.kind,
+		// The chunks the worker read back from the streams: a part it
+		// fell behind on live (0 when every chunk came live).
+		fromStreams := "-"
+		if ch := r.status.Chunks; ch != nil {
+			fromStreams = fmt.Sprintf("%d/%d", ch.Stream, ch.Live+ch.Stream)
+		}
+		fmt.Fprintf(stdout, "%-8d %-10s %10.3f %9.2f %11.3f %7.3f %8.2f %9.1f %8.1f %10.1f %11s %15s %13s\n", r.version, r.kind,
 			float64(r.status.Bytes)/1e6, r.prepare.Seconds(), r.transfer.Seconds(), rate/1e9, rate/coreRate,
-			r.status.PhasesMS["commit"], r.status.PhasesMS["copy"], r.status.PhasesMS["requantize"], mib(r.publisherRSS), r.cores)
+			r.status.PhasesMS["commit"], r.status.PhasesMS["copy"], r.status.PhasesMS["requantize"], mib(r.publisherRSS), r.cores, fromStreams)
 		prev = next
 	}
 	workerRSS, werr := worker.stop()

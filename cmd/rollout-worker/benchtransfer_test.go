@@ -16,7 +16,7 @@ import (
 // preset: a worker and a publisher in processes of their own (this test
 // binary, running the commands), a full version and two deltas applied,
 // each in three parts over two NATS server processes, and a row for each with its rate,
-// commit and the publisher's peak RSS.
+// commit, the publisher's peak RSS and the chunks read back from the streams.
 func TestBenchRefitTransfer(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: starts a worker and three publishers")
@@ -29,7 +29,7 @@ func TestBenchRefitTransfer(t *testing.T) {
 		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", err, out.String(), errOut.String())
 	}
 	t.Logf("\n%s", out.String())
-	row := regexp.MustCompile(`(?m)^(\d+)\s+(full|delta 5%|delta 20%)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+(\d+|-)\s+([\d.]+/[\d.]+/[\d.]+|-)$`)
+	row := regexp.MustCompile(`(?m)^(\d+)\s+(full|delta 5%|delta 20%)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+(\d+|-)\s+([\d.]+/[\d.]+/[\d.]+|-)\s+(\d+)/(\d+)$`)
 	rows := row.FindAllStringSubmatch(out.String(), -1)
 	if len(rows) != 3 {
 		t.Fatalf("want rows for the full version and two deltas, got %d", len(rows))
@@ -48,6 +48,11 @@ func TestBenchRefitTransfer(t *testing.T) {
 		}
 		if _, ok := processCPU(os.Getpid()); ok && r[10] == "-" {
 			t.Errorf("%s: no cores busy, where process CPU times can be read", r[2])
+		}
+		stream, _ := strconv.Atoi(r[11])
+		all, _ := strconv.Atoi(r[12])
+		if all == 0 || stream > all {
+			t.Errorf("%s: %d of %d chunks from the streams", r[2], stream, all)
 		}
 	}
 	full, _ := strconv.ParseFloat(rows[0][3], 64)
