@@ -252,15 +252,28 @@ func (f *chunkFeed) follow() {
 	}
 }
 
+// sendStopped tells the publisher of a live-first version that this
+// worker no longer follows the part live, so that the live pass does not
+// wait for it there (it would until this worker fell silent on every
+// part, holding the part back for every other worker).
+func (f *chunkFeed) sendStopped() {
+	f.send(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Stopped: true})
+}
+
 // sendReport sends a progress report: next is the next chunk the part
 // needs. Reports on every part go to the receiver's own server, where the
 // announcements are and the publisher listens, not to the part's server:
 // part servers need not be one cluster.
 func (f *chunkFeed) sendReport(next int) {
+	f.send(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Next: next})
+}
+
+// send publishes report r, for live-first versions only.
+func (f *chunkFeed) send(r FlowReport) {
 	if f.a.Protocol != ProtocolLive || f.r.reportBytes < 0 {
 		return
 	}
-	b, err := json.Marshal(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Next: next})
+	b, err := json.Marshal(r)
 	if err == nil {
 		err = f.r.nc.Publish(FlowSubject(f.r.cfg.Model), b)
 	}
@@ -336,6 +349,7 @@ func (f *chunkFeed) next(ctx context.Context, want expect) (feedChunk, error) {
 		}
 		f.log.Info("refit: fetching the rest of the version from the stream", zap.Int("from_chunk", want.seq),
 			zap.Int("live_chunks", f.fromNet), zap.String("why", why))
+		f.sendStopped()
 		if err := f.toStream(ctx, want.seq); err != nil {
 			return feedChunk{}, err
 		}

@@ -51,12 +51,15 @@ const DefaultFlowWindow = 24 << 20
 const DefaultFlowTimeout = time.Second
 
 // FlowReport is a worker's progress on a part of a live-first version:
-// Next is the next chunk it needs (every chunk before it taken).
+// Next is the next chunk it needs (every chunk before it taken). Stopped:
+// the worker no longer follows the part live (it missed a chunk and reads
+// the rest from the stream), so the live pass need not wait for it there.
 type FlowReport struct {
 	Worker  string `json:"worker"`
 	Version uint64 `json:"version"`
 	Part    int    `json:"part"`
 	Next    int    `json:"next"`
+	Stopped bool   `json:"stopped,omitempty"`
 }
 
 // flowKey is a worker's part.
@@ -74,11 +77,13 @@ type flowGate struct {
 	marks   map[flowKey]int      // the next chunk each worker's part needs
 	heard   map[string]time.Time // each worker's latest report on the version, any part
 	dropped map[flowKey]bool     // workers the pass went on without
+	stopped map[flowKey]bool     // workers that stopped following a part live
 	changed chan struct{}        // closed, and replaced, at each report that moves a mark
 }
 
 func newFlowGate() *flowGate {
-	return &flowGate{marks: map[flowKey]int{}, heard: map[string]time.Time{}, dropped: map[flowKey]bool{}, changed: make(chan struct{})}
+	return &flowGate{marks: map[flowKey]int{}, heard: map[string]time.Time{}, dropped: map[flowKey]bool{}, stopped: map[flowKey]bool{},
+		changed: make(chan struct{})}
 }
 
 // start forgets the reports of earlier versions.
@@ -89,6 +94,7 @@ func (g *flowGate) start(version uint64) {
 	clear(g.marks)
 	clear(g.heard)
 	clear(g.dropped)
+	clear(g.stopped)
 }
 
 // note records a report; it runs on the subscription's goroutine.
@@ -105,7 +111,15 @@ func (g *flowGate) note(msg *nats.Msg) {
 	}
 	now := time.Now()
 	g.heard[r.Worker] = now
-	if g.dropped[k] {
+	if g.dropped[k] || g.stopped[k] {
+		return
+	}
+	if r.Stopped {
+		// The pass stops waiting for this worker on the part at once.
+		g.stopped[k] = true
+		delete(g.marks, k)
+		close(g.changed)
+		g.changed = make(chan struct{})
 		return
 	}
 	if m, ok := g.marks[k]; !ok || r.Next > m {

@@ -19,7 +19,8 @@ import (
 // then waits for one up to the timeout; it holds a window ahead of the
 // slowest worker reporting on the part, goes on without one that sends no
 // report on any part for the timeout (and ignores it after), waits longer
-// for one still reporting on another part, and ignores reports on other
+// for one still reporting on another part, stops waiting at once for one
+// that stopped following the part live, and ignores reports on other
 // versions and parts.
 func TestFlowGate(t *testing.T) {
 	const window, timeout = 4, 60 * time.Millisecond
@@ -107,6 +108,28 @@ func TestFlowGate(t *testing.T) {
 		t.Errorf("b silent: waited %v, left behind %v; want the timeout, b/0 left", d, g.left())
 	}
 
+	// A worker that says it stopped following part 0 live is not waited
+	// for there from then on (its later reports on it are ignored), nor
+	// counted as left behind; a worker still following paces the part.
+	g.start(9)
+	report(g, "a", 9, 0, 0)
+	report(g, "e", 9, 0, 5)
+	go func() {
+		time.Sleep(timeout / 4)
+		b, _ := json.Marshal(FlowReport{Worker: "a", Version: 9, Part: 0, Stopped: true})
+		g.note(&nats.Msg{Data: b})
+	}()
+	if d := waits(g, window, time.Now()); d < timeout/4 || slow(d) || len(g.left()) > 0 {
+		t.Errorf("a stopped following part 0: waited %v, left behind %v; want until its report, none left", d, g.left())
+	}
+	report(g, "a", 9, 0, 1) // ignored: a window past it goes out below
+	if d := waits(g, 5+window-1, time.Now()); !quick(d) {
+		t.Errorf("within e's window: waited %v", d)
+	}
+	if d := waits(g, 5+window, time.Now()); !slow(d) {
+		t.Errorf("a window ahead of e: waited %v, want the timeout", d)
+	}
+
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	if err := g.wait(ctx, 0, 20+window, window, time.Hour, time.Now()); err == nil {
@@ -120,13 +143,23 @@ func TestFlowGate(t *testing.T) {
 // them (a worker that does not report), the same worker falls behind, its
 // subscription drops chunks, and it reads the rest from the streams. With
 // part 1 on a server of its own (not one cluster with the first), its
-// reports must still reach the publisher, which listens on the first.
+// reports must still reach the publisher, which listens on the first. With
+// a window past what the worker's client queues, the worker drops chunks
+// even though it reports, and says it stopped following the parts it
+// reads from the streams.
 func TestLiveFlowControl(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
 		reports    bool
 		partServer bool // part 1 on a server of its own, not clustered with the first
-	}{{"paced", true, false}, {"unpaced", false, false}, {"paced, part server", true, true}} {
+		window     int  // chunks
+		fallsBack  bool
+	}{
+		{"paced", true, false, 3, false},
+		{"unpaced", false, false, 3, true},
+		{"paced, part server", true, true, 3, false},
+		{"window past the worker's queue", true, false, 20, true},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv := refittest.StartServer(t)
 			var servers []string
@@ -135,7 +168,7 @@ func TestLiveFlowControl(t *testing.T) {
 			}
 			const chunk = 4093
 			p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: chunk, Parts: 2,
-				PartServers: servers, LiveFirst: true, FlowWindow: 3 * chunk, FlowTimeout: 300 * time.Millisecond}, nil)
+				PartServers: servers, LiveFirst: true, FlowWindow: int64(tc.window * chunk), FlowTimeout: 300 * time.Millisecond}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -187,7 +220,7 @@ func TestLiveFlowControl(t *testing.T) {
 			if l, s := testutil.ToFloat64(w.r.metrics.chunks.WithLabelValues("live")), testutil.ToFloat64(w.r.metrics.chunks.WithLabelValues("stream")); l != float64(live) || s != float64(stored) {
 				t.Errorf("metrics: %v chunks live, %v from the streams; the worker took %d and %d", l, s, live, stored)
 			}
-			if tc.reports && stored != 0 || !tc.reports && stored == 0 {
+			if (stored != 0) != tc.fallsBack {
 				t.Errorf("%d chunks live, %d from the streams", live, stored)
 			}
 			if err := rs.Unsubscribe(); err != nil {
@@ -195,15 +228,22 @@ func TestLiveFlowControl(t *testing.T) {
 			}
 			// A reporting worker says it follows each part before its
 			// first chunk (next 0), then moves on.
-			firsts := map[int]int{}
+			// One that falls back on a part says it stopped following it.
+			firsts, stopped := map[int]int{}, 0
 			for len(reports) > 0 {
 				r := <-reports
 				if _, ok := firsts[r.Part]; !ok {
 					firsts[r.Part] = r.Next
 				}
+				if r.Stopped {
+					stopped++
+				}
 			}
 			if want := map[int]int{0: 0, 1: 0}; tc.reports && !maps.Equal(firsts, want) || !tc.reports && len(firsts) > 0 {
 				t.Errorf("first report on each part: %v", firsts)
+			}
+			if want := tc.reports && tc.fallsBack; (stopped > 0) != want {
+				t.Errorf("%d reports of a part no longer followed live, want some: %v", stopped, want)
 			}
 		})
 	}
