@@ -594,7 +594,8 @@ func TestWaitStatuses(t *testing.T) {
 	send(Status{Worker: "w-1", Version: 4, State: StateNeedsFull, CurrentVersion: 3})
 	send(Status{Worker: "w-1", Version: 4, State: StateApplied, CurrentVersion: 4, Bytes: 123,
 		PhasesMS: map[string]float64{"receive": 10, "copy": 1, "requantize": 2, "commit": 3.5, "validate": 0.5},
-		Layers:   []LayerTiming{{Layer: 0, ReceiveMS: 4, CopyMS: 0.5, RequantizeMS: 1}, {Layer: 1, ReceiveMS: 5, CopyMS: 0.5, RequantizeMS: 1}}})
+		Layers:   []LayerTiming{{Layer: 0, ReceiveMS: 4, CopyMS: 0.5, RequantizeMS: 1}, {Layer: 1, ReceiveMS: 5, CopyMS: 0.5, RequantizeMS: 1}},
+		Chunks:   &ChunkSources{Live: 90, Stream: 5}})
 	// Wait until w-1's second status is in (it replaces the first).
 	deadline := time.Now().Add(5 * time.Second)
 	for {
@@ -617,7 +618,7 @@ func TestWaitStatuses(t *testing.T) {
 	}
 	for _, want := range []string{
 		"worker w-1: applied version 4 (serving 4), 123 bytes",
-		"phases: receive 10.0 ms, copy 1.0 ms, requantize 2.0 ms, commit 3.5 ms, validate 0.5 ms",
+		"phases: receive 10.0 ms, copy 1.0 ms, requantize 2.0 ms, commit 3.5 ms, validate 0.5 ms\n  chunks: 90 live, 5 from the streams",
 		"layer  receive ms  copy ms  requantize ms",
 		"sum         9.0      1.0            2.0",
 		"worker w-2: rejected version 4 (serving 3), 0 bytes\n  reason: bad header",

@@ -138,8 +138,9 @@ func (c *StatusCollector) Close() error {
 var phaseOrder = []string{"receive", "copy", "requantize", "commit"}
 
 // FormatStatuses writes a report of statuses: per worker its state, the
-// phase totals and a table of per-layer receive, copy and requantize times
-// in milliseconds, with a row of their sums.
+// phase totals, where its chunks came from and a table of per-layer
+// receive, copy and requantize times in milliseconds, with a row of their
+// sums.
 func FormatStatuses(w io.Writer, statuses []Status) error {
 	var b strings.Builder
 	for i, s := range statuses {
@@ -164,6 +165,9 @@ func FormatStatuses(w io.Writer, statuses []Status) error {
 				}
 			}
 			fmt.Fprintf(&b, "  phases: %s\n", strings.Join(parts, ", "))
+		}
+		if c := s.Chunks; c != nil {
+			fmt.Fprintf(&b, "  chunks: %d live, %d from the streams\n", c.Live, c.Stream)
 		}
 		if len(s.Layers) == 0 {
 			continue
