@@ -268,9 +268,10 @@ func (f *chunkFeed) sendReport(next int) {
 	f.send(FlowReport{Worker: f.r.cfg.Worker, Version: f.a.Version, Part: f.part, Next: next})
 }
 
-// send publishes report r, for live-first versions only.
+// send publishes report r, for versions of parts only (live first, or
+// followed live as they are stored).
 func (f *chunkFeed) send(r FlowReport) {
-	if f.a.Protocol != ProtocolLive || f.r.reportBytes < 0 {
+	if f.a.Protocol != ProtocolLive && f.a.Protocol != ProtocolParts || f.r.reportBytes < 0 {
 		return
 	}
 	b, err := json.Marshal(r)

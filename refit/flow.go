@@ -10,13 +10,16 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// Flow control of a live-first version's live pass (PROTOCOL.md, "Live
-// first"). Core NATS does not slow a publisher for a subscriber that
-// reads its socket but falls behind in handling what it read: the client
-// queues, then drops, and a worker that drops a live chunk of a
-// live-first version waits for the stored pass. So workers report how far
-// they got, part by part, and the publisher keeps each part's live pass
-// within a window of the slowest worker that keeps reporting.
+// Flow control of a version of parts (PROTOCOL.md, "Live first" and
+// "Parts"): of a live-first version's live pass, and of the stored pass of
+// one stored as it goes, which workers follow live. Core NATS does not
+// slow a publisher for a subscriber that reads its socket but falls behind
+// in handling what it read: the client queues, then drops, and a worker
+// that drops a live chunk reads the rest of the part from its stream
+// (after the stored pass, for a live-first version). So workers report how
+// far they got, part by part, and the publisher keeps each part's pass
+// within a window of the slowest worker that keeps reporting. Below, "the
+// live pass" is whichever pass the workers follow.
 
 // FlowSubject is the core-NATS subject of workers' live progress reports.
 func FlowSubject(model string) string { return "refit." + model + ".flow" }
@@ -50,7 +53,7 @@ const DefaultFlowWindow = 24 << 20
 // would cost it that part's live chunks, so the pass waits for it.
 const DefaultFlowTimeout = time.Second
 
-// FlowReport is a worker's progress on a part of a live-first version:
+// FlowReport is a worker's progress on a part of a version of parts:
 // Next is the next chunk it needs (every chunk before it taken). Stopped:
 // the worker no longer follows the part live (it missed a chunk and reads
 // the rest from the stream), so the live pass need not wait for it there.

@@ -146,7 +146,8 @@ func TestFlowGate(t *testing.T) {
 // reports must still reach the publisher, which listens on the first. With
 // a window past what the worker's client queues, the worker drops chunks
 // even though it reports, and says it stopped following the parts it
-// reads from the streams.
+// reads from the streams. A version of parts stored as it goes (protocol
+// 3, not live first) is paced the same way.
 func TestLiveFlowControl(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
@@ -154,11 +155,14 @@ func TestLiveFlowControl(t *testing.T) {
 		partServer bool // part 1 on a server of its own, not clustered with the first
 		window     int  // chunks
 		fallsBack  bool
+		stored     bool // a version of parts stored as it goes (protocol 3), not live first
 	}{
-		{"paced", true, false, 3, false},
-		{"unpaced", false, false, 3, true},
-		{"paced, part server", true, true, 3, false},
-		{"window past the worker's queue", true, false, 20, true},
+		{"paced", true, false, 3, false, false},
+		{"unpaced", false, false, 3, true, false},
+		{"paced, part server", true, true, 3, false, false},
+		{"window past the worker's queue", true, false, 20, true, false},
+		{"stored, paced", true, false, 3, false, true},
+		{"stored, unpaced", false, false, 3, true, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv := refittest.StartServer(t)
@@ -168,7 +172,7 @@ func TestLiveFlowControl(t *testing.T) {
 			}
 			const chunk = 4093
 			p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: chunk, Parts: 2,
-				PartServers: servers, LiveFirst: true, FlowWindow: int64(tc.window * chunk), FlowTimeout: 300 * time.Millisecond}, nil)
+				PartServers: servers, LiveFirst: !tc.stored, FlowWindow: int64(tc.window * chunk), FlowTimeout: 300 * time.Millisecond}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}

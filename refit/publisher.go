@@ -96,11 +96,13 @@ type PublisherConfig struct {
 	// what the servers store. Publish still returns once the manifest is
 	// written. Versions of one part are not affected.
 	LiveFirst bool
-	// FlowWindow is how far, in bytes, a part's live pass may run ahead of
-	// the slowest worker reporting its progress on it (default
-	// DefaultFlowWindow; at least one chunk); FlowTimeout how long such a
-	// worker may stand still before the pass goes on without it (default
-	// DefaultFlowTimeout). LiveFirst only.
+	// FlowWindow is how far, in bytes, a part's live pass (or, in a
+	// version of parts not sent live first, its stored pass, which workers
+	// follow live) may run ahead of the slowest worker reporting its
+	// progress on it (default DefaultFlowWindow; at least one chunk);
+	// FlowTimeout how long such a worker may stand still before the pass
+	// goes on without it (default DefaultFlowTimeout). Versions of parts
+	// only.
 	FlowWindow  int64
 	FlowTimeout time.Duration
 	// PublishTimeout bounds the wait for one acknowledgement and one
@@ -136,7 +138,9 @@ type Publisher struct {
 	// status other than applied"): a partial version is refused while a
 	// worker's status on the previous version was not applied.
 	statusSub *nats.Subscription
-	// flow paces live passes by the workers' progress reports (flowSub).
+	// flow paces the passes workers follow live (a live-first version's live
+	// pass, a stored version of parts' stored pass) by their progress
+	// reports (flowSub); nil for a Publisher of one part.
 	flow     *flowGate
 	flowSub  *nats.Subscription
 	statusMu sync.Mutex
@@ -268,7 +272,7 @@ func NewPublisher(nc *nats.Conn, cfg PublisherConfig, log *zap.Logger) (*Publish
 		p.closeConns()
 		return fail("subscribe to %s: %v", StatusSubject(cfg.Model), err)
 	}
-	if cfg.LiveFirst {
+	if cfg.Parts > 1 {
 		p.flow = newFlowGate()
 		if p.flowSub, err = nc.Subscribe(FlowSubject(cfg.Model), p.flow.note); err != nil {
 			p.statusSub.Unsubscribe()
@@ -699,6 +703,18 @@ func (p *Publisher) purgeOtherParts(ctx context.Context, from int, version, prev
 func (p *Publisher) sendParts(ctx context.Context, log *zap.Logger, proto int, version uint64, parts []*partSource, out []Part) error {
 	pctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	if proto == ProtocolParts {
+		// Workers follow these chunks live as they are stored: the pass
+		// keeps within a window of them as a live-first one does.
+		p.flow.start(version)
+		defer func() {
+			if left := p.flow.left(); len(left) > 0 {
+				slices.Sort(left)
+				log.Warn("refit: the parts went on without workers that stopped reporting (they read the rest from the streams)",
+					zap.Strings("worker_parts", left))
+			}
+		}()
+	}
 	errs := make([]error, len(parts))
 	var wg sync.WaitGroup
 	for i, ps := range parts {
@@ -1441,8 +1457,17 @@ func (p *Publisher) sendPart(ctx context.Context, log *zap.Logger, proto, part i
 		return nil
 	}
 
+	// Parts of protocol 3 keep within the flow window of the workers that
+	// follow them live (sendParts).
+	paced := proto == ProtocolParts && p.flow != nil
+	window, first := int(max(p.cfg.FlowWindow/chunkBytes, 1)), time.Now()
 	for acked := 0; acked < nChunks; {
 		if next < nChunks && inflight+int64(chunkLen(next)) <= p.cfg.MaxInflightBytes {
+			if paced {
+				if err := p.flow.wait(ctx, part, next, window, p.cfg.FlowTimeout, first); err != nil {
+					return "", "", err
+				}
+			}
 			n := chunkLen(next)
 			var buf []byte
 			if k := len(free); k > 0 && cap(free[k-1]) >= n {
