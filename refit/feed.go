@@ -252,7 +252,7 @@ func (f *chunkFeed) follow() {
 	}
 }
 
-// sendStopped tells the publisher of a live-first version that this
+// sendStopped tells the publisher of a version of parts that this
 // worker no longer follows the part live, so that the live pass does not
 // wait for it there (it would until this worker fell silent on every
 // part, holding the part back for every other worker).
