@@ -51,11 +51,7 @@ func newAttBench(t *testing.T, be *Backend, r *rand.Rand, qh, kvh, d, ps int, le
 	}
 	up := func(data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
 		t.Helper()
-		b := moetest.Alloc(t, be, dt, shape...)
-		if err := be.Upload(b, 0, data); err != nil {
-			t.Fatal(err)
-		}
-		return b
+		return uploaded(t, be, data, dt, shape...)
 	}
 	// Large caches are left unset (zeros): only the sizes matter for timing.
 	cache := kernels.KVCache{K: moetest.Alloc(t, be, kernels.BF16, pages, ps, kvh, d), V: moetest.Alloc(t, be, kernels.BF16, pages, ps, kvh, d)}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/rollout-worker/rollout-worker/internal/bf16"
@@ -28,38 +29,16 @@ func TestStreamedGemm(t *testing.T) {
 	const E, H, I, iters = 32, 7168, 2048, 50
 	r := rand.New(rand.NewPCG(31, 32))
 	up := func(data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
-		b := moetest.Alloc(t, be, dt, shape...)
-		if err := be.Upload(b, 0, data); err != nil {
-			t.Fatal(err)
-		}
-		return b
+		return uploaded(t, be, data, dt, shape...)
 	}
+	// Weights: a global scale a matrix; activations: one a row.
 	randFP4 := func(mats, rows, k int) kernels.NVFP4 {
-		packed, scales := make([]byte, mats*rows*k/2), make([]byte, mats*rows*k/16)
-		for i := range packed {
-			packed[i] = byte(r.Uint32())
-		}
-		for i := range scales {
-			scales[i] = byte(0x28 + r.IntN(0x20)) // E4M3 2^-2 .. 2^2
-		}
-		nsc := rows // per row (activations), or per matrix (weights)
 		if mats > 0 {
-			nsc = mats
+			return randNVFP4(t, be, r, []int{mats, rows}, k, mats)
 		}
-		sc := make([]float32, nsc)
-		for i := range sc {
-			sc[i] = float32(math.Ldexp(1+r.Float64(), -8))
-		}
-		lead := []int{rows}
-		if mats > 0 {
-			lead = []int{mats, rows}
-		}
-		return kernels.NVFP4{
-			Packed: up(packed, kernels.U8, append(lead, k/2)...),
-			Scales: up(scales, kernels.U8, append(lead, k/16)...),
-			Scale:  up(kernels.Float32Bytes(sc), kernels.F32, len(sc)),
-		}
+		return randNVFP4(t, be, r, []int{rows}, k, rows)
 	}
+
 	randBF16 := func(shape ...int) *kernels.Buffer {
 		n := 1
 		for _, d := range shape {
@@ -289,11 +268,7 @@ func TestGroupedGemmInvariance(t *testing.T) {
 			return b
 		}
 		up := func(data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
-			b := moetest.Alloc(t, be, dt, shape...)
-			if err := be.Upload(b, 0, data); err != nil {
-				t.Fatal(err)
-			}
-			return b
+			return uploaded(t, be, data, dt, shape...)
 		}
 		scale := func() byte { return byte(0x28 + r.IntN(0x20)) }
 		code := func() byte { return byte(r.Uint32()) }
@@ -509,40 +484,15 @@ func TestStreamedGemmDecode(t *testing.T) {
 	defer func(j, m8 int) { be.streamJ, be.streamM8Rows = j, m8 }(be.streamJ, be.streamM8Rows)
 	const E, H, I, topK, iters = 128, 2048, 768, 8, 50
 	r := rand.New(rand.NewPCG(61, 62))
-	up := func(data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
-		b := moetest.Alloc(t, be, dt, shape...)
-		if err := be.Upload(b, 0, data); err != nil {
-			t.Fatal(err)
-		}
-		return b
-	}
-	randFP4 := func(lead []int, k int, scales int) kernels.NVFP4 {
-		n := k
-		for _, d := range lead {
-			n *= d
-		}
-		packed, sf := make([]byte, n/2), make([]byte, n/16)
-		for i := range packed {
-			packed[i] = byte(r.Uint32())
-		}
-		for i := range sf {
-			sf[i] = byte(0x28 + r.IntN(0x20))
-		}
-		sc := make([]float32, scales)
-		for i := range sc {
-			sc[i] = float32(math.Ldexp(1+r.Float64(), -8))
-		}
-		return kernels.NVFP4{Packed: up(packed, kernels.U8, append(lead, k/2)...), Scales: up(sf, kernels.U8, append(lead, k/16)...),
-			Scale: up(kernels.Float32Bytes(sc), kernels.F32, scales)}
-	}
+
 	gemms := []struct {
 		name string
 		act  kernels.Activation
 		w    kernels.NVFP4
 		n, k int
 	}{
-		{"fc1", kernels.SwiGLU, randFP4([]int{E, 2 * I}, H, E), 2 * I, H},
-		{"fc2", kernels.Identity, randFP4([]int{E, H}, I, E), H, I},
+		{"fc1", kernels.SwiGLU, randNVFP4(t, be, r, []int{E, 2 * I}, H, E), 2 * I, H},
+		{"fc2", kernels.Identity, randNVFP4(t, be, r, []int{E, H}, I, E), H, I},
 	}
 	for _, T := range []int{1, 8, 32, 64, 128} {
 		R := T * topK
@@ -559,9 +509,9 @@ func TestStreamedGemmDecode(t *testing.T) {
 			offs[e+1] = offs[e] + int32(len(byExpert[e]))
 			most = max(most, len(byExpert[e]))
 		}
-		offsets, gath := up(kernels.Int32Bytes(offs), kernels.I32, E+1), up(kernels.Int32Bytes(gather), kernels.I32, R)
+		offsets, gath := uploaded(t, be, kernels.Int32Bytes(offs), kernels.I32, E+1), uploaded(t, be, kernels.Int32Bytes(gather), kernels.I32, R)
 		for _, g := range gemms {
-			A := randFP4([]int{T}, g.k, T)
+			A := randNVFP4(t, be, r, []int{T}, g.k, T)
 			outN := g.n
 			if g.act == kernels.SwiGLU {
 				outN /= 2
@@ -595,5 +545,43 @@ func TestStreamedGemmDecode(t *testing.T) {
 				t.Errorf("%d tokens %s: the 8-row tiles' output differs from the 16-row tiles'", T, g.name)
 			}
 		}
+	}
+}
+
+// uploaded is a buffer of dt and shape holding data.
+func uploaded(t testing.TB, be *Backend, data []byte, dt kernels.DType, shape ...int) *kernels.Buffer {
+	t.Helper()
+	b := moetest.Alloc(t, be, dt, shape...)
+	if err := be.Upload(b, 0, data); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// randNVFP4 is an NVFP4 operand of lead rows (or matrices of rows) of k
+// elements: random codes, block scales 2^-2 .. 2^2 and scales global
+// scales of about 2^-8 (one a matrix of weights, one a row of
+// activations).
+func randNVFP4(t testing.TB, be *Backend, r *rand.Rand, lead []int, k, scales int) kernels.NVFP4 {
+	t.Helper()
+	n := k
+	for _, d := range lead {
+		n *= d
+	}
+	packed, sf := make([]byte, n/2), make([]byte, n/16)
+	for i := range packed {
+		packed[i] = byte(r.Uint32())
+	}
+	for i := range sf {
+		sf[i] = byte(0x28 + r.IntN(0x20)) // E4M3 2^-2 .. 2^2
+	}
+	sc := make([]float32, scales)
+	for i := range sc {
+		sc[i] = float32(math.Ldexp(1+r.Float64(), -8))
+	}
+	return kernels.NVFP4{
+		Packed: uploaded(t, be, packed, kernels.U8, append(slices.Clone(lead), k/2)...),
+		Scales: uploaded(t, be, sf, kernels.U8, append(slices.Clone(lead), k/16)...),
+		Scale:  uploaded(t, be, kernels.Float32Bytes(sc), kernels.F32, scales),
 	}
 }
