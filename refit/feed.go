@@ -28,7 +28,7 @@ import (
 const DefaultLivePendingBytes = 256 << 20
 
 // DefaultLiveIdle is how long a receiver waits for the next live chunk
-// before it fetches the rest of the version from the stream instead.
+// before it looks for a lost one (ReceiverConfig.LiveIdle).
 const DefaultLiveIdle = 250 * time.Millisecond
 
 // The live path (PROTOCOL.md, "Worker behaviour"): a JetStream publish is
@@ -226,6 +226,11 @@ type chunkFeed struct {
 	fromNet int // chunks taken live
 	// lastLive is when the feed started or last read a live message.
 	lastLive time.Time
+	// The live subscription's drops and its connection's reconnects when
+	// the feed started (liveLost); lost: a test hook dropped a chunk.
+	dropped    int
+	reconnects uint64
+	lost       bool
 	// unreported is the live bytes taken since the last progress report.
 	unreported int
 }
@@ -290,8 +295,13 @@ func (r *Receiver) newFeed(a Announce, part int, live *liveSub) *chunkFeed {
 	if part > 0 {
 		log = log.With(zap.Int("part", part))
 	}
-	return &chunkFeed{r: r, a: a, part: part, subject: liveSubject(a.Protocol, r.cfg.Model, a.Version, part),
+	f := &chunkFeed{r: r, a: a, part: part, subject: liveSubject(a.Protocol, r.cfg.Model, a.Version, part),
 		stored: storedSubject(a.Protocol, r.cfg.Model, a.Version, part), live: live, log: log, lastLive: time.Now()}
+	if live != nil {
+		f.dropped, _ = live.sub.Dropped()
+		f.reconnects = live.nc.Stats().Reconnects
+	}
+	return f
 }
 
 // close stops the stream consumer, if any, and discards what is left of
@@ -386,7 +396,18 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 		}
 		return c, nil, true, ""
 	case errors.Is(err, context.DeadlineExceeded):
-		return c, nil, false, fmt.Sprintf("no live chunk for %v", f.r.cfg.LiveIdle)
+		// A version stored as it goes: a pause of the live path is a
+		// chunk lost (liveLost), which switches to the stream, or a
+		// publisher held back, which the stream would not cut short:
+		// that is waited out, up to ChunkTimeout of silence.
+		silent := time.Since(f.lastLive).Round(time.Millisecond)
+		if why := f.liveLost(ctx); why != "" {
+			return c, nil, false, fmt.Sprintf("no live chunk for %v: %s", silent, why)
+		}
+		if silent >= f.r.cfg.ChunkTimeout {
+			return c, nil, false, fmt.Sprintf("no live chunk for %v", silent)
+		}
+		return c, nil, true, ""
 	case errors.Is(err, nats.ErrSlowConsumer):
 		// Something was dropped: perhaps this version's chunk, which the
 		// sequence check then catches, perhaps leftovers of an older one.
@@ -405,6 +426,7 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 		return c, nil, true, "" // an older version's
 	}
 	if f.r.liveHook != nil && f.r.liveHook(msg) {
+		f.lost = true
 		return c, nil, true, "" // tests: lost on the way
 	}
 	c, err = ParseChunk(msg.Header, len(msg.Data))
@@ -420,9 +442,39 @@ func (f *chunkFeed) nextLive(ctx context.Context, want expect) (c Chunk, data []
 	return c, msg.Data, false, ""
 }
 
+// liveLost says why a quiet live path of a version stored as it goes
+// cannot go on, or "" when it may wait on. Such a version's chunks come
+// live as the server takes them, so the wanted one can be missing only if
+// this worker's client dropped it (past its pending limit), the server cut
+// the live connection off (past its max_pending: the client reconnects),
+// or the publisher gave up on the version (a newer one is announced).
+// Otherwise the publisher is held back (by the servers' store, by the
+// workers' reports) or the chunk is on its way, and the stream would not
+// have it sooner.
+func (f *chunkFeed) liveLost(ctx context.Context) string {
+	if d, err := f.live.sub.Dropped(); err != nil || d > f.dropped || f.lost {
+		return "live chunks were dropped"
+	}
+	if f.live.nc.Stats().Reconnects > f.reconnects {
+		return "the live connection was cut off and made again"
+	}
+	if f.watch == nil {
+		return ""
+	}
+	qctx, cancel := context.WithTimeout(ctx, f.r.cfg.LiveIdle)
+	defer cancel()
+	if e, err := f.watch.kv.Get(qctx, KeyAnnounce); err == nil {
+		if a, err := f.r.parseAnnounce(e.Value()); err == nil && a.Version > f.a.Version {
+			return fmt.Sprintf("version %d is announced", a.Version)
+		}
+	}
+	return ""
+}
+
 // toStream switches the feed to the stream, from chunk seq on.
 func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
-	if f.live != nil {
+	wasLive := f.live != nil
+	if wasLive {
 		f.drain = f.live
 	}
 	f.live = nil
@@ -460,7 +512,15 @@ func (f *chunkFeed) toStream(ctx context.Context, seq int) error {
 		cc.Stop()
 		close(done)
 	}
-	f.timer = time.NewTimer(f.r.cfg.ChunkTimeout)
+	// The stream has ChunkTimeout to deliver the next chunk; for a version
+	// stored as it goes, less the live path's silence before the switch,
+	// which waited for the same chunk (a live-first version's stream is
+	// filled only after its live pass: a full ChunkTimeout).
+	wait := f.r.cfg.ChunkTimeout
+	if f.a.Protocol != ProtocolLive && wasLive {
+		wait = max(wait-time.Since(f.lastLive), f.r.cfg.LiveIdle)
+	}
+	f.timer = time.NewTimer(wait)
 	return nil
 }
 

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"maps"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -248,6 +249,73 @@ func TestLiveFlowControl(t *testing.T) {
 			}
 			if want := tc.reports && tc.fallsBack; (stopped > 0) != want {
 				t.Errorf("%d reports of a part no longer followed live, want some: %v", stopped, want)
+			}
+		})
+	}
+}
+
+// pausingSource is a version's bytes that stall once, for pause, at the
+// first read past at: a publisher held back mid-version.
+type pausingSource struct {
+	*bytes.Reader
+	at     int64
+	pause  time.Duration
+	paused atomic.Bool
+}
+
+func (s *pausingSource) ReadAt(p []byte, off int64) (int, error) {
+	if off >= s.at && !s.paused.Swap(true) {
+		time.Sleep(s.pause)
+	}
+	return s.Reader.ReadAt(p, off)
+}
+
+// TestLivePublisherPause: the publisher of a version stored as it goes
+// stalls mid-part (held back by the servers' store or by the workers'
+// reports) for 10 times the worker's LiveIdle. Nothing was lost, so the
+// worker waits on the live path and takes every chunk live; a chunk lost
+// on the way after the pause still sends that part to its stream.
+func TestLivePublisherPause(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		lose bool
+	}{
+		{"paused", false},
+		{"paused, then a chunk lost", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := refittest.StartServer(t)
+			const chunk = 4093
+			p, err := NewPublisher(refittest.Connect(t, srv.URL()), PublisherConfig{Model: testModel, ChunkBytes: chunk, Parts: 2}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { p.Close() })
+			a := modelDir(t, 95)
+			w := startWorker(t, srv.URL(), a, "w", moe.RecipePerToken, func(c *ReceiverConfig) {
+				c.LiveParts, c.LiveIdle = 2, 40*time.Millisecond
+			})
+			if tc.lose {
+				var seen atomic.Bool
+				w.r.liveHook = func(msg *nats.Msg) bool { return chunkSeq(msg) == 6 && !seen.Swap(true) }
+			}
+			<-w.r.liveReady
+			b := perturbDir(t, a, 1, 0.3, nil)
+			stream := subset(t, b, nil)
+			src := &pausingSource{Reader: bytes.NewReader(stream), at: int64(len(stream)) / 8, pause: 400 * time.Millisecond}
+			if _, err := p.Publish(context.Background(), 1, src, int64(len(stream)), true); err != nil {
+				t.Fatal(err)
+			}
+			if !src.paused.Load() {
+				t.Fatal("the publisher did not pause")
+			}
+			st := w.waitStatus(t, 1)
+			if st.State != StateApplied || st.Chunks == nil {
+				t.Fatalf("%+v", st)
+			}
+			checkServes(t, tc.name, w, b, moe.RecipePerToken)
+			if st.Chunks.Stream != 0 != tc.lose {
+				t.Errorf("chunks %+v: want some from the streams %v", *st.Chunks, tc.lose)
 			}
 		})
 	}

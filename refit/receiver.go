@@ -51,9 +51,10 @@ type ReceiverConfig struct {
 	// ChunkTimeout rejects a version whose chunks (or manifest) stop
 	// arriving for this long: the publisher died (default 30 s).
 	ChunkTimeout time.Duration
-	// LiveIdle is how long the live path may go quiet before the rest of
-	// the version is fetched from the stream (default DefaultLiveIdle, at
-	// most ChunkTimeout).
+	// LiveIdle is how long the live path may go quiet before the receiver
+	// looks for a lost chunk, and fetches the rest of the version from the
+	// stream if it finds one (default DefaultLiveIdle, at most
+	// ChunkTimeout; chunkFeed.liveLost).
 	LiveIdle time.Duration
 	// Trust, when set, makes the receiver apply only versions whose
 	// announcement and manifest are signed by one of its keys
