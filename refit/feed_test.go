@@ -131,7 +131,7 @@ func TestRefitLiveAndFallback(t *testing.T) {
 		if st.State != StateApplied {
 			t.Fatalf("%s: %+v", tc.name, st)
 		}
-		live, stored := int(w.r.liveChunks.Load()), int(w.r.storedChunks.Load())
+		live, stored := w.chunks(t)
 		t.Logf("%s: %d chunks live, %d from the stream", tc.name, live, stored)
 		ok := live+stored == n
 		switch tc.want {

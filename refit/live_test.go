@@ -89,11 +89,11 @@ func TestRefitLiveFirst(t *testing.T) {
 	if n := early.Load(); n != 2 {
 		t.Errorf("w applied %d versions of 2 before they were stored", n)
 	}
-	if live, stored := w.r.liveChunks.Load(), w.r.storedChunks.Load(); live == 0 || stored != 0 {
+	if live, stored := w.chunks(t); live == 0 || stored != 0 {
 		t.Errorf("w: %d chunks live, %d from the streams; want all live", live, stored)
 	}
 	for _, wk := range []*worker{lossy, tail} {
-		if stored := wk.r.storedChunks.Load(); stored == 0 {
+		if _, stored := wk.chunks(t); stored == 0 {
 			t.Errorf("%s: no chunk from the streams", wk.r.cfg.Worker)
 		}
 	}
@@ -106,7 +106,7 @@ func TestRefitLiveFirst(t *testing.T) {
 		t.Fatalf("late join to a live-first version: %+v", st)
 	}
 	checkServes(t, "late join to a live-first version", late, e, moe.RecipePerToken)
-	if live, stored := late.r.liveChunks.Load(), late.r.storedChunks.Load(); live != 0 || stored == 0 {
+	if live, stored := late.chunks(t); live != 0 || stored == 0 {
 		t.Errorf("late join: %d chunks live, %d from the streams", live, stored)
 	}
 

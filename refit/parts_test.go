@@ -133,7 +133,7 @@ func testRefitParts(t *testing.T, recipe moe.Recipe) {
 		t.Fatalf("delta version in parts: %+v", st)
 	}
 	checkServes(t, "delta version in parts", w, d, recipe)
-	if live, stored := w.r.liveChunks.Load(), w.r.storedChunks.Load(); live == 0 {
+	if live, stored := w.chunks(t); live == 0 {
 		t.Errorf("the delta version's parts came live in %d chunks, from the streams in %d", live, stored)
 	}
 
@@ -150,7 +150,7 @@ func testRefitParts(t *testing.T, recipe moe.Recipe) {
 		t.Fatalf("late join to a version in parts: %+v", st)
 	}
 	checkServes(t, "late join to a version in parts", late, full, recipe)
-	if live, stored := late.r.liveChunks.Load(), late.r.storedChunks.Load(); live != 0 || stored == 0 {
+	if live, stored := late.chunks(t); live != 0 || stored == 0 {
 		t.Errorf("late join: %d chunks live, %d from the streams", live, stored)
 	}
 

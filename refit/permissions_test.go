@@ -198,10 +198,10 @@ func TestPermissions(t *testing.T) {
 			t.Fatalf("version 2: %+v", st)
 		}
 	}
-	if n := late.r.storedChunks.Load(); n == 0 {
+	if _, n := late.chunks(t); n == 0 {
 		t.Fatal("the late worker read no chunk from the stream")
 	}
-	if n := w.r.liveChunks.Load(); n == 0 {
+	if n, _ := w.chunks(t); n == 0 {
 		t.Fatal("the worker took no chunk of version 2 live: its live subscription is not permitted")
 	}
 	for who, errs := range map[string]<-chan error{"trainer": trainerErrs, "worker": wErrs, "late worker": lateErrs} {

@@ -1458,8 +1458,8 @@ func (p *Publisher) sendPart(ctx context.Context, log *zap.Logger, proto, part i
 	}
 
 	// Parts of protocol 3 keep within the flow window of the workers that
-	// follow them live (sendParts).
-	paced := proto == ProtocolParts && p.flow != nil
+	// follow them live (sendParts; a Publisher of parts has a flow gate).
+	paced := proto == ProtocolParts
 	window, first := int(max(p.cfg.FlowWindow/chunkBytes, 1)), time.Now()
 	for acked := 0; acked < nChunks; {
 		if next < nChunks && inflight+int64(chunkLen(next)) <= p.cfg.MaxInflightBytes {

@@ -152,8 +152,6 @@ type Receiver struct {
 	liveHook func(msg *nats.Msg) (drop bool)
 	// liveReady is closed once Run has its live subscription (tests).
 	liveReady chan struct{}
-	// Chunks of the last version received taken live and from the stream.
-	liveChunks, storedChunks atomic.Int64
 }
 
 // receivedBytes returns the bytes received of the current version.
@@ -881,8 +879,6 @@ func (r *Receiver) receive(ctx context.Context, kv jetstream.KeyValue, a Announc
 	for _, p := range res {
 		fromNet, fromJS = fromNet+p.fromNet, fromJS+p.fromJS
 	}
-	r.liveChunks.Store(int64(fromNet))
-	r.storedChunks.Store(int64(fromJS))
 	st.Chunks = &ChunkSources{Live: fromNet, Stream: fromJS}
 	if m.Protocol != a.Protocol {
 		return fmt.Errorf("version %d: announced in protocol %d, the manifest is protocol %d", a.Version, a.Protocol, m.Protocol)

@@ -216,6 +216,17 @@ func (w *worker) waitStatus(t *testing.T, v uint64) Status {
 	return Status{}
 }
 
+// chunks is where the chunks of the version the worker last applied came
+// from: live, and read back from the streams.
+func (w *worker) chunks(t *testing.T) (live, stored int) {
+	t.Helper()
+	st := w.r.LastStatus()
+	if st.State != StateApplied || st.Chunks == nil {
+		t.Fatalf("worker %s: no applied status with chunk sources: %+v", w.r.cfg.Worker, st)
+	}
+	return st.Chunks.Live, st.Chunks.Stream
+}
+
 func newPublisher(t *testing.T, url string) *Publisher {
 	t.Helper()
 	p, err := NewPublisher(refittest.Connect(t, url), PublisherConfig{Model: testModel, ChunkBytes: 64 << 10}, nil)
